@@ -1,0 +1,323 @@
+"""AudioVAE of the VoxCPM family (v1: VoxCPM-0.5B / 1.5, v2: VoxCPM2), with a batched stateful streaming decoder.
+
+DAC-style and fully causal: every conv pads only on the left, every transposed conv only trims on the right. That
+makes streaming exact: each causal conv keeps its last `context` input samples per stream, and each transposed conv
+keeps the `stride` output samples that overlap the next chunk (the part the offline right-trim would drop). So the
+concatenated chunks of `decode_stream` equal `decode` of the whole sequence for any chunking.
+
+Weight norm is folded at load time (`fold_weight_norm`): parameter names equal the official ones with
+`weight_g`/`weight_v` replaced by `weight`, so a folded official state_dict loads strictly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import AudioVAEConfig
+
+# Every stateful layer reads and writes its own entry of this list (its `slot`); None means offline (zero history).
+States = list[Tensor] | None
+
+
+class Snake(nn.Module):
+    """Snake activation x + sin(a x)^2 / a, one alpha per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d padded with `context` samples on the left: zeros offline, the stream's history when streaming."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, *, stride: int = 1, dilation: int = 1, groups: int = 1,
+                 context: int | None = None):
+        super().__init__(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
+        self.context = (kernel - 1) * dilation if context is None else context
+        self.slot = -1  # index into the stream state, set by the decoder
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        if self.context:
+            if states is None:
+                x = F.pad(x, (self.context, 0))
+            else:
+                history = states[self.slot]
+                x = torch.cat([history, x], dim=-1)
+                history.copy_(x[..., -self.context:])
+        return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class CausalConvTranspose1d(nn.ConvTranspose1d):
+    """Upsampling by `stride` (kernel 2*stride) that keeps output frame j depending on input frames j-1 and j only.
+
+    The full transposed conv of L frames is (L+1)*stride long; the last `stride` samples belong to the next frame.
+    Offline they are trimmed; streaming carries them (without bias) and adds them to the next chunk's head."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__(cin, cout, 2 * stride, stride=stride)
+        self.slot = -1
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        s = self.stride[0]
+        y = F.conv_transpose1d(x, self.weight, None, s)
+        n = x.shape[-1] * s
+        if states is not None:
+            overlap = states[self.slot]
+            y[..., :s] += overlap
+            overlap.copy_(y[..., n:])
+        return y[..., :n] + self.bias[:, None]
+
+
+class ResidualUnit(nn.Module):
+    """x + conv1x1(snake(dilated depthwise conv k7(snake(x))))."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = nn.ModuleList([
+            Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation, groups=dim), Snake(dim), CausalConv1d(dim, dim, 1),
+        ])
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        y = x
+        for layer in self.block:
+            y = layer(y, states)
+        return x + y
+
+
+def _residual_units(dim: int) -> list[nn.Module]:
+    return [ResidualUnit(dim, dilation) for dilation in (1, 3, 9)]
+
+
+class _Sequence(nn.Module):
+    """Runs `self.block` in order, threading the stream state through."""
+
+    block: nn.ModuleList
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        for layer in self.block:
+            x = layer(x, states)
+        return x
+
+
+class EncoderBlock(_Sequence):
+    def __init__(self, dim: int, stride: int, version: int):
+        super().__init__()
+        # The official v1 conv pads 2*ceil(s/2) on the left, v2 subtracts its output_padding s % 2 (= s for both
+        # parities); odd strides therefore align one sample differently in the two versions.
+        context = 2 * math.ceil(stride / 2) - (stride % 2 if version == 2 else 0)
+        self.block = nn.ModuleList([
+            *_residual_units(dim), Snake(dim),
+            CausalConv1d(dim, 2 * dim, 2 * stride, stride=stride, context=context),
+        ])
+
+
+class DecoderBlock(_Sequence):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.block = nn.ModuleList([Snake(cin), CausalConvTranspose1d(cin, cout, stride), *_residual_units(cout)])
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: AudioVAEConfig):
+        super().__init__()
+        dim = config.encoder_dim
+        layers: list[nn.Module] = [CausalConv1d(1, dim, 7)]
+        for stride in config.encoder_rates:
+            layers.append(EncoderBlock(dim, stride, config.version))
+            dim *= 2
+        self.block = nn.ModuleList(layers)
+        self.fc_mu = CausalConv1d(dim, config.latent_dim, 3)
+        self.fc_logvar = CausalConv1d(dim, config.latent_dim, 3)  # unused (encode returns the mean); kept for loading
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.block:
+            x = layer(x)
+        return self.fc_mu(x)
+
+
+class SampleRateCondition(nn.Module):
+    """v2: per-channel scale and bias chosen by the output sample-rate bucket, before each decoder block."""
+
+    def __init__(self, dim: int, buckets: int, out_layer: bool):
+        super().__init__()
+        self.scale_embed = nn.Embedding(buckets, dim)
+        self.bias_embed = nn.Embedding(buckets, dim)
+        nn.init.ones_(self.scale_embed.weight)
+        nn.init.zeros_(self.bias_embed.weight)
+        self.out_layer = nn.ModuleList([Snake(dim), CausalConv1d(dim, dim, 1)]) if out_layer else None
+
+    def forward(self, x: Tensor, bucket: int) -> Tensor:
+        x = x * self.scale_embed.weight[bucket, :, None] + self.bias_embed.weight[bucket, :, None]
+        if self.out_layer is not None:
+            for layer in self.out_layer:
+                x = layer(x)
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: AudioVAEConfig):
+        super().__init__()
+        latent, channels = config.latent_dim, config.decoder_dim
+        layers: list[nn.Module] = [CausalConv1d(latent, latent, 7, groups=latent), CausalConv1d(latent, channels, 1)]
+        for i, stride in enumerate(config.decoder_rates):
+            layers.append(DecoderBlock(channels >> i, channels >> (i + 1), stride))
+        out_dim = channels >> len(config.decoder_rates)
+        layers += [Snake(out_dim), CausalConv1d(out_dim, 1, 7)]
+        self.model = nn.ModuleList(layers)
+        self.sr_cond_model: nn.ModuleList | None = None
+        self.bucket = 0
+        if config.version == 2:
+            boundaries = list(config.sr_bin_boundaries or ())
+            self.register_buffer("sr_bin_boundaries", torch.tensor(boundaries, dtype=torch.int32))
+            # torch.bucketize(right=False) == bisect_left; fixed per model, so no device sync in forward.
+            self.bucket = bisect.bisect_left(boundaries, config.out_sample_rate)
+            self.sr_cond_model = nn.ModuleList([
+                SampleRateCondition(layer.block[0].alpha.shape[1], len(boundaries) + 1, config.cond_out_layer)
+                if isinstance(layer, DecoderBlock) else None
+                for layer in layers
+            ])
+        self.stateful = [m for m in self.modules() if isinstance(m, CausalConvTranspose1d)
+                         or (isinstance(m, CausalConv1d) and m.context)]
+        for slot, module in enumerate(self.stateful):
+            module.slot = slot
+
+    def state_shapes(self) -> list[tuple[int, int]]:
+        """(channels, samples) of each stateful layer's per-stream history."""
+        return [(m.out_channels, m.stride[0]) if isinstance(m, CausalConvTranspose1d) else (m.in_channels, m.context)
+                for m in self.stateful]
+
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
+        conds = self.sr_cond_model if self.sr_cond_model is not None else [None] * len(self.model)
+        for layer, cond in zip(self.model, conds, strict=True):
+            if cond is not None:
+                x = cond(x, self.bucket)
+            x = layer(x, states)
+        return torch.tanh(x)
+
+
+@dataclass
+class StreamState:
+    """Decoder history of B streams: one tensor [B, C, samples] per stateful layer, updated in place."""
+
+    buffers: list[Tensor]
+
+    @property
+    def batch(self) -> int:
+        return self.buffers[0].shape[0]
+
+    def gather(self, index: Tensor) -> StreamState:
+        """A new state holding the rows `index` (copies)."""
+        return StreamState([b.index_select(0, index) for b in self.buffers])
+
+    def scatter_(self, index: Tensor, part: StreamState) -> None:
+        """Write the rows of `part` into the rows `index` of this state."""
+        if len(part.buffers) != len(self.buffers):
+            raise ValueError(f"state of another model: {len(part.buffers)} buffers, expected {len(self.buffers)}")
+        for b, p in zip(self.buffers, part.buffers, strict=True):
+            b.index_copy_(0, index, p)
+
+    def reset_(self, index: Tensor) -> None:
+        """Zero the rows `index`: those streams restart from silence."""
+        for b in self.buffers:
+            b.index_fill_(0, index, 0)
+
+
+class AudioVAE(nn.Module):
+    """The VoxCPM AudioVAE, v1 or v2 by `config.version`, for CPU and GPU, one stream or a batch."""
+
+    def __init__(self, config: AudioVAEConfig):
+        super().__init__()
+        if not config.depthwise or config.use_noise_block:
+            raise ValueError("AudioVAE supports only depthwise residual units without noise blocks (all releases)")
+        self.config = config
+        self.sample_rate = config.sample_rate
+        self.out_sample_rate = config.out_sample_rate
+        self.latent_dim = config.latent_dim
+        self.encoder_hop = config.encoder_hop
+        self.decoder_hop = config.decoder_hop
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+
+    @torch.no_grad()
+    def encode(self, audio: Tensor) -> Tensor:
+        """[B, 1, T] (or [B, T]) audio at `sample_rate` -> [B, latent_dim, ceil(T / encoder_hop)] latent means.
+
+        The audio is right-padded with zeros to a whole number of frames, as the official `encode` does."""
+        if audio.ndim == 2:
+            audio = audio.unsqueeze(1)
+        if audio.ndim != 3 or audio.shape[1] != 1 or audio.shape[-1] == 0:
+            raise ValueError(f"encode expects mono audio [B, 1, T] with T > 0, got shape {tuple(audio.shape)}")
+        pad = -audio.shape[-1] % self.encoder_hop
+        return self.encoder(F.pad(audio, (0, pad)))
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """[B, latent_dim, frames] -> [B, 1, frames * decoder_hop] audio at `out_sample_rate`, in [-1, 1]."""
+        self._check_latents(latents)
+        return self.decoder(latents)
+
+    def stream_state(self, batch: int, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> StreamState:
+        """Fresh decoder history (silence) for `batch` streams."""
+        weight = self.decoder.model[0].weight
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        return StreamState([torch.zeros(batch, c, n, device=device, dtype=dtype)
+                            for c, n in self.decoder.state_shapes()])
+
+    @torch.no_grad()
+    def decode_stream(self, latents: Tensor, state: StreamState) -> Tensor:
+        """Decode the next frames of B streams; updates state in place. Concatenated chunks == decode() of the
+        whole sequence (v1 AND v2, to float rounding), for any chunking (1 frame, a patch of P frames, uneven)."""
+        self._check_latents(latents)
+        if len(state.buffers) != len(self.decoder.stateful) or state.batch != latents.shape[0]:
+            raise ValueError(f"stream state holds {state.batch} streams of {len(state.buffers)} buffers; latents have "
+                             f"{latents.shape[0]} streams and this model needs {len(self.decoder.stateful)} buffers")
+        if state.buffers[0].dtype != latents.dtype:
+            raise ValueError(f"stream state is {state.buffers[0].dtype} but latents are {latents.dtype}")
+        return self.decoder(latents, state.buffers)
+
+    def _check_latents(self, latents: Tensor) -> None:
+        if latents.ndim != 3 or latents.shape[1] != self.latent_dim or latents.shape[-1] == 0:
+            raise ValueError(f"expected latents [B, {self.latent_dim}, frames > 0], got shape {tuple(latents.shape)}")
+
+
+def _weight_norm_role(key: str) -> tuple[str, str, str] | None:
+    """(module prefix, this role's suffix, partner's suffix) if `key` is half of a weight-norm pair."""
+    for g, v in (("weight_g", "weight_v"), ("parametrizations.weight.original0", "parametrizations.weight.original1")):
+        for mine, other in ((g, v), (v, g)):
+            if key == mine or key.endswith("." + mine):
+                return key[: -len(mine)], mine, other
+    return None
+
+
+def fold_weight_norm(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace each weight-norm pair `X.weight_g`, `X.weight_v` by `X.weight = g * v / ||v||`.
+
+    The norm runs over all dims except 0, as `torch.nn.utils.weight_norm(module)` (dim=0) applies it to Conv1d and
+    ConvTranspose1d alike. The newer `X.parametrizations.weight.original0/1` spelling is folded the same way.
+    Other entries pass through unchanged; the input is not modified."""
+    out: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        role = _weight_norm_role(key)
+        if role is None:
+            out[key] = value
+            continue
+        prefix, mine, other = role
+        if prefix + other not in state_dict:
+            raise ValueError(f"weight norm: {key} has no matching {prefix + other}")
+        if mine.endswith(("_v", "original1")):
+            continue  # folded when its g is reached
+        g, v = value.float(), state_dict[prefix + other].float()
+        norm = v.norm(dim=tuple(range(1, v.ndim)), keepdim=True)
+        out[prefix + "weight"] = (v * (g / norm)).to(state_dict[prefix + other].dtype)
+    return out
