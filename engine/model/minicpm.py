@@ -1,0 +1,82 @@
+"""The MiniCPM transformer stack: the one block behind the base LM, residual LM, LocEnc and LocDiT.
+
+Pre-RMSNorm, GQA attention with LongRoPE (optional), SwiGLU MLP, no biases, final norm, no LM head. How attention
+is done is the caller's: the LMs run a flat batch over the paged KV cache, the local stacks dense bidirectional.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from engine.config import StackConfig
+from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
+from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope
+
+# attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, stack: StackConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
+        self.q_proj = nn.Linear(stack.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(stack.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(stack.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, stack.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.o_proj(attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, stack: StackConfig):
+        super().__init__()
+        self.self_attn = Attention(stack)
+        self.mlp = SwiGLU(stack.hidden_size, stack.intermediate_size)
+        self.input_layernorm = RMSNorm(stack.hidden_size, stack.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(stack.hidden_size, stack.rms_norm_eps)
+        # muP scales each residual branch by scale_depth / sqrt(this stack's own layer count)
+        self.branch_scale = stack.scale_depth / math.sqrt(stack.num_hidden_layers) if stack.use_mup else None
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, attend, layer)
+        x = x + (h if self.branch_scale is None else h * self.branch_scale)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.branch_scale is None else h * self.branch_scale)
+
+
+class MiniCPM(nn.Module):
+    """One stack. `embed_tokens` exists only when the stack has a vocabulary (the base LM)."""
+
+    def __init__(self, stack: StackConfig, vocab_size: int = 0):
+        super().__init__()
+        if vocab_size:
+            self.embed_tokens = nn.Embedding(vocab_size, stack.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(stack) for _ in range(stack.num_hidden_layers))
+        self.norm = RMSNorm(stack.hidden_size, stack.rms_norm_eps)
+        self.rope = None if stack.no_rope else LongRoPE(stack)
+
+    def run(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        rope = None if self.rope is None else self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, attend, i)
+        return self.norm(x)
+
+    def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
+                      backend: AttentionBackend) -> Tensor:
+        """Causal flat batch: x [N, H], positions [N] absolute; writes this step's K/V into `cache`."""
+        return self.run(x, positions, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
+
+    def forward_dense(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Bidirectional, no cache: x [B, L, H], positions [L]."""
+        return self.run(x, positions, lambda i, q, k, v: dense_attention(q, k, v))
