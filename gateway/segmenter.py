@@ -1,0 +1,409 @@
+"""Incremental text -> synthesis segments. Sans-I/O: time comes from an injected clock; the caller polls.
+
+Text arrives from an LLM in arbitrary pieces (mid-word, mid-number, mid-markup). It is normalised as it streams
+(markdown that should not be spoken is stripped, whitespace collapsed, emoji dropped), then cut into segments:
+- the first segment of a turn leaves early: at the first clause boundary, after ~`first_chars` characters (at a word
+  boundary), or after `max_delay_ms` without a boundary, so audio starts fast;
+- later segments are clauses while little audio is queued, whole sentences while >= ~1 s is queued (better prosody);
+- a boundary is final only once the next non-space character has arrived, so "3." + "14" never splits, and
+  abbreviations, initials, decimals, URLs, quotes ("Stop." she said) and numbered lists are not sentence ends.
+Nothing is ever lost or duplicated: the segments, in order, are exactly the normalised text (see `normalize`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from itertools import accumulate
+from typing import Any
+
+REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
+RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
+SYNTH_LEAD_MS = 500.0  # when audio is queued, time-based release waits until the queue is this close to running dry
+
+
+@dataclass
+class ChunkingConfig:
+    """`session.start` "chunking"."""
+
+    first_chars: int = 20  # the first segment leaves after ~this many chars (at a word boundary) without a clause
+    max_delay_ms: int = 600  # ... or after this long without a boundary
+    min_chars: int = 8  # never send a fragment shorter than this unless flushed/ended
+    max_chars: int = 300  # hard cap per segment (split at the best boundary before it)
+    schedule: tuple[int, ...] | None = None  # like ElevenLabs chunk_length_schedule: min chars of segment i
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("first_chars", 1, 2000), ("max_delay_ms", 0, 60000), ("min_chars", 0, 2000),
+                                ("max_chars", 20, 8000)):
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"chunking.{name}: {value!r} must be an integer in {low}..{high}")
+        if self.max_chars < max(self.first_chars, self.min_chars):
+            raise ValueError(f"chunking.max_chars: {self.max_chars} is below first_chars/min_chars")
+        if self.schedule is not None:
+            if not isinstance(self.schedule, list | tuple) or not self.schedule:
+                raise ValueError(f"chunking.schedule: {self.schedule!r} must be a non-empty list of integers")
+            for value in self.schedule:
+                if type(value) is not int or not 1 <= value <= self.max_chars:
+                    raise ValueError(f"chunking.schedule: {value!r} must be an integer in 1..{self.max_chars}")
+            self.schedule = tuple(self.schedule)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ChunkingConfig:
+        """Parse `session.start` "chunking" (missing fields take the defaults)."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"chunking.{key}: unknown field")
+        return cls(**d)
+
+
+@dataclass
+class Segment:
+    text: str
+    index: int
+    reason: str  # one of REASONS
+
+
+# --- normalisation --------------------------------------------------------------------------------------------------
+
+_EMOJI = re.compile("[\U0001f000-\U0001faff\u2300-\u23ff\u2600-\u27bf\u2b00-\u2bff\ufe0e\ufe0f\u200d"
+                    "\U000e0020-\U000e007f]")
+_LINE_MARK = re.compile(r"[ \t]*(?:#{1,6}[ \t]+|[-*+][ \t]+|>[ \t]?)")  # heading, bullet, quote at line start
+_LINE_MARK_PREFIX = re.compile(r"[ \t]*(?:#{1,6}|[-*+]|>)?")  # could still become one of those
+_LINK = re.compile(r"\[([^\[\]\n]{0,200})\]\(([^()\s]{0,500})\)")  # [text](url) and, after "!", images
+_LINK_PREFIX = re.compile(r"\[[^\[\]\n]{0,200}(?:\](?:\([^()\s]{0,500})?)?")
+
+
+class _Normalizer:
+    """Streaming markdown stripper + whitespace collapser. Holds back only what the next characters could change."""
+
+    def __init__(self) -> None:
+        self.raw = ""  # input not yet decided (e.g. "**", "[link te", "#" at a line start)
+        self._line_start = True
+        self._space = ""  # collapsed whitespace waiting for the next visible character ("" / " " / "\n")
+        self._started = False  # leading whitespace of a turn is dropped
+
+    @property
+    def ends_word(self) -> bool:
+        """The text so far ends at a word end (whitespace arrived after it and nothing is held back)."""
+        return bool(self._space) and not self.raw
+
+    def feed(self, text: str, final: bool = False) -> str:
+        self.raw += text
+        return self._collapse(self._strip(final))
+
+    def _strip(self, final: bool) -> str:
+        raw, i, out = self.raw, 0, []
+        while i < len(raw):
+            c = raw[i]
+            if self._line_start:
+                mark = _LINE_MARK.match(raw, i)
+                if mark:
+                    self._line_start = raw[mark.end() - 1 : mark.end()] == ">"  # "> - item" is still a line start
+                    i = mark.end()
+                    continue
+                if not final and _LINE_MARK_PREFIX.fullmatch(raw, i):
+                    break
+                self._line_start = False
+            if c in "*`":
+                i += 1
+            elif c == "_" and raw.startswith("__", i):
+                j = i
+                while j < len(raw) and raw[j] == "_":
+                    j += 1
+                if j == len(raw) and not final:
+                    break
+                i = j
+            elif c in "_!" and i + 1 == len(raw) and not final:
+                break  # "_" may start "__", "!" may start an image "!["
+            elif c == "!" and raw.startswith("[", i + 1):
+                i += 1
+            elif c == "[":
+                link = _LINK.match(raw, i)
+                if link:  # speak the link text (processed again: it may hold emphasis), drop the URL
+                    raw = raw[:i] + link.group(1) + raw[link.end() :]
+                    continue
+                if not final and _LINK_PREFIX.fullmatch(raw, i):
+                    break
+                out.append(c)
+                i += 1
+            elif _EMOJI.match(c):
+                i += 1
+            else:
+                out.append(c)
+                self._line_start = c == "\n"
+                i += 1
+        self.raw = raw[i:]
+        return "".join(out)
+
+    def _collapse(self, text: str) -> str:
+        out = []
+        for run in re.finditer(r"\s+|\S+", text):
+            piece = run.group()
+            if piece[0].isspace():
+                self._space = "\n" if "\n" in piece or self._space == "\n" else " "
+                continue
+            if self._started and self._space:
+                out.append(self._space)
+            out.append(piece)
+            self._started, self._space = True, ""
+        return "".join(out)
+
+
+def normalize(text: str) -> str:
+    """The text a turn's segments add up to: markdown markup, emoji and extra whitespace removed."""
+    return _Normalizer().feed(text, final=True)
+
+
+# --- boundaries -----------------------------------------------------------------------------------------------------
+
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WIDE = re.compile(f"[{_CJK}\uac00-\ud7af\u3000-\u303f\uff00-\uffef]")  # a wide char counts as two
+_IS_CJK = re.compile(f"[{_CJK}]")
+_CANDIDATE = re.compile(
+    r"(?P<sentence>[。！？]+[.!?…。！？]*|[.!?…]+)"
+    r"|(?P<clause>[，；：]|[,;:]|—|(?<=\s)[-–](?=\s))"
+    r"|(?P<newline>\n)"
+    r"|(?P<word> )"
+    f"|(?P<cjk>(?<=[{_CJK}])(?=[{_CJK}]))"
+)
+_CLOSERS = "\"'”’»)]}」』）】〉》"
+_OPENERS = "([{（【「『〈《"
+_BRACKET_CLOSERS = ")]}）】」』〉》"
+_WORD_BEFORE = re.compile(r"[^\s(\[{\"'“‘«]*$")
+_NEVER_ENDS = {  # "Dr. Smith", "e.g. Paris": a capital letter after these does not start a sentence
+    "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "gen", "col", "capt", "lt", "sgt", "rev", "hon", "sen",
+    "rep", "gov", "pres", "e.g", "i.e", "cf", "vs", "viz", "approx", "ca", "dept", "ave", "blvd",
+}
+_BEFORE_NUMBERS = {"no", "nos", "nr", "fig", "figs", "vol", "ch", "pp", "p", "art", "sec", "op", "eq", "ref"}
+
+
+def weight(text: str) -> int:
+    """Characters, counting CJK/wide characters twice (one hanzi carries about two Latin letters of speech)."""
+    return len(text) + len(_WIDE.findall(text))
+
+
+def _prefix_weights(text: str) -> list[int]:
+    """weights[i] == weight(text[:i])."""
+    wide = {m.start() for m in _WIDE.finditer(text)}
+    return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
+
+
+def _boundaries(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
+    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one."""
+    for m in _CANDIDATE.finditer(buf):
+        kind, start, end = m.lastgroup, m.start(), m.end()
+        if kind in ("word", "cjk"):
+            yield start, "word"
+            continue
+        if kind == "newline":
+            yield start, "sentence"
+            continue
+        while end < len(buf) and buf[end] in _CLOSERS:
+            end += 1
+        if end == len(buf):
+            return  # the next character decides (a digit after "3.", a closing quote, ...)
+        nxt = buf[end]
+        if kind == "clause":
+            cjk = m.group()[0] in "，；：—"
+            if (cjk or nxt.isspace()) and _depth(buf[:start]) == 0:
+                yield end, "clause"
+            continue
+        if _IS_CJK.match(m.group()[0]) or m.group()[0] in "。！？" or _IS_CJK.match(nxt):
+            yield end, "sentence"  # CJK needs no space after the stop
+        elif nxt.isspace():
+            after = end
+            while after < len(buf) and buf[after].isspace():
+                after += 1
+            if after == len(buf):
+                return
+            if _ends_sentence(buf, start, m.group(), buf[after], line_start):
+                yield end, "sentence"
+
+
+def _ends_sentence(buf: str, dot: int, punct: str, nxt: str, line_start: bool) -> bool:
+    if nxt.islower():
+        return False  # "Stop." she said / Wait... what / e.g. lowercase
+    if punct != ".":
+        return True
+    word = _WORD_BEFORE.search(buf, 0, dot).group()
+    low = word.lower()
+    if low in _NEVER_ENDS or (low in _BEFORE_NUMBERS and nxt.isdigit()):
+        return False
+    if len(word) == 1 and word.isupper():
+        return False  # an initial: J. R. R. Tolkien
+    begin = dot - len(word)
+    # a numbered list item ("1. Preheat the oven") is no sentence end
+    return not (word.isdigit() and (buf[:begin].endswith("\n") or (begin == 0 and line_start)))
+
+
+def _depth(text: str) -> int:
+    """Open brackets at the end of `text`: no clause cuts inside (but sentence cuts still happen)."""
+    depth = 0
+    for c in text:
+        if c in _OPENERS:
+            depth += 1
+        elif c in _BRACKET_CLOSERS and depth:
+            depth -= 1
+    return depth
+
+
+# --- the segmenter --------------------------------------------------------------------------------------------------
+
+class Segmenter:
+    """One turn's text -> segments. push/flush/end return segments ready now; poll() at next_deadline()."""
+
+    def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or ChunkingConfig()
+        self._clock = clock
+        self._norm = _Normalizer()
+        self._buf = ""  # normalised, unreleased text (no leading whitespace)
+        self._line_start = True  # _buf starts a line (turn start, or the last cut was at a newline)
+        self._since: float | None = None  # when the oldest unreleased text arrived
+        self._queued_ms = 0.0
+        self._queue_dry_at: float | None = None
+        self._ended = False
+        self.segments: list[Segment] = []  # everything released so far, in order
+
+    @property
+    def buffered_chars(self) -> int:
+        return len(self._buf) + len(self._norm.raw)
+
+    @property
+    def pending_text(self) -> str:
+        """Text received but not released yet (normalised part + raw part still being decided)."""
+        return self._buf + self._norm.raw
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def push(self, text: str) -> list[Segment]:
+        """Append streamed text (any split: mid-word, mid-number, mid-markup)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a string, got {type(text).__name__}")
+        if self._ended:
+            raise ValueError("text: the turn has ended")
+        was_empty = not self.pending_text
+        self._append(self._norm.feed(text))
+        if was_empty and self.pending_text:
+            self._since = self._clock()
+        return self._release(complete=False)
+
+    def flush(self) -> list[Segment]:
+        """Everything buffered now (text.flush); the turn goes on."""
+        if self._ended:
+            return []
+        self._append(self._norm.feed("", final=True))
+        return self._release(complete=True, last_reason="flush")
+
+    def end(self) -> list[Segment]:
+        """No more text (context.end): the rest, never cut off."""
+        if self._ended:
+            return []
+        self._append(self._norm.feed("", final=True))
+        segments = self._release(complete=True, last_reason="end")
+        self._ended = True
+        self._since = None
+        return segments
+
+    def poll(self) -> list[Segment]:
+        """Releases what is due now: time-based cuts, and cuts that set_queued_audio_ms made possible."""
+        segments = self._release(complete=False)
+        deadline = self.next_deadline()
+        if deadline is not None and self._clock() >= deadline:
+            cut = self._timeout_cut()
+            if cut is not None:
+                segments.append(self._emit(cut, "timeout"))
+        return segments
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which poll() may release something; None when only more text (or end) can."""
+        if self._ended or self._since is None:
+            return None
+        if self._cut() is not None:
+            return self._clock()
+        if self._timeout_cut() is None:
+            return None
+        deadline = self._since + self.config.max_delay_ms / 1000
+        if self._queue_dry_at is not None:
+            deadline = max(deadline, self._queue_dry_at)
+        return deadline
+
+    def set_queued_audio_ms(self, ms: float) -> None:
+        """Audio synthesised but not yet played. Plenty queued: wait for whole sentences; little: release clauses."""
+        self._queued_ms = ms
+        relaxed = ms >= RELAXED_QUEUE_MS
+        self._queue_dry_at = self._clock() + (ms - SYNTH_LEAD_MS) / 1000 if relaxed else None
+
+    # --- internals ---
+
+    def _append(self, clean: str) -> None:
+        if not self._buf:
+            if clean[:1] == "\n":
+                self._line_start = True
+            clean = clean.lstrip()
+        self._buf += clean
+
+    def _release(self, complete: bool, last_reason: str = "end") -> list[Segment]:
+        segments = []
+        while (cut := self._cut()) is not None:
+            segments.append(self._emit(*cut))
+        if complete and self._buf:
+            segments.append(self._emit(len(self._buf), last_reason))
+        return segments
+
+    def _emit(self, cut: int, reason: str) -> Segment:
+        text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
+        self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
+        self._buf = rest.lstrip()
+        segment = Segment(text, len(self.segments), reason)
+        self.segments.append(segment)
+        self._since = self._clock() if self.pending_text else None
+        return segment
+
+    def _cut(self) -> tuple[int, str] | None:
+        """Where the next segment ends, by the text alone (no clock): the same cuts however the text was split."""
+        cfg, buf, index = self.config, self._buf, len(self.segments)
+        if not buf:
+            return None
+        first = index == 0 and cfg.schedule is None
+        if cfg.schedule is not None:
+            threshold, kinds = cfg.schedule[min(index, len(cfg.schedule) - 1)], ("sentence", "clause", "word")
+        elif self._queued_ms >= RELAXED_QUEUE_MS and not first:
+            threshold, kinds = cfg.min_chars, ("sentence",)
+        else:
+            threshold, kinds = cfg.min_chars, ("sentence", "clause")
+        weights = _prefix_weights(buf)
+        best: dict[str, int] = {}
+        for cut, kind in _boundaries(buf, self._line_start):
+            w = weights[cut]
+            if w > cfg.max_chars:
+                break
+            if w == 0:
+                continue
+            if kind in kinds and w >= threshold:
+                return cut, "length" if kind == "word" else kind
+            if first and kind == "word" and w >= cfg.first_chars:
+                return cut, "length"
+            best[kind] = cut
+        if weights[-1] <= cfg.max_chars:
+            return None
+        for kind in ("sentence", "clause", "word"):
+            if kind in best:
+                return best[kind], "length"
+        return max(i for i, w in enumerate(weights) if w <= cfg.max_chars), "length"
+
+    def _timeout_cut(self) -> int | None:
+        """The last cut that leaves no word half-spoken, if the text before it is long enough."""
+        buf, cfg = self._buf, self.config
+        weights = _prefix_weights(buf)
+        cuts = [cut for cut, _ in _boundaries(buf, self._line_start)]
+        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])):
+            cuts.append(len(buf))
+        cuts = [c for c in cuts if cfg.min_chars <= weights[c] <= cfg.max_chars]
+        return cuts[-1] if cuts else None
