@@ -1,11 +1,16 @@
-"""Shared test setup: the official package's torchaudio stand-in, and CPU thread limits."""
+"""Shared test setup: the official package's torchaudio stand-in, CPU thread limits, and tiny model directories."""
 
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `pytest` (not only `python -m pytest`) must import the engine from the checkout
+    sys.path.insert(0, str(ROOT))
 
 # The official voxcpm package (the oracle) imports torchaudio at module level; use the stub when none is installed.
 if importlib.util.find_spec("torchaudio") is None:
@@ -13,3 +18,21 @@ if importlib.util.find_spec("torchaudio") is None:
 
 # CI has 2 cores; tiny models gain nothing from more threads and worker processes must not oversubscribe.
 torch.set_num_threads(int(os.environ.get("VOXGATE_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_v2_dir(tmp_path_factory) -> Path:
+    """A tiny random VoxCPM2 checkpoint in the release layout (model.safetensors, audiovae.pth, tokenizer files)."""
+    from engine.model_configs import tiny
+    from engine.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny-v2"), tiny("voxcpm2"), seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_v1_dir(tmp_path_factory) -> Path:
+    """A tiny random VoxCPM (v1) checkpoint in the VoxCPM1.5 layout (model.safetensors)."""
+    from engine.model_configs import tiny
+    from engine.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny-v1"), tiny("voxcpm"), seed=0, progress=False)

@@ -8,6 +8,7 @@ flash-attn can replace `TorchAttention`.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,3 +137,30 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
     return out.transpose(1, 2)
+
+
+class FlashAttention:
+    """flash-attn 2 over the paged cache (its paged kernels need pages of a multiple of 256 positions)."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 meta: AttentionMetadata) -> Tensor:
+        from flash_attn import flash_attn_varlen_func
+
+        kv_heads, head_dim = k_cache.shape[2:]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q,
+                                      meta.max_seqlen_k, causal=True, block_table=meta.block_tables)
+
+
+def make_attention_backend(device: torch.device | str, block_size: int | None = None) -> AttentionBackend:
+    """The fastest backend for `device`: flash-attn when importable and the page size suits it, else the Triton
+    kernels on CUDA, else `TorchAttention`."""
+    if torch.device(device).type != "cuda":
+        return TorchAttention()
+    if block_size is not None and block_size % 256 == 0 and importlib.util.find_spec("flash_attn") is not None:
+        return FlashAttention()
+    from engine.model.attention_triton import TritonAttention
+
+    return TritonAttention()

@@ -1,0 +1,184 @@
+"""Triton paged-KV causal attention for the two LMs: a flat varlen batch (prefill chunks and decodes mixed).
+
+One program owns (sequence, kv head, block of BLOCK_Q query tokens, KV split). It stacks the GROUP query heads that
+share the kv head as rows of one tile, so each cached K/V byte is read once per kv head (decode is memory-bound).
+Online softmax with fp32 accumulation. For decode at small batch the KV range is split across programs
+(flash-decoding) and a second kernel merges the partial results by their log-sum-exp.
+
+CUDA-graph capturable: the grid and all shapes come from host ints (batch size, max_seqlen_q, max_seqlen_k), which
+the caller keeps fixed per graph bucket; sequence lengths and block tables are read in-kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.model.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_bt,
+    scale_log2e,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # padding programs of short sequences (the grid covers max_seqlen_q)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cached = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_R)  # row r = query token r // GROUP, query head kv_head * GROUP + r % GROUP
+    token = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    query_pos = cached + token  # causal alignment to the end of the sequence
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys this block can see, cut into SPLITS ranges of whole BLOCK_N tiles.
+    kv_end = tl.minimum(seq_len, cached + (q_block + 1) * BLOCK_Q)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        key = start + tl.arange(0, BLOCK_N)
+        key_ok = key < hi
+        page = tl.load(block_tables_ptr + seq * stride_bt + key // PAGE, mask=key_ok, other=0).to(tl.int64)
+        in_page = key % PAGE
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[:, None]
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+        visible = key_ok[None, :] & (key[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet stay at zero
+        p = tl.exp2(s - m_safe[:, None])
+        rescale = tl.exp2(m_i - m_safe)
+        l_i = l_i * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_ptrs = out_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + split * stride_os + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if SPLITS > 1:  # log2-sum-exp of this split's scores; -inf marks an empty split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + q_rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + token * stride_ln + head * stride_lh + splits, mask=splits < SPLITS,
+                  other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # every token has at least one non-empty split
+    mask = (splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+    part = tl.load(part_ptr + token * stride_pn + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+                   mask=mask, other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_on + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class TritonAttention:
+    """`AttentionBackend` over the paged cache with Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    num_splits: KV splits for pure-decode batches; None picks them from the batch size and the GPU's SM count.
+    """
+
+    def __init__(self, num_splits: int | None = None, block_n: int = 64, rows_per_program: int = 64):
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 (got {num_splits})")
+        self.num_splits, self.block_n, self.rows_per_program = num_splits, block_n, rows_per_program
+
+    def splits_for(self, batch: int, kv_heads: int, meta: AttentionMetadata, device: torch.device) -> int:
+        """KV splits for this call; host ints only, so the choice is fixed per CUDA-graph bucket."""
+        if meta.max_seqlen_q != 1:
+            return 1
+        if self.num_splits is not None:
+            return self.num_splits
+        if device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        by_occupancy = (2 * sms) // max(1, batch * kv_heads)
+        by_length = math.ceil(meta.max_seqlen_k / 256)  # keep at least ~256 keys per split
+        return max(1, min(16, by_occupancy, by_length))
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 meta: AttentionMetadata) -> Tensor:
+        num_blocks, page, kv_heads, head_dim = k_cache.shape
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+        n, q_heads, _ = q.shape
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        group = q_heads // kv_heads
+        batch = meta.block_tables.shape[0]
+        block_q = 1 if meta.max_seqlen_q == 1 else max(1, self.rows_per_program // group)
+        block_r = _next_pow2(max(16, block_q * group))  # tl.dot needs at least 16 rows
+        block_d = _next_pow2(max(16, head_dim))
+        splits = self.splits_for(batch, kv_heads, meta, q.device)
+        grid = (batch, kv_heads, triton.cdiv(meta.max_seqlen_q, block_q) * splits)
+
+        out = torch.empty_like(q)
+        if splits == 1:
+            part, lse, part_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+        else:
+            part = torch.empty(n, q_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+            lse = torch.empty(n, q_heads, splits, device=q.device, dtype=torch.float32)
+            part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, part, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *part_strides, *lse_strides, meta.block_tables.stride(0),
+            LOG2E / math.sqrt(head_dim),
+            PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_R=block_r,
+            BLOCK_N=self.block_n, SPLITS=splits, num_warps=4 if block_r * block_d <= 64 * 64 else 8,
+        )
+        if splits > 1:
+            _merge_splits_kernel[(n, q_heads)](
+                part, lse, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=_next_pow2(splits),
+            )
+        return out

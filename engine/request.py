@@ -1,0 +1,132 @@
+"""One request: what the caller sends (`RequestSpec`, picklable) and what the worker tracks while serving it.
+
+A request's sequence is its prompt positions followed by the patches it generated. Before each new patch is sampled
+every position but the newest must be in the KV cache; `num_computed` counts those that are. A decode step feeds one
+position (the previous patch); a prefill feeds a chunk of the prompt; after a preemption the whole sequence so far
+is recomputed, while the noise generator, the VAE stream slot and the emitted audio carry on untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    cfg_value: float = 2.0
+    temperature: float = 1.0
+    seed: int = 0
+    max_length: int = 2000  # patches, already capped by the caller (official rule, positions, KV)
+    min_length: int = 2  # the official rule: a stop flag counts only once more than this many patches exist
+    timesteps: int = 10
+    priority: int = 0
+
+
+@dataclass
+class RequestSpec:
+    """Everything the worker needs, built and checked in the caller's process."""
+
+    request_id: str
+    token_ids: list[int]
+    patches: torch.Tensor  # [N, P, D] float32; zeros at text positions
+    audio_mask: list[int]  # [N] 1 at audio positions
+    cond: torch.Tensor  # [P, D] the patch that conditions the first sampled one
+    context_patches: torch.Tensor | None  # [C, P, D] primes the VAE stream for continuation
+    params: SamplingParams
+    voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
+    prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Request:
+    spec: RequestSpec
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    generated: list[torch.Tensor] = field(default_factory=list)  # [P, D] each
+    vae_slot: int | None = None
+    vae_primed: bool = False
+    stop_reason: str | None = None
+    num_preemptions: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    # listener buffer estimate: reported ms at `reported_at`, plus audio emitted since, minus wall time since
+    reported_ms: float | None = None
+    reported_at: float = 0.0
+    emitted_since_report_ms: float = 0.0
+    first_emit_at: float | None = None
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.spec.params.seed)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def seq_len(self) -> int:
+        """Positions that must be in the KV cache before the next patch is sampled."""
+        return self.spec.prompt_len + len(self.generated)
+
+    @property
+    def num_pending(self) -> int:
+        return self.seq_len - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending > 1 or not self.generated
+
+    @property
+    def cond(self) -> torch.Tensor:
+        return self.generated[-1] if self.generated else self.spec.cond
+
+    def inputs(self, start: int, end: int) -> tuple[list[int], torch.Tensor, list[int]]:
+        """Token ids, patches [n, P, D] and audio mask of positions [start, end)."""
+        n_prompt = self.spec.prompt_len
+        ids = self.spec.token_ids[start:min(end, n_prompt)]
+        mask = self.spec.audio_mask[start:min(end, n_prompt)]
+        parts = [self.spec.patches[start:min(end, n_prompt)]]
+        if end > n_prompt:
+            new = self.generated[max(start, n_prompt) - n_prompt:end - n_prompt]
+            ids = ids + [0] * len(new)
+            mask = mask + [1] * len(new)
+            parts.append(torch.stack(new))
+        return ids, torch.cat(parts) if len(parts) > 1 else parts[0], mask
+
+    def buffered_ms(self, now: float, patch_ms: float) -> float:
+        """Estimated audio queued at the listener; -inf before the first patch (the most urgent one)."""
+        if not self.generated:
+            return -math.inf
+        if self.reported_ms is not None:
+            return self.reported_ms + self.emitted_since_report_ms - 1000.0 * (now - self.reported_at)
+        assert self.first_emit_at is not None
+        return len(self.generated) * patch_ms - 1000.0 * (now - self.first_emit_at)
+
+    def report_buffered(self, audio_ms: float) -> None:
+        self.reported_ms, self.reported_at, self.emitted_since_report_ms = audio_ms, time.monotonic(), 0.0
+
+    def append(self, patch: torch.Tensor, patch_ms: float) -> None:
+        if self.first_emit_at is None:
+            self.first_emit_at = time.monotonic()
+        self.generated.append(patch)
+        self.emitted_since_report_ms += patch_ms

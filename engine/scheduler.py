@@ -1,0 +1,215 @@
+"""Continuous batching: which positions of which requests run in the next step.
+
+Every step advances every running request by one patch when it can. The order is deadline-first: a request's
+urgency is the audio its listener still has queued (reported by the gateway, extrapolated in between); a request
+that has not spoken yet is the most urgent. One step is a flat mix of single decode positions and prefill chunks:
+
+1. decodes of requests whose listener has less than `sit_out_ms` buffered (one position each),
+2. prefill chunks of admitted requests, then newly admitted ones (preempted ones first), under the token budget,
+3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
+
+KV blocks for a prompt are taken at admission (with a small watermark kept free for running decodes); a decode that
+crosses a block boundary takes one more. When none is free, the least urgent running request is preempted: its
+blocks are freed and it is recomputed later (prompt + patches so far), keeping its noise generator and VAE slot so
+its audio continues seamlessly. Stored voices hold their prefix blocks; requests of the voice share the full ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestSpec, Status
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # first position fed this step
+    num_tokens: int
+    emit: bool  # the chunk ends the sequence: a patch is sampled
+
+
+@dataclass
+class VoicePrefix:
+    blocks: list[int]  # full blocks only, so no request ever writes into them
+    length: int  # prefix positions
+
+
+class Scheduler:
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
+                 patch_ms: float, sit_out_ms: float = 2000.0):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.patch_ms = patch_ms
+        self.sit_out_ms = sit_out_ms
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.watermark = max(1, num_blocks // 100)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.voices: dict[str, VoicePrefix] = {}
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # VAE stream slots
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+    def add(self, spec: RequestSpec) -> Request:
+        req = Request(spec)
+        self.requests[spec.request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "cancelled")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Frees everything the request holds, at once."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status, req.stop_reason = Status.FINISHED, reason
+        self.blocks.release(req.block_table)
+        req.block_table = []
+        if req.vae_slot is not None:
+            self.free_slots.append(req.vae_slot)
+            req.vae_slot = None
+        del self.requests[req.request_id]
+
+    def update_buffered(self, request_id: str, audio_ms: float) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.report_buffered(audio_ms)
+
+    def remove_voice(self, voice_id: str) -> None:
+        voice = self.voices.pop(voice_id, None)
+        if voice is not None:
+            self.blocks.release(voice.blocks)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        now = time.monotonic()
+        budget = self.max_num_batched_tokens
+        urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
+        order = sorted(self.running, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
+        seqs: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+
+        def run(req: Request, n: int) -> None:
+            nonlocal budget
+            start = req.num_computed
+            emit = start + n == req.seq_len and not req.spec.prefix_only
+            seqs.append(ScheduledSeq(req, start, n, emit))
+            scheduled.add(id(req))
+            budget -= n
+
+        def decode(req: Request, may_preempt: bool) -> None:
+            if budget < 1 or req.status is not Status.RUNNING:
+                return
+            while not self.blocks.grow(req.block_table, req.seq_len):
+                victims = [r for r in reversed(order) if id(r) not in scheduled and r.status is Status.RUNNING]
+                if not may_preempt or not victims or victims[0] is req:
+                    if may_preempt:
+                        self._preempt(req)
+                    return
+                self._preempt(victims[0])
+            run(req, 1)
+
+        decodes = [r for r in order if not r.is_prefilling]
+        for req in decodes:
+            if urgency[id(req)] <= self.sit_out_ms:
+                decode(req, may_preempt=True)
+        for req in order:
+            if req.is_prefilling and req.status is Status.RUNNING and budget > 0:
+                run(req, min(req.num_pending, budget))
+        self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
+        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            req = self.waiting.pop(0)
+            self.running.append(req)
+            run(req, min(req.num_pending, budget))
+        for req in decodes:
+            if id(req) not in scheduled:
+                decode(req, may_preempt=False)
+        self.num_steps += 1 if seqs else 0
+        return seqs
+
+    def _admit(self, req: Request) -> bool:
+        needs_slot = req.vae_slot is None and not req.spec.prefix_only
+        if needs_slot and not self.free_slots:
+            return False
+        voice = self.voices.get(req.spec.voice_id) if req.spec.voice_id and not req.spec.prefix_only else None
+        shared = voice.blocks if voice is not None and req.seq_len > voice.length else []
+        need = self.blocks.blocks_for(req.seq_len) - len(shared)
+        if self.blocks.num_free - need < (self.watermark if self.running else 0):
+            return False
+        req.block_table = self.blocks.share(shared) + self.blocks.allocate(need)
+        req.num_computed = len(shared) * self.blocks.block_size
+        if needs_slot:
+            req.vae_slot = self.free_slots.pop()
+        req.status = Status.RUNNING
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req.block_table)
+        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def postprocess(self, seqs: list[ScheduledSeq], patches: list[torch.Tensor | None],
+                    stops: list[bool]) -> list[Request]:
+        """Record one step's results; returns the requests that finished (already freed)."""
+        finished = []
+        for seq, patch, stop in zip(seqs, patches, stops, strict=True):
+            req = seq.request
+            if req.status is not Status.RUNNING:
+                continue
+            req.num_computed += seq.num_tokens
+            if req.spec.prefix_only:
+                if req.num_computed == req.seq_len:
+                    self._keep_as_voice(req)
+                    finished.append(req)
+                continue
+            if not seq.emit:
+                continue
+            assert patch is not None
+            req.append(patch, self.patch_ms)
+            i = len(req.generated) - 1
+            if stop and i > req.spec.params.min_length:
+                self.finish(req, "stop")
+            elif len(req.generated) >= req.spec.params.max_length:
+                self.finish(req, "length")
+            else:
+                continue
+            finished.append(req)
+        return finished
+
+    def _keep_as_voice(self, req: Request) -> None:
+        full = req.seq_len // self.blocks.block_size
+        voice_id = req.spec.voice_id
+        assert voice_id is not None
+        self.remove_voice(voice_id)
+        self.voices[voice_id] = VoicePrefix(self.blocks.share(req.block_table[:full]), req.seq_len)
+        self.finish(req, "stop")
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
+            "voice_blocks": sum(len(v.blocks) for v in self.voices.values()),
+            "free_slots": len(self.free_slots), "steps": self.num_steps, "preemptions": self.num_preemptions,
+        }

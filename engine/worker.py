@@ -1,0 +1,208 @@
+"""One worker process per device: the step loop (Scheduler -> Runner) and its IPC with the pool.
+
+Commands come in over one pipe, results go out over another; both carry small tuples. Audio is the bulk of the
+traffic (a VoxCPM2 step at 256 streams is ~7.8 MB of float32), so it does not travel through the pipe: each step's
+audio is written once, contiguously, into a shared-memory ring (`AudioRing`) and the step message carries only
+offsets. The pool's reader thread copies each chunk out as the message arrives and advances a shared read cursor,
+so the worker never overwrites audio that has not been read; if the ring is ever full (a stalled reader), that
+step's audio travels inline in the message instead: slower, never wrong, never blocking the GPU.
+
+Messages, pool -> worker: ("add", RequestSpec) ("cancel", id) ("buffered", id, ms) ("voice", call, RequestSpec)
+("remove_voice", voice_id) ("encode", call, audio, sample_rate, pad) ("stop",).
+Worker -> pool: ("ready", info) ("step", chunks, inline_audio, stats) ("reply", call, ok, value)
+("failed", id, message) ("stats", stats) ("fatal", message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    device: str
+    dtype: str | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int | None  # fixed pool size (CPU default); None: size from gpu_memory_utilization
+    gpu_memory_utilization: float
+    inference_timesteps: int
+    sit_out_ms: float = 2000.0
+    threads: int = 1
+
+
+class AudioRing:
+    """A float32 ring in shared memory; positions are monotonic float counts (`pos % capacity` is the offset)."""
+
+    def __init__(self, shm: SharedMemory, read_pos: Any, owner: bool):
+        self.shm: SharedMemory | None = shm
+        self.read_pos, self.owner = read_pos, owner
+        self.buf = np.ndarray((shm.size // 4,), dtype=np.float32, buffer=shm.buf)
+        self.capacity = self.buf.shape[0]
+        self.write_pos = 0
+
+    def write(self, audio: np.ndarray) -> tuple[int, int] | None:
+        """Store `audio` contiguously; (start, end) positions, or None when the unread audio leaves no room."""
+        n = audio.shape[0]
+        start = self.write_pos
+        if start % self.capacity + n > self.capacity:  # skip the tail so every step stays contiguous
+            start += self.capacity - start % self.capacity
+        end = start + n
+        if n > self.capacity or end - self.read_pos.value > self.capacity:
+            return None
+        self.buf[start % self.capacity:start % self.capacity + n] = audio
+        self.write_pos = end
+        return start, end
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        """Copy out [start, end) and release everything before `end` to the writer."""
+        offset = start % self.capacity
+        out = self.buf[offset:offset + end - start].copy()
+        self.read_pos.value = end
+        return out
+
+    def close(self) -> None:
+        if self.shm is None:
+            return
+        shm, self.shm = self.shm, None
+        del self.buf
+        shm.close()
+        if self.owner:
+            shm.unlink()
+
+
+def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm_name: str,
+               read_pos: Any) -> None:
+    """Entry point of the spawned worker process."""
+    torch.set_num_threads(cfg.threads)
+    logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
+    try:
+        worker = Worker(cfg, commands, results, AudioRing(SharedMemory(name=shm_name), read_pos, owner=False))
+    except Exception as e:  # a load failure is reported once, then the process exits
+        results.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    worker.loop()
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing):
+        from engine.checkpoint import load_model
+        from engine.runner import Runner
+        from engine.scheduler import Scheduler
+
+        self.cfg, self.commands, self.results, self.ring = cfg, commands, results, ring
+        self.loaded = load_model(cfg.model, cfg.device, cfg.dtype)
+        self.runner = Runner(self.loaded, cfg)
+        config = self.loaded.config
+        self.scheduler = Scheduler(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
+            sit_out_ms=cfg.sit_out_ms)
+        self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
+        results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
+                                "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
+                                "pid": os.getpid()}))
+
+    def loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work:
+                self.commands.poll(None)
+            changed = False
+            while self.commands.poll():
+                try:
+                    msg = self.commands.recv()
+                except EOFError:  # the pool is gone
+                    return
+                if msg[0] == "stop":
+                    return
+                self.handle(msg)
+                changed = True
+            if self.scheduler.has_work:
+                self.step()
+            elif changed:
+                self.results.send(("stats", self.scheduler.stats()))
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self.scheduler.add(msg[1])
+        elif kind == "cancel":
+            self.scheduler.cancel(msg[1])
+        elif kind == "buffered":
+            self.scheduler.update_buffered(msg[1], msg[2])
+        elif kind == "voice":
+            _, call, spec = msg
+            self.voice_calls[spec.request_id] = call
+            self.scheduler.add(spec)
+        elif kind == "remove_voice":
+            self.scheduler.remove_voice(msg[1])
+        elif kind == "encode":
+            _, call, audio, sample_rate, pad = msg
+            try:
+                self.results.send(("reply", call, True, self.runner.encode_audio(audio, sample_rate, pad)))
+            except Exception as e:
+                self.results.send(("reply", call, False, f"{type(e).__name__}: {e}"))
+        else:
+            log.error("unknown command %r", kind)
+
+    def step(self) -> None:
+        sched = self.scheduler
+        seqs = sched.schedule()
+        if not seqs:
+            if sched.waiting and not sched.running:  # nothing can ever free room for it
+                req = sched.waiting[0]
+                sched.finish(req, "error")
+                self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
+            return
+        try:
+            out = self.runner.step(seqs)
+        except Exception as e:  # a failed step fails its requests, not the worker
+            log.error("step failed:\n%s", traceback.format_exc())
+            for seq in seqs:
+                if seq.request.request_id in sched.requests:
+                    sched.finish(seq.request, "error")
+                    self.fail(seq.request.request_id, f"{type(e).__name__}: {e}")
+            return
+        finished = sched.postprocess(seqs, out.patches, out.stops)
+        chunks = []
+        audio_parts = []
+        offset = 0
+        for seq, audio in zip(seqs, out.audio, strict=True):
+            if audio is None:
+                continue
+            req = seq.request
+            last = req.stop_reason is not None
+            chunks.append((req.request_id, len(req.generated) - 1, req.generated[-1].float().numpy(),
+                           offset, offset + audio.shape[0], last, req.stop_reason))
+            audio_parts.append(audio)
+            offset += audio.shape[0]
+        if chunks:
+            audio = np.concatenate(audio_parts)
+            span = self.ring.write(audio)
+            self.results.send(("step", chunks, span if span is not None else audio, sched.stats()))
+        else:
+            self.results.send(("stats", sched.stats()))
+        for req in finished:  # after the stats, so a caller woken by the reply sees the voice's blocks
+            call = self.voice_calls.pop(req.request_id, None)
+            if call is not None:
+                self.results.send(("reply", call, True, None))
+
+    def fail(self, request_id: str, message: str) -> None:
+        call = self.voice_calls.pop(request_id, None)
+        if call is not None:
+            self.results.send(("reply", call, False, message))
+        else:
+            self.results.send(("failed", request_id, message))

@@ -1,0 +1,206 @@
+"""The real engine (spawned worker, IPC, shared-memory audio) on the tiny VoxCPM2 checkpoint.
+
+One engine serves the whole module (a worker costs ~2 s to start). Reference outputs come from
+`engine.offline.Synthesizer`, the single-request path, on the same weights and seeds.
+"""
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from engine import Engine, EngineOverloaded, WorkerCrashed
+from engine.checkpoint import load_model
+from engine.offline import Synthesizer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+STEPS = 4  # CFM timesteps: enough to exercise CFG-Zero*, cheap on CPU
+ATOL = 2e-4
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(tiny_v2_dir):
+    eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=48, block_size=4,
+                 max_num_batched_tokens=48, inference_timesteps=STEPS)
+    await eng.wait_for_ready()
+    yield eng
+    await eng.stop()
+
+
+@pytest.fixture(scope="module")
+def synth(tiny_v2_dir):
+    return Synthesizer(load_model(tiny_v2_dir))
+
+
+def noise_audio(seconds: float, seed: int) -> tuple[np.ndarray, int]:
+    return (np.random.default_rng(seed).standard_normal(int(16000 * seconds)).astype(np.float32) * 0.1, 16000)
+
+
+async def collect(gen, on_chunk=None) -> tuple[np.ndarray, list]:
+    chunks = []
+    async for chunk in gen:
+        chunks.append(chunk)
+        if on_chunk:
+            await on_chunk(chunk)
+    return np.concatenate([c.audio for c in chunks]), chunks
+
+
+async def test_batched_requests_match_each_run_alone(engine, synth):
+    prompt, ref = noise_audio(0.7, 1), noise_audio(0.5, 2)
+    cases = [
+        dict(text="Hello world, this is the first stream.", seed=11, max_length=7),
+        dict(text="A second voice joins a little later.", seed=12, max_length=6, cfg_value=1.5, temperature=0.7,
+             prompt_audio=prompt[0], prompt_sample_rate=16000, prompt_text="Please call me back."),
+        dict(text="Reference audio sets the voice here.", seed=13, max_length=5, reference_audio=ref[0],
+             prompt_sample_rate=16000),
+        dict(text="Short one.", seed=14, max_length=4, min_length=0),
+    ]
+    first_chunk = [asyncio.Event() for _ in cases]
+
+    async def run(i: int, case: dict):
+        if i:  # arrive while the previous request is already speaking
+            await first_chunk[i - 1].wait()
+
+        async def seen(_chunk):
+            first_chunk[i].set()
+
+        return await collect(engine.generate(**case, timesteps=STEPS), seen)
+
+    results = await asyncio.gather(*(run(i, c) for i, c in enumerate(cases)))
+    for case, (audio, chunks) in zip(cases, results, strict=True):
+        kw = dict(case)
+        prompt_audio = kw.pop("prompt_audio", None)
+        reference = kw.pop("reference_audio", None)
+        kw.pop("prompt_sample_rate", None)
+        alone = np.concatenate(list(synth.stream(
+            kw.pop("text"), prompt_audio=None if prompt_audio is None else (prompt_audio, 16000),
+            reference_audio=None if reference is None else (reference, 16000), timesteps=STEPS,
+            min_len=kw.pop("min_length", 2), max_len=kw.pop("max_length"), **kw)))
+        assert audio.shape == alone.shape
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assert chunks[-1].is_last and chunks[-1].stop_reason in ("stop", "length")
+        assert all(c.audio.dtype == np.float32 and c.latents.shape == (4, 64) for c in chunks)
+
+
+async def test_admitting_a_long_prompt_never_skips_a_step_of_running_streams(engine, synth):
+    steps_at_chunk: list[int] = []
+    admitted = asyncio.Event()
+
+    async def on_a(chunk):
+        steps_at_chunk.append(engine.stats().steps)
+        if chunk.index == 1:
+            admitted.set()
+
+    async def b():
+        await admitted.wait()
+        # ~90 prompt positions: split over two steps by max_num_batched_tokens=48
+        return await collect(engine.generate("The quick brown fox jumps over the lazy dog. " * 6, seed=2,
+                                             max_length=3, timesteps=STEPS))
+
+    text_a = "Streaming speech should start quickly and never stop."
+    (audio_a, _), _ = await asyncio.gather(
+        collect(engine.generate(text_a, seed=1, max_length=9, min_length=9, timesteps=STEPS), on_a), b())
+    assert np.diff(steps_at_chunk).tolist() == [1] * (len(steps_at_chunk) - 1)  # one patch every step
+    alone = np.concatenate(list(synth.stream(text_a, seed=1, max_len=9, min_len=9, timesteps=STEPS)))
+    np.testing.assert_allclose(audio_a, alone, atol=ATOL)
+
+
+async def test_preempted_requests_resume_with_identical_audio(engine, synth):
+    text = "Please call me back tomorrow at three o'clock; the meeting was moved to the second floor."
+    before = engine.stats().preemptions
+    runs = [collect(engine.generate(text, seed=20 + i, max_length=24, min_length=24, timesteps=1))
+            for i in range(3)]  # 3 x ~27 blocks wanted, 48 in the pool: someone is preempted and recomputed
+    results = await asyncio.gather(*runs)
+    assert engine.stats().preemptions > before
+    for i, (audio, _) in enumerate(results):
+        alone = np.concatenate(list(synth.stream(text, seed=20 + i, max_len=24, min_len=24, timesteps=1)))
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+
+
+async def test_stored_voice_shares_prefix_kv_and_matches_recompute(engine):
+    ref = np.random.default_rng(5).standard_normal((9, 4, 64)).astype(np.float32)
+    voice = await engine.add_voice(latents=ref, voice_id="v1")
+    assert [v.voice_id for v in engine.list_voices()] == ["v1"] and engine.stats().voice_blocks == 2  # 11 // 4
+
+    used = {}
+
+    async def run(name, **kw):
+        async def note(chunk):
+            if chunk.index == 0:
+                used[name] = engine.stats().total_blocks - engine.stats().free_blocks
+        return (await collect(engine.generate("The voice is shared by every request.", seed=3, max_length=4,
+                                              timesteps=STEPS, **kw), note))[0]
+
+    shared = await run("shared", voice=voice)
+    recomputed = await run("recomputed", reference_latents=ref)
+    np.testing.assert_allclose(shared, recomputed, atol=ATOL)
+    assert used["shared"] < used["recomputed"]  # the two full prefix blocks are not allocated again
+    await engine.remove_voice("v1")
+    assert engine.list_voices() == []
+
+
+async def test_stress_random_cancels_closes_and_preemptions_return_everything(engine):
+    rng = random.Random(0)
+    words = ["hello", "world", "voice", "gateway", "speaking", "quickly", "the", "meeting", "was", "moved",
+             "to", "the", "second", "floor"]
+    outcomes = {"done": 0, "cancelled": 0, "closed": 0, "overloaded": 0}
+    sem = asyncio.Semaphore(12)
+    preempted_before = engine.stats().preemptions
+
+    async def one(i: int):
+        async with sem:
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(4, 20)))
+            action = rng.random()
+            try:
+                gen = engine.generate(text, seed=i, max_length=rng.randint(1, 12), min_length=rng.randint(0, 8),
+                                      timesteps=1, priority=rng.randint(0, 1))
+            except EngineOverloaded:
+                outcomes["overloaded"] += 1
+                return
+            if action < 0.15:
+                await engine.cancel(gen.request_id)
+                outcomes["cancelled"] += [c async for c in gen] == []
+            elif action < 0.3:
+                async for _ in gen:
+                    break
+                await gen.aclose()
+                outcomes["closed"] += 1
+            else:
+                chunks = [c async for c in gen]
+                assert chunks and chunks[-1].is_last
+                outcomes["done"] += 1
+
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(500))), 90)
+    assert sum(outcomes.values()) == 500 and outcomes["done"] > 300
+    assert engine.stats().preemptions > preempted_before  # the small KV pool forced recomputes
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if (s.running, s.waiting, s.in_flight, s.free_blocks) == (0, 0, 0, s.total_blocks - s.voice_blocks):
+            break
+        await asyncio.sleep(0.05)
+    s = engine.stats()
+    assert (s.running, s.waiting, s.in_flight) == (0, 0, 0)
+    assert s.free_blocks == s.total_blocks and s.voice_blocks == 0
+
+
+async def test_killed_worker_fails_in_flight_requests_fast_and_is_restarted(engine):
+    gens = [engine.generate("This stream is cut off by a crash.", seed=i, max_length=400, min_length=400,
+                            timesteps=STEPS) for i in range(3)]
+    for g in gens:
+        await g.__anext__()
+    os.kill(engine.health()["workers"][0]["pid"], signal.SIGKILL)
+    start = time.monotonic()
+    for g in gens:
+        with pytest.raises(WorkerCrashed):
+            async for _ in g:
+                pass
+    assert time.monotonic() - start < 1.0
+    audio, chunks = await asyncio.wait_for(collect(engine.generate("Back again.", seed=1, max_length=3)), 30)
+    assert len(chunks) == 3 and engine.stats().worker_restarts == 1

@@ -1,0 +1,122 @@
+"""Every input guard raises its exact type in the caller; the blocking `SyncEngine` on the tiny VoxCPM (v1) model.
+
+One SyncEngine (one spawned worker) serves the module; guards never reach the worker.
+"""
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from engine import (
+    EmptyText,
+    Engine,
+    EngineOverloaded,
+    EngineStopped,
+    InvalidAudio,
+    InvalidParameter,
+    SyncEngine,
+    TextTooLong,
+    UnknownVoice,
+)
+from engine.checkpoint import load_model
+from engine.offline import Synthesizer
+
+pytestmark = pytest.mark.timeout(120)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_v1_dir):
+    eng = Engine.from_pretrained(str(tiny_v1_dir), max_num_seqs=2, max_waiting=1, num_kv_blocks=32,
+                                 block_size=8, inference_timesteps=STEPS)
+    assert isinstance(eng, SyncEngine)  # no running event loop here
+    eng.wait_for_ready()
+    yield eng
+    eng.stop()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(text=""), EmptyText),
+    (dict(text="  \n\t "), EmptyText),
+    (dict(text="word " * 2000), TextTooLong),
+    (dict(cfg_value=math.nan), InvalidParameter),
+    (dict(cfg_value=-1.0), InvalidParameter),
+    (dict(cfg_value=1e6), InvalidParameter),
+    (dict(temperature=-0.5), InvalidParameter),
+    (dict(temperature=math.inf), InvalidParameter),
+    (dict(timesteps=0), InvalidParameter),
+    (dict(timesteps=2.5), InvalidParameter),
+    (dict(max_length=0), InvalidParameter),
+    (dict(min_length=-1), InvalidParameter),
+    (dict(seed=-3), InvalidParameter),
+    (dict(priority=True), InvalidParameter),
+    (dict(text=123), InvalidParameter),
+    (dict(voice="nobody"), UnknownVoice),
+    (dict(prompt_latents=np.zeros((3, 2, 64), np.float32)), InvalidParameter),  # no prompt_text
+    (dict(prompt_text="hi"), InvalidParameter),  # no prompt audio
+    (dict(prompt_latents=np.zeros((3, 5, 64), np.float32), prompt_text="hi"), InvalidAudio),
+    (dict(prompt_latents=np.full((3, 2, 64), np.nan, np.float32), prompt_text="hi"), InvalidAudio),
+    (dict(reference_latents=np.zeros((3, 2, 64), np.float32)), InvalidParameter),  # v1 has no reference mode
+])
+def test_generate_guards(engine, kwargs, error):
+    kwargs = {"text": "Hello world.", **kwargs}
+    with pytest.raises(error):
+        engine.generate(**kwargs)
+    assert engine.stats().in_flight == 0
+
+
+def test_audio_and_voice_guards(engine):
+    with pytest.raises(InvalidAudio):
+        engine.encode_audio(b"not a wav file")
+    with pytest.raises(InvalidAudio):
+        engine.encode_audio(np.array([np.nan, 0.0], np.float32), 16000)
+    with pytest.raises(InvalidParameter):
+        engine.encode_audio(np.zeros(1600, np.float32))  # raw samples need their rate
+    with pytest.raises(InvalidParameter):
+        engine.add_voice(latents=np.zeros((3, 2, 64), np.float32))  # a v1 voice needs its transcript
+    with pytest.raises(UnknownVoice):
+        engine.remove_voice("nobody")
+
+
+def test_sync_engine_matches_offline_and_v1_voice_is_a_prompt(engine, tiny_v1_dir):
+    synth = Synthesizer(load_model(tiny_v1_dir))
+    rng = np.random.default_rng(0)
+    prompt = (rng.standard_normal(8000) * 0.1).astype(np.float32)
+    voice = engine.add_voice(audio=prompt, sample_rate=16000, text="Call me back.")
+    assert engine.list_voices()[0].mode == "prompt"
+    results: dict[str, np.ndarray] = {}
+
+    def run(name, **kw):
+        results[name] = np.concatenate([c.audio for c in engine.generate("Two streams at once.", seed=4,
+                                                                        max_length=5, timesteps=STEPS, **kw)])
+
+    threads = [threading.Thread(target=run, args=("plain",)), threading.Thread(target=run, args=("voice",),
+                                                                                kwargs=dict(voice=voice))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    plain = np.concatenate(list(synth.stream("Two streams at once.", seed=4, max_len=5, timesteps=STEPS)))
+    voiced = np.concatenate(list(synth.stream("Two streams at once.", seed=4, max_len=5, timesteps=STEPS,
+                                              prompt_audio=(prompt, 16000), prompt_text="Call me back.")))
+    np.testing.assert_allclose(results["plain"], plain, atol=2e-4)
+    np.testing.assert_allclose(results["voice"], voiced, atol=2e-4)
+    info = engine.model_info()
+    assert (info.architecture, info.sample_rate, info.is_demo) == ("voxcpm", 16000, False)
+
+
+def test_overload_is_refused_not_queued_forever(engine):
+    gens = [engine.generate("Hello there.", seed=i, max_length=2) for i in range(3)]  # 2 running + 1 waiting
+    with pytest.raises(EngineOverloaded):
+        engine.generate("One too many.")
+    for g in gens:
+        assert len(list(g)) == 2
+    assert engine.stats().in_flight == 0
+
+
+def test_stopped_engine_refuses_work(tiny_v1_dir, engine):
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        engine.generate("Anyone there?")

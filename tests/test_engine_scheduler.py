@@ -1,0 +1,163 @@
+"""Scheduler and KV block manager, without a model: which positions run in each step and who owns which block."""
+
+import random
+
+import pytest
+import torch
+
+from engine.kv_cache import BlockManager
+from engine.request import RequestSpec, SamplingParams, Status
+from engine.scheduler import Scheduler
+
+P, D = 2, 4
+pytestmark = pytest.mark.timeout(60)
+
+
+def spec(rid: str, n: int, max_length: int = 50, voice_id: str | None = None, prefix_only: bool = False,
+         priority: int = 0) -> RequestSpec:
+    return RequestSpec(rid, list(range(n)), torch.zeros(n, P, D), [0] * n, torch.zeros(P, D), None,
+                       SamplingParams(max_length=max_length, min_length=0, priority=priority),
+                       voice_id=voice_id, prefix_only=prefix_only)
+
+
+def make(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, tokens: int = 64) -> Scheduler:
+    return Scheduler(max_num_seqs=seqs, max_num_batched_tokens=tokens, num_blocks=num_blocks,
+                     block_size=block_size, patch_ms=80.0)
+
+
+def step(s: Scheduler, stop: set[str] = frozenset()):
+    seqs = s.schedule()
+    patches = [torch.full((P, D), float(q.request.seq_len)) if q.emit else None for q in seqs]
+    s.postprocess(seqs, patches, [q.request.request_id in stop for q in seqs])
+    return seqs
+
+
+def test_block_manager_refcounts():
+    bm = BlockManager(4, 2)
+    a = bm.allocate(2)
+    shared = bm.share(a)
+    bm.release(a)
+    assert bm.num_free == 2  # still owned through `shared`
+    table = list(shared)
+    assert bm.grow(table, 6) and len(table) == 3 and bm.num_free == 1
+    assert not bm.grow(table, 10) and len(table) == 3  # unchanged when blocks run out
+    bm.release(table)
+    assert bm.num_free == 4
+    with pytest.raises(MemoryError):
+        bm.allocate(5)
+
+
+def test_new_prefill_runs_in_the_same_step_as_running_decodes():
+    s = make()
+    s.add(spec("a", 5))
+    step(s)
+    step(s)
+    s.add(spec("b", 9))
+    seqs = step(s)
+    kinds = {q.request.request_id: (q.num_tokens, q.emit) for q in seqs}
+    assert kinds == {"a": (1, True), "b": (9, True)}  # one flat batch: a's decode and b's whole prompt
+
+
+def test_long_prompt_is_chunked_under_the_token_budget_while_decodes_continue():
+    history = []
+    s = make(tokens=8)
+    s.add(spec("a", 3))
+    step(s)
+    s.add(spec("long", 20))
+    for _ in range(4):
+        seqs = step(s)
+        history.append({q.request.request_id: q.num_tokens for q in seqs})
+    assert all(h["a"] == 1 for h in history)  # the running stream advances every step
+    assert [h.get("long", 0) for h in history[:3]] == [7, 7, 6]
+    assert all(sum(h.values()) <= 8 for h in history)
+
+
+def test_preemption_recomputes_and_keeps_generated_patches():
+    s = make(num_blocks=6, block_size=4, tokens=64)
+    s.watermark = 0
+    s.add(spec("a", 8))
+    s.add(spec("b", 8))
+    step(s)  # a and b take 2 blocks each, 2 free
+    for _ in range(12):
+        step(s)
+    assert s.num_preemptions > 0
+    assert all(len(r.generated) >= 1 for r in s.requests.values())
+    # every block held by a running request covers its sequence; nothing leaks
+    held = sum(len(r.block_table) for r in s.running)
+    assert held + s.blocks.num_free == 6
+
+
+def test_cancel_frees_everything_at_once():
+    s = make(num_blocks=16)
+    for i in range(5):
+        s.add(spec(f"r{i}", 6))
+    step(s)
+    step(s)
+    slots = len(s.free_slots)
+    for i in range(5):
+        s.cancel(f"r{i}")
+    assert s.blocks.num_free == 16 and not s.running and not s.waiting and not s.requests
+    assert len(s.free_slots) == slots + 5
+
+
+def test_stored_voice_prefix_blocks_are_shared():
+    s = make(num_blocks=32, block_size=4)
+    s.add(spec("voice:v", 10, voice_id="v", prefix_only=True))
+    while s.has_work:
+        step(s)
+    assert s.voices["v"].blocks and s.voices["v"].length == 10
+    voice_blocks = list(s.voices["v"].blocks)  # 2 full blocks; the partial third is recomputed per request
+    s.add(spec("a", 14, voice_id="v"))
+    seqs = step(s)
+    req = seqs[0].request
+    assert req.block_table[:2] == voice_blocks and seqs[0].start == 8 and seqs[0].num_tokens == 6
+    assert all(s.blocks.refcount[b] == 2 for b in voice_blocks)
+    s.cancel("a")
+    s.remove_voice("v")
+    assert s.blocks.num_free == 32
+
+
+def test_well_buffered_requests_sit_out_when_the_budget_is_short():
+    s = make(tokens=3)
+    for rid in ("a", "b", "c"):
+        s.add(spec(rid, 1))
+    step(s)
+    s.update_buffered("a", 5000.0)  # seconds queued at the listener
+    s.add(spec("new", 2))
+    seqs = step(s)
+    ran = {q.request.request_id for q in seqs}
+    assert ran == {"b", "c", "new"}  # the new turn's first patch outranks a well-buffered stream
+
+
+def test_length_and_stop_finish_and_free():
+    s = make()
+    s.add(spec("len", 3, max_length=4))
+    s.add(spec("stop", 3))
+    n = 0
+    while s.has_work and n < 20:
+        step(s, stop={"stop"})
+        n += 1
+    assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+
+
+def test_random_churn_returns_every_block():
+    rng = random.Random(0)
+    s = make(num_blocks=24, block_size=4, seqs=6, tokens=16)
+    live: list[str] = []
+    for i in range(300):
+        if rng.random() < 0.5:
+            rid = f"r{i}"
+            s.add(spec(rid, rng.randint(1, 12), max_length=rng.randint(1, 10), priority=rng.randint(0, 1)))
+            live.append(rid)
+        if live and rng.random() < 0.2:
+            s.cancel(live.pop(rng.randrange(len(live))))
+        step(s, stop={rid for rid in live if rng.random() < 0.05})
+        owners = [0] * s.blocks.num_blocks
+        for r in s.running:
+            for b in r.block_table:
+                owners[b] += 1
+        assert owners == s.blocks.refcount  # every used block is owned by exactly its refcount
+        assert all(r.status is Status.RUNNING for r in s.running)
+    for rid in live:
+        s.cancel(rid)
+    assert s.blocks.num_free == 24 and not s.requests and len(s.free_slots) == 6
