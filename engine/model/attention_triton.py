@@ -21,6 +21,7 @@ from torch import Tensor
 from engine.model.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
 
 
 @triton.jit
@@ -29,14 +30,14 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_bt,
-    scale_log2e,
+    scale_log2e, num_splits,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    q_block = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -56,9 +57,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # Keys this block can see, cut into SPLITS ranges of whole BLOCK_N tiles.
+    # Keys this block can see, cut into num_splits ranges of whole BLOCK_N tiles.
     kv_end = tl.minimum(seq_len, cached + (q_block + 1) * BLOCK_Q)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
 
@@ -90,7 +91,7 @@ def _paged_attention_kernel(
     out = acc / l_safe[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-    if SPLITS > 1:  # log2-sum-exp of this split's scores; -inf marks an empty split
+    if num_splits > 1:  # log2-sum-exp of this split's scores; -inf marks an empty split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + q_rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
 
@@ -98,16 +99,16 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + token * stride_ln + head * stride_lh + splits, mask=splits < SPLITS,
+    lse = tl.load(lse_ptr + token * stride_ln + head * stride_lh + splits, mask=splits < num_splits,
                   other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # every token has at least one non-empty split
-    mask = (splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+    mask = (splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :]
     part = tl.load(part_ptr + token * stride_pn + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
                    mask=mask, other=0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
@@ -122,12 +123,14 @@ def _next_pow2(n: int) -> int:
 class TritonAttention:
     """`AttentionBackend` over the paged cache with Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
+    A call (or a captured graph) is right for any sequence lengths and block tables, as long as no sequence has more
+    new tokens than meta.max_seqlen_q: that sets the grid. max_seqlen_k only tunes the KV split count.
     num_splits: KV splits for pure-decode batches; None picks them from the batch size and the GPU's SM count.
     """
 
     def __init__(self, num_splits: int | None = None, block_n: int = 64, rows_per_program: int = 64):
-        if num_splits is not None and num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1 (got {num_splits})")
+        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS} (got {num_splits})")
         self.num_splits, self.block_n, self.rows_per_program = num_splits, block_n, rows_per_program
 
     def splits_for(self, batch: int, kv_heads: int, meta: AttentionMetadata, device: torch.device) -> int:
@@ -140,8 +143,8 @@ class TritonAttention:
             return 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         by_occupancy = (2 * sms) // max(1, batch * kv_heads)
-        by_length = math.ceil(meta.max_seqlen_k / 256)  # keep at least ~256 keys per split
-        return max(1, min(16, by_occupancy, by_length))
+        by_length = math.ceil(meta.max_seqlen_k / 128)  # keep at least ~128 keys per split
+        return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> Tensor:
@@ -172,13 +175,13 @@ class TritonAttention:
             q, k_cache, v_cache, part, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             *part_strides, *lse_strides, meta.block_tables.stride(0),
-            LOG2E / math.sqrt(head_dim),
+            LOG2E / math.sqrt(head_dim), splits,
             PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_R=block_r,
-            BLOCK_N=self.block_n, SPLITS=splits, num_warps=4 if block_r * block_d <= 64 * 64 else 8,
+            BLOCK_N=self.block_n, num_warps=4 if block_r * block_d <= 64 * 64 else 8,
         )
         if splits > 1:
             _merge_splits_kernel[(n, q_heads)](
                 part, lse, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=_next_pow2(splits),
+                splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
             )
         return out

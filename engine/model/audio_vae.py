@@ -34,7 +34,7 @@ class Snake(nn.Module):
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
         if x.is_cuda:  # one fused pass instead of five kernels; triton comes with CUDA torch
-            from engine.model.snake_triton import snake
+            from engine.kernels import snake
 
             return snake(x, self.alpha)
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)

@@ -1,0 +1,178 @@
+"""Micro-benchmark of the Triton kernels on one GPU (VoxCPM2 shapes); prints JSON, then a table.
+
+Attention: one decode step's worth of paged attention (28 base-LM + 8 residual-LM layers, each with its own cache
+layer) for batches 1/8/64/256 at contexts 128/512, captured in a CUDA graph per backend and timed by replay:
+TritonAttention (auto KV splits, and a few fixed settings), TorchAttention (the reference), and SDPA over contiguous
+K/V (no paging, a roofline-ish reference). GB/s counts the cached K/V bytes each layer must read.
+Fused kernels vs their eager torch chains: Snake over the AudioVAE decoder's largest activations (fp32, like the
+VAE weights), RMSNorm on LM and LocDiT rows, the CFG-Zero* combine + Euler update at 1 and 256 streams.
+
+Run from the repo root: `.venv/bin/python -m bench.kernels_bench [--out results.json]` (under 2 minutes on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from engine.kernels import cfg_zero_euler_, rms_norm, snake
+from engine.model.attention import AttentionMetadata, TorchAttention
+from engine.model.attention_triton import TritonAttention
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 28 + 8, 16, 2, 128, 16
+BATCHES, CONTEXTS = (1, 8, 64, 256), (128, 512)
+DTYPE = torch.bfloat16
+
+
+def time_ms(fn: Callable[[], object]) -> tuple[float, str]:
+    """Median ms of fn replayed from a CUDA graph (eager if it cannot be captured)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return do_bench(graph.replay, warmup=10, rep=50, return_mode="median"), "graph"
+    except Exception as error:  # report and fall back: the numbers are still useful
+        print(f"capture failed ({type(error).__name__}: {error}); timing eagerly")
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=10, rep=50, return_mode="median"), "eager"
+
+
+def bandwidth_ceiling_gbs() -> float:
+    """Achieved device-to-device copy bandwidth (bytes read + written)."""
+    src = torch.empty(512 * 2**20, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def attention_rows(batch: int, context: int) -> list[dict]:
+    """Every backend on one decode batch: `batch` sequences of `context` keys (the last one written this step)."""
+    gen = torch.Generator("cuda").manual_seed(batch * context)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=DTYPE)
+    q, k, v = randn(batch, Q_HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM)
+    per_seq = math.ceil(context / PAGE)
+    num_blocks = batch * per_seq + 1
+    tables = torch.randperm(num_blocks, generator=gen, device="cuda")[:batch * per_seq].view(batch, per_seq).tolist()
+    meta = AttentionMetadata.build([1] * batch, [context - 1] * batch, tables, PAGE, "cuda")
+    timed = paged_times(q, k, v, meta, randn(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM),
+                        randn(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM))
+    timed.append(("sdpa contiguous", *contiguous_time(q, randn(LAYERS, batch, KV_HEADS, context, HEAD_DIM),
+                                                      randn(LAYERS, batch, KV_HEADS, context, HEAD_DIM))))
+    torch.cuda.empty_cache()
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * q.element_size()
+    splits = TritonAttention().splits_for(batch, KV_HEADS, meta, torch.device("cuda"))
+    return [{"kernel": "attention decode", "backend": name, "batch": batch, "context": context, "mode": mode,
+             "auto_splits": splits, "step_ms": ms, "layer_us": 1e3 * ms / LAYERS,
+             "gbs": kv_bytes / (ms / LAYERS) / 1e6} for name, ms, mode in timed]
+
+
+def paged_times(q, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[tuple]:
+    backends = {
+        "triton": TritonAttention(),
+        "triton splits=1": TritonAttention(num_splits=1),
+        "triton block_n=32": TritonAttention(block_n=32),
+        "triton block_n=128": TritonAttention(block_n=128),
+        "torch": TorchAttention(),
+    }
+    timed = []
+    for name, backend in backends.items():
+        step = lambda backend=backend: [backend(q, k, v, k_cache[i], v_cache[i], meta) for i in range(LAYERS)]
+        timed.append((name, *time_ms(step)))
+    return timed
+
+
+def contiguous_time(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[float, str]:
+    q4 = q[:, :, None]  # [B, Hq, 1, D]
+    return time_ms(lambda: [F.scaled_dot_product_attention(q4, keys[i], values[i], enable_gqa=True)
+                            for i in range(LAYERS)])
+
+
+def snake_rows(shape: tuple[int, int, int]) -> list[dict]:
+    x = torch.randn(*shape, device="cuda") * 3
+    alpha = torch.rand(1, shape[1], 1, device="cuda") + 0.05
+    eager = lambda: x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)  # audio_vae.Snake on CPU
+    return fused_vs_eager("snake", list(shape), lambda: snake(x, alpha), eager, 2 * x.numel() * x.element_size())
+
+
+def rms_norm_rows(rows: int, dim: int) -> list[dict]:
+    x = torch.randn(rows, dim, device="cuda", dtype=DTYPE)
+    weight = torch.rand(dim, device="cuda", dtype=DTYPE) + 0.5
+
+    def eager() -> torch.Tensor:  # engine.model.layers.RMSNorm.forward
+        variance = x.float().pow(2).mean(dim=-1, keepdim=True)
+        return (x * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+
+    return fused_vs_eager("rms_norm", [rows, dim], lambda: rms_norm(x, weight, 1e-5), eager, 2 * x.numel() * 2)
+
+
+def cfg_rows(batch: int) -> list[dict]:
+    x, v = torch.randn(batch, 4, 64, device="cuda"), torch.randn(2 * batch, 4, 64, device="cuda", dtype=DTYPE)
+    w = torch.full((batch,), 2.0, device="cuda")
+
+    def eager() -> torch.Tensor:  # engine.model.local.CFM.solve, one Euler step after the LocDiT
+        vf = v.float()
+        v_cond, v_uncond = vf[:batch], vf[batch:]
+        scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
+        return x - 0.1 * (v_uncond * scale + w.view(batch, 1, 1) * (v_cond - v_uncond * scale))
+
+    return fused_vs_eager("cfg_zero_euler", [batch, 4, 64], lambda: cfg_zero_euler_(x, v, w, 0.1), eager,
+                          v.numel() * 2 + 2 * x.numel() * 4)
+
+
+def fused_vs_eager(kernel: str, shape: list[int], fused: Callable[[], object], eager: Callable[[], object],
+                   moved: int) -> list[dict]:
+    """Each timed from a CUDA graph, as the engine runs them (the eager chains are launch-bound at small sizes)."""
+    rows = []
+    for name, fn in (("fused", fused), ("eager", eager)):
+        ms, mode = time_ms(fn)
+        rows.append({"kernel": kernel, "backend": name, "shape": shape, "mode": mode, "us": 1e3 * ms,
+                     "gbs": moved / ms / 1e6})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ceiling = bandwidth_ceiling_gbs()
+    rows = [row for b in BATCHES for c in CONTEXTS for row in attention_rows(b, c)]
+    # VoxCPM2 decoder: 2048 channels at the latent rate down to 32 at 48 kHz; 4 latent frames per patch.
+    for shape in ((256, 32, 7680), (256, 64, 3840), (256, 1024, 32), (1, 64, 3840)):
+        rows += snake_rows(shape)
+    # RMSNorm: LM rows at 256 streams (hidden 2048) and LocDiT rows (2 x 256 streams x 11 tokens, hidden 1024).
+    rows += rms_norm_rows(256, 2048) + rms_norm_rows(2 * 256 * 11, 1024) + cfg_rows(256) + cfg_rows(1)
+    report = {"device": torch.cuda.get_device_name(), "copy_gbs": ceiling, "rows": rows}
+    text = json.dumps(report)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+    print(f"\n{report['device']}: device copy {ceiling:.0f} GB/s (datasheet ~4800; target ~4300)")
+    print(f"{'attention decode':<20}{'B':>5}{'ctx':>6}{'splits':>7}{'mode':>7}{'us/layer':>10}{'step ms':>9}"
+          f"{'GB/s':>8}{'% copy':>8}")
+    for r in rows:
+        if r["kernel"] == "attention decode":
+            print(f"{r['backend']:<20}{r['batch']:>5}{r['context']:>6}{r['auto_splits']:>7}{r['mode']:>7}"
+                  f"{r['layer_us']:>10.1f}{r['step_ms']:>9.3f}{r['gbs']:>8.0f}{100 * r['gbs'] / ceiling:>8.1f}")
+    print(f"{'fused kernel':<24}{'shape':>20}{'mode':>7}{'us':>10}{'GB/s':>8}")
+    for r in rows:
+        if r["kernel"] != "attention decode":
+            print(f"{r['kernel'] + ' ' + r['backend']:<24}{str(tuple(r['shape'])):>20}{r['mode']:>7}{r['us']:>10.1f}"
+                  f"{r['gbs']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

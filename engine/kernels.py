@@ -1,0 +1,96 @@
+"""Small fused Triton kernels for the CUDA path (paged attention lives in engine/model/attention_triton.py).
+
+Each replaces a chain of eager torch kernels with one pass over memory, with the same formula:
+- `snake`: the AudioVAE's Snake activation (five eager kernels over its largest activations).
+- `rms_norm`: MiniCPM's RMSNorm (variance in fp32, normalise, round to x's dtype, scale by the weight).
+- `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _snake_kernel(x_ptr, alpha_ptr, y_ptr, numel, channels, length, BLOCK: tl.constexpr):
+    # Flat over B*C*T so short streaming chunks (a few samples per channel) still fill whole blocks.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    alpha = tl.load(alpha_ptr + (offsets // length) % channels, mask=mask, other=1.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sin(alpha * x)
+    y = x + (1.0 / (alpha + 1e-9)) * (s * s)
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """y = x + 1/(alpha + 1e-9) * sin(alpha x)^2 over x [B, C, T], one alpha per channel (e.g. [1, C, 1]); fp32 math."""
+    if x.dim() != 3 or alpha.numel() != x.shape[1]:
+        raise ValueError(f"snake needs x [B, C, T] and C alphas (got x {tuple(x.shape)}, alpha {tuple(alpha.shape)})")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if y.numel():
+        _snake_kernel[(triton.cdiv(y.numel(), 1024),)](
+            x, alpha.reshape(-1).contiguous(), y, y.numel(), x.shape[1], x.shape[2], BLOCK=1024, num_warps=4)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, stride_x, stride_y, dim, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # rounded to x's dtype before the weight, as in eager
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (normed * weight).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x [..., H] with weight [H]; result dtype as torch would promote x and weight."""
+    if x.shape[-1:] != weight.shape:
+        raise ValueError(f"rms_norm needs x [..., H] and weight [H] (got {tuple(x.shape)}, {tuple(weight.shape)})")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    if y.numel():
+        block = triton.next_power_of_2(rows.shape[1])
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), y, rows.stride(0), y.stride(0), rows.shape[1],
+                                           eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return y.view(x.shape)
+
+
+@triton.jit
+def _cfg_zero_euler_kernel(x_ptr, v_ptr, cfg_ptr, batch, numel, dt, BLOCK: tl.constexpr):
+    item = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < numel
+    v_cond = tl.load(v_ptr + item * numel + offsets, mask=mask, other=0.0).to(tl.float32)
+    v_uncond = tl.load(v_ptr + (batch + item) * numel + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.sum(v_cond * v_uncond, 0) / (tl.sum(v_uncond * v_uncond, 0) + 1e-8)
+    cfg = tl.load(cfg_ptr + item).to(tl.float32)
+    v = v_uncond * scale + cfg * (v_cond - v_uncond * scale)
+    x = tl.load(x_ptr + item * numel + offsets, mask=mask, other=0.0)
+    tl.store(x_ptr + item * numel + offsets, x - dt * v, mask=mask)
+
+
+def cfg_zero_euler_(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tensor:
+    """In place x -= dt * CFG-Zero*(v): x [B, ...] fp32 contiguous; v [2B, ...] (conditional rows first, then
+    unconditional); cfg_value [B]. Guidance per item: s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s)."""
+    b = x.shape[0]
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("cfg_zero_euler_ updates a contiguous fp32 state x in place")
+    if v.shape != (2 * b, *x.shape[1:]) or cfg_value.numel() != b:
+        raise ValueError(f"cfg_zero_euler_ needs v [2B, ...] and cfg_value [B] for x {tuple(x.shape)} "
+                         f"(got v {tuple(v.shape)}, cfg_value {tuple(cfg_value.shape)})")
+    numel = x[0].numel()
+    if x.numel():
+        _cfg_zero_euler_kernel[(b,)](x, v.contiguous(), cfg_value.contiguous(), b, numel, dt,
+                                     BLOCK=triton.next_power_of_2(numel), num_warps=4)
+    return x

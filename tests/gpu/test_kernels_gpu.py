@@ -1,0 +1,167 @@
+"""The Triton kernels on CUDA with real shapes (VoxCPM2: 16 q / 2 kv heads, head dim 128; VoxCPM1.5: 64), bf16.
+
+Run on the GPU machine: `.venv/bin/python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend
+from engine.model.audio_vae import Snake
+from engine.model.layers import RMSNorm
+from tests.test_kernels_interpret import paged_case, relative_error
+
+pytestmark = pytest.mark.gpu
+BF16_TOLERANCE = 1e-2  # bf16 operands; fp32 accumulation on both sides
+
+
+@pytest.fixture(scope="module")
+def cuda() -> str:
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    return "cuda"
+
+
+def reference(q, k, v, k_cache, v_cache, meta):
+    """TorchAttention in fp32 on copies of the caches (which it updates like the backend under test)."""
+    ref_k, ref_v = k_cache.float(), v_cache.float()
+    return TorchAttention()(q.float(), k.float(), v.float(), ref_k, ref_v, meta), ref_k, ref_v
+
+
+def random_lens(gen: torch.Generator, count: int, low: int, high: int) -> list[int]:
+    return torch.randint(low, high + 1, (count,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize(("batch", "page", "head_dim"), [(1, 16, 128), (8, 32, 128), (64, 16, 128), (256, 16, 128),
+                                                          (256, 32, 64)])
+def test_decode_matches_torch(cuda, batch, page, head_dim):
+    from engine.model.attention_triton import TritonAttention
+
+    gen = torch.Generator().manual_seed(batch * page + head_dim)
+    cached = random_lens(gen, batch, 0, 1023)
+    tensors, meta = paged_case([1] * batch, cached, page, 16, 2, head_dim, torch.bfloat16,
+                               torch.Generator(cuda).manual_seed(batch), cuda)
+    ref, ref_k, ref_v = reference(*tensors, meta)
+    for backend in (TritonAttention(), TritonAttention(num_splits=1)):
+        q, k, v, k_cache, v_cache = (t.clone() for t in tensors)
+        out = backend(q, k, v, k_cache, v_cache, meta)
+        assert out.dtype == torch.bfloat16 and not out.isnan().any()
+        assert relative_error(out, ref.double()) < BF16_TOLERANCE
+        assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+@pytest.mark.parametrize(("query_lens", "cached_lens"), [
+    ([300, 1, 1, 77], [0, 900, 10, 500]),  # a prefill chunk among decodes
+    ([1024], [0]),  # one long prefill
+    ([128] * 8, [0, 64, 128, 256, 384, 512, 640, 896]),  # chunked prefills
+])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_prefill_and_mixed_match_torch(cuda, query_lens, cached_lens, head_dim):
+    from engine.model.attention_triton import TritonAttention
+
+    tensors, meta = paged_case(query_lens, cached_lens, 16, 16, 2, head_dim, torch.bfloat16,
+                               torch.Generator(cuda).manual_seed(len(query_lens)), cuda)
+    ref, ref_k, ref_v = reference(*tensors, meta)
+    q, k, v, k_cache, v_cache = tensors
+    out = TritonAttention()(q, k, v, k_cache, v_cache, meta)
+    assert relative_error(out, ref.double()) < BF16_TOLERANCE
+    assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+def test_cuda_graph_capture_and_replay(cuda):
+    """One decode bucket (8 sequences, up to 1024 keys) captured once, replayed on fresh lengths and block tables."""
+    from engine.model.attention_triton import TritonAttention
+
+    batch, page, width, heads, kv_heads, dim = 8, 16, 64, 16, 2, 128
+    num_blocks = batch * width + 1
+    gen = torch.Generator(cuda).manual_seed(0)
+    q = torch.empty(batch, heads, dim, device=cuda, dtype=torch.bfloat16)
+    k, v = (torch.empty(batch, kv_heads, dim, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(num_blocks, page, kv_heads, dim, generator=gen, device=cuda).bfloat16()
+                        for _ in range(2))
+
+    def fresh_meta(seed: int) -> AttentionMetadata:
+        host = torch.Generator().manual_seed(seed)
+        tables = torch.randperm(num_blocks, generator=host)[:batch * width].view(batch, width).tolist()
+        meta = AttentionMetadata.build([1] * batch, random_lens(host, batch, 0, width * page - 1), tables, page, cuda)
+        meta.max_seqlen_k = width * page  # the bucket's bound, not this batch's
+        return meta
+
+    static = fresh_meta(0)
+    for t in (q, k, v):
+        t.normal_(generator=gen)
+    backend = TritonAttention()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend(q, k, v, k_cache, v_cache, static)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend(q, k, v, k_cache, v_cache, static)
+
+    for seed in (1, 2):
+        meta = fresh_meta(seed)
+        for name in ("cu_seqlens_q", "seq_lens", "slot_mapping", "block_tables"):
+            getattr(static, name).copy_(getattr(meta, name))
+        for t in (q, k, v):
+            t.normal_(generator=gen)
+        ref, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref.double()) < BF16_TOLERANCE
+        assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+def test_cuda_selects_a_fast_backend(cuda):
+    from engine.model.attention_triton import TritonAttention
+
+    assert isinstance(make_attention_backend(cuda), TritonAttention)
+    assert isinstance(make_attention_backend(cuda, block_size=256), TritonAttention | FlashAttention)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "tolerance"), [
+    ((4, 64, 7680), torch.float32, 1e-6), ((2, 2048, 3), torch.float32, 1e-6), ((4, 64, 7680), torch.bfloat16, 1e-2)])
+def test_fused_snake_matches_torch(cuda, shape, dtype, tolerance):
+    gen = torch.Generator().manual_seed(0)
+    alpha = (torch.rand(1, shape[1], 1, generator=gen) * 2 + 0.05).to(dtype)
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    fused, eager = Snake(shape[1]).to(cuda, dtype), Snake(shape[1]).double()
+    with torch.no_grad():
+        fused.alpha.copy_(alpha)
+        eager.alpha.copy_(alpha)
+        y = fused(x.to(cuda))  # Snake.forward dispatches to the fused kernel on CUDA
+        ref = eager(x.double())  # the eager formula on CPU, float64, same (rounded) inputs
+    assert y.dtype == dtype and y.shape == x.shape
+    assert relative_error(y.cpu(), ref) < tolerance
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(256, 2048), (256 * 2 * 11, 1024), (1, 2048)])
+def test_fused_rms_norm_matches_torch(cuda, rows, dim):
+    from engine.kernels import rms_norm
+
+    gen = torch.Generator(cuda).manual_seed(rows)
+    module = RMSNorm(dim, 1e-5).to(cuda, torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(dim, generator=gen, device=cuda) + 0.5)
+        x = (torch.randn(rows, dim, generator=gen, device=cuda) * 4).bfloat16()
+        ref = module(x)
+    y = rms_norm(x, module.weight, 1e-5)
+    assert y.dtype == torch.bfloat16
+    assert relative_error(y, ref.double()) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("batch", [1, 256])
+def test_fused_cfg_zero_euler_matches_torch(cuda, batch):
+    from engine.kernels import cfg_zero_euler_
+
+    gen = torch.Generator(cuda).manual_seed(batch)
+    x = torch.randn(batch, 4, 64, generator=gen, device=cuda)
+    v = torch.randn(2 * batch, 4, 64, generator=gen, device=cuda).bfloat16()
+    w = torch.rand(batch, generator=gen, device=cuda) * 3
+    v_cond, v_uncond = v[:batch].double(), v[batch:].double()
+    scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
+    ref = x.double() - 0.1 * (v_uncond * scale + w.double().view(batch, 1, 1) * (v_cond - v_uncond * scale))
+    cfg_zero_euler_(x, v, w, 0.1)
+    assert relative_error(x, ref) < 1e-6

@@ -1,0 +1,186 @@
+"""The Triton kernels on CPU under TRITON_INTERPRET=1: paged attention == TorchAttention; fused Snake, RMSNorm and
+CFG-Zero* + Euler == their eager torch formulas.
+
+Needs `triton` installed (the test extras pin it); without it these tests fail rather than skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from engine.model.attention import AttentionMetadata, TorchAttention, make_attention_backend
+from engine.model.audio_vae import Snake
+from engine.model.layers import RMSNorm
+
+# The interpreter itself trips a numpy deprecation on every scalar index; it says nothing about our kernels.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel modules, (re)imported with the interpreter on: triton reads the flag when kernels are decorated."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        names = ("engine.model.attention_triton", "engine.kernels")
+        yield [importlib.reload(sys.modules[n]) if n in sys.modules else importlib.import_module(n) for n in names]
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def paged_case(query_lens: list[int], cached_lens: list[int], page: int, q_heads: int, kv_heads: int,
+               head_dim: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu"):
+    """Random q/k/v and a random paged cache whose blocks are handed out in shuffled order (gen on `device`)."""
+    need = [-(-(q + c) // page) for q, c in zip(query_lens, cached_lens, strict=True)]
+    num_blocks = sum(need) + 2
+    order = torch.randperm(num_blocks, generator=gen, device=device).tolist()
+    tables, used = [], 0
+    for count in need:
+        tables.append(order[used:used + count])
+        used += count
+    meta = AttentionMetadata.build(query_lens, cached_lens, tables, page, device)
+    n = sum(query_lens)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    tensors = (rand(n, q_heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim),
+               rand(num_blocks, page, kv_heads, head_dim), rand(num_blocks, page, kv_heads, head_dim))
+    return tensors, meta
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+CASES = {  # name: (query_lens, cached_lens)
+    "decode": ([1, 1, 1, 1], [0, 6, 37, 90]),
+    "prefill": ([5, 23, 1], [0, 0, 0]),
+    "chunked_prefill": ([17, 9], [30, 4]),
+    "mixed": ([1, 12, 0, 1, 3], [50, 0, 7, 3, 20]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("head_dim", "q_heads", "page", "dtype"), [
+    (16, 4, 4, torch.float32), (64, 16, 16, torch.float16), (64, 16, 8, torch.float32), (24, 6, 4, torch.float16)])
+def test_triton_attention_matches_torch(kernels, case, head_dim, q_heads, page, dtype):
+    attention_triton, _ = kernels
+    gen = torch.Generator().manual_seed(sum(map(ord, case)) * 1000 + head_dim * 10 + page)
+    (q, k, v, k_cache, v_cache), meta = paged_case(*CASES[case], page, q_heads, 2, head_dim, dtype, gen)
+    ref_k, ref_v = k_cache.double(), v_cache.double()
+    ref = TorchAttention()(q.double(), k.double(), v.double(), ref_k, ref_v, meta)
+
+    out = attention_triton.TritonAttention(block_n=16)(q, k, v, k_cache, v_cache, meta)
+
+    assert out.dtype == dtype and out.shape == q.shape
+    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)  # new K/V stored
+
+
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_split_kv_decode_matches_torch(kernels, splits):
+    """Flash-decoding: KV ranges split across programs (some splits empty for short sequences), merged by LSE."""
+    attention_triton, _ = kernels
+    gen = torch.Generator().manual_seed(splits)
+    (q, k, v, k_cache, v_cache), meta = paged_case([1, 1, 1], [0, 40, 150], 8, 16, 2, 64, torch.float16, gen)
+    ref = TorchAttention()(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), meta)
+
+    out = attention_triton.TritonAttention(num_splits=splits, block_n=16)(q, k, v, k_cache, v_cache, meta)
+
+    assert relative_error(out, ref) < 3e-3
+
+
+def test_padded_graph_bucket(kernels):
+    """A CUDA-graph bucket pads the batch with empty sequences and over-states max_seqlen_q/k; the result holds."""
+    attention_triton, _ = kernels
+    gen = torch.Generator().manual_seed(7)
+    (q, k, v, k_cache, v_cache), meta = paged_case([1, 1, 0, 0], [9, 33, 0, 0], 8, 4, 2, 16, torch.float32, gen)
+    ref = TorchAttention()(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), meta)
+    meta.max_seqlen_k = 512
+
+    out = attention_triton.TritonAttention(num_splits=4, block_n=16)(q, k, v, k_cache, v_cache, meta)
+
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_bad_split_count_is_a_value_error(kernels):
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels[0].TritonAttention(num_splits=0)
+
+
+def test_cpu_selects_torch_attention():
+    assert isinstance(make_attention_backend("cpu"), TorchAttention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_snake_matches_torch(kernels, dtype):
+    _, fused = kernels
+    gen = torch.Generator().manual_seed(3)
+    module = Snake(5)
+    with torch.no_grad():
+        module.alpha.copy_(torch.rand(1, 5, 1, generator=gen) * 2 + 0.05)
+    x = (torch.randn(3, 5, 37, generator=gen) * 3).to(dtype)
+
+    y = fused.snake(x, module.alpha.detach())
+
+    with torch.no_grad():
+        ref = module(x.double())  # the eager formula (CPU path of Snake.forward), in float64
+    assert y.dtype == dtype and y.shape == x.shape
+    assert relative_error(y, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                     (torch.float16, torch.float32)])
+def test_fused_rms_norm_matches_torch(kernels, dtype, weight_dtype):
+    gen = torch.Generator().manual_seed(4)
+    module = RMSNorm(48, 1e-5).to(weight_dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(48, generator=gen) + 0.5)
+    x = (torch.randn(2, 5, 48, generator=gen) * 4).to(dtype)
+
+    y = kernels[1].rms_norm(x, module.weight.detach(), 1e-5)
+
+    with torch.no_grad():
+        ref = module(x)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert relative_error(y, ref.double()) < (1e-6 if ref.dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.float16])
+def test_fused_cfg_zero_euler_matches_torch(kernels, v_dtype):
+    gen = torch.Generator().manual_seed(5)
+    b, dt = 3, 0.0625
+    x = torch.randn(b, 4, 64, generator=gen)
+    v = torch.randn(2 * b, 4, 64, generator=gen).to(v_dtype)
+    w = torch.rand(b, generator=gen) * 3
+
+    v_cond, v_uncond = v[:b].double(), v[b:].double()  # CFG-Zero*: project the conditional onto the unconditional
+    scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
+    ref = x.double() - dt * (v_uncond * scale + w.double().view(b, 1, 1) * (v_cond - v_uncond * scale))
+    out = kernels[1].cfg_zero_euler_(x, v, w, dt)
+
+    assert out is x
+    assert relative_error(x, ref) < 1e-6
+
+
+def test_fused_kernels_reject_bad_shapes(kernels):
+    fused = kernels[1]
+    with pytest.raises(ValueError, match="snake needs"):
+        fused.snake(torch.zeros(2, 3, 4), torch.ones(4))
+    with pytest.raises(ValueError, match="rms_norm needs"):
+        fused.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="cfg_zero_euler_ needs"):
+        fused.cfg_zero_euler_(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2), 0.1)
+    with pytest.raises(ValueError, match="fp32 state"):
+        fused.cfg_zero_euler_(torch.zeros(2, 4, dtype=torch.float16), torch.zeros(4, 4), torch.ones(2), 0.1)
