@@ -1,0 +1,270 @@
+"""The `voxgate` command: `voxgate serve` (the gateway) and `voxgate say` (one utterance to a WAV file)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("voxgate")
+
+DEMO_WARNING = ("THE MODEL IS THE TINY BUILT-IN DEMO (random weights): the audio is NOT speech. "
+                "Pass --model DIR_OR_HF_ID for a real VoxCPM checkpoint.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.log_level, args.log_json)
+    try:
+        return asyncio.run(args.run(args))
+    except KeyboardInterrupt:
+        return 130
+    except CliError as e:
+        print(f"voxgate: error: {e}", file=sys.stderr)
+        return 2
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, no traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="voxgate", description="Real-time streaming speech from VoxCPM models.")
+    sub = ap.add_subparsers(required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
+        p.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="model directory or Hugging Face id (default: VoxCPM2 on a GPU, else the "
+                                       "tiny demo model)")
+        p.add_argument("--devices", help="CUDA device indices, e.g. 0,1 (one engine worker per GPU)")
+        p.add_argument("--max-num-seqs", type=int, default=None, help="concurrent requests per worker")
+        p.add_argument("--timesteps", type=int, default=None, help="diffusion steps per patch (default 10)")
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    engine_args(serve)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-keys-file", help="file with one API key per line (default: no authentication)")
+    serve.add_argument("--max-sessions", type=int, default=1000)
+    serve.add_argument("--max-sessions-per-key", type=int, default=100)
+    serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds turns may take to finish on SIGTERM (default 10)")
+    serve.add_argument("--web-client", help="folder of the browser client to serve at / (default: web_client/)")
+    common(serve)
+    serve.set_defaults(run=_serve)
+
+    say = sub.add_parser("say", help="speak a text into a WAV file")
+    say.add_argument("text", nargs="?", help="the text (default: read stdin)")
+    say.add_argument("-o", "--output", required=True, help="output WAV file")
+    engine_args(say)
+    say.add_argument("--prompt-wav", help="voice prompt audio (continuation: also give --prompt-text)")
+    say.add_argument("--prompt-text", help="transcript of --prompt-wav")
+    say.add_argument("--reference-wav", help="reference voice audio (VoxCPM2)")
+    say.add_argument("--server", help="speak through a running gateway, e.g. ws://127.0.0.1:8080")
+    say.add_argument("--api-key", help="API key for --server")
+    say.add_argument("--seed", type=int, default=None)
+    say.add_argument("--cfg", type=float, default=2.0)
+    common(say)
+    say.set_defaults(run=_say)
+    return ap
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if as_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    numeric = getattr(logging, level.upper(), None)
+    if not isinstance(numeric, int):
+        raise SystemExit(f"voxgate: error: unknown --log-level {level!r}")
+    logging.basicConfig(level=numeric, handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(max(numeric, logging.WARNING))
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs: dict = {}
+    if args.devices:
+        try:
+            kwargs["devices"] = [int(d) for d in args.devices.split(",")]
+        except ValueError:
+            raise CliError(f"--devices {args.devices!r}: expected indices like 0,1") from None
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.timesteps:
+        kwargs["inference_timesteps"] = args.timesteps
+    return kwargs
+
+
+async def _start_engine(args: argparse.Namespace):
+    from engine import Engine, EngineError
+
+    try:
+        engine = Engine.from_pretrained(args.model, **_engine_kwargs(args))
+        await engine.wait_for_ready()
+    except (EngineError, OSError, ValueError) as e:
+        raise CliError(f"cannot start the engine: {e}") from None
+    info = engine.model_info()
+    if info.is_demo:
+        log.warning(DEMO_WARNING)
+    return engine
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from gateway.auth import Auth
+    from gateway.protocol import Limits
+    from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
+    from gateway.session import SessionConfig
+
+    try:
+        auth = Auth.from_file(args.api_keys_file) if args.api_keys_file else Auth()
+    except (OSError, ValueError) as e:
+        raise CliError(f"--api-keys-file: {e}") from None
+    if not auth.enabled:
+        log.warning("no --api-keys-file: every client may connect (fine on localhost or a trusted network)")
+    config = ServerConfig(session=SessionConfig(limits=Limits(idle_timeout_s=args.idle_timeout)),
+                          max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
+                          shutdown_timeout_s=args.shutdown_timeout,
+                          web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR)
+    engine = await _start_engine(args)
+    try:
+        runner, port = await start_server(create_app(engine, config, auth=auth, compat=True), args.host, args.port,
+                                          shutdown_timeout_s=args.shutdown_timeout + 5)
+    except OSError as e:
+        await engine.stop()
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    info = engine.model_info()
+    print(f"voxgate: serving {info.name} ({info.sample_rate} Hz) on http://{args.host}:{port} "
+          f"(WebSocket /v1/stream)", file=sys.stderr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("voxgate: shutting down (finishing turns in progress)", file=sys.stderr)
+    await runner.cleanup()  # stops listening, then drains sessions (on_shutdown), then closes connections
+    await engine.stop()
+    return 0
+
+
+def _read_text(args: argparse.Namespace) -> str:
+    text = args.text if args.text is not None else sys.stdin.read()
+    if not text.strip():
+        raise CliError("no text to speak (give it as an argument or on stdin)")
+    return text
+
+
+def _read_file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise CliError(f"{path}: {e}") from None
+
+
+async def _say(args: argparse.Namespace) -> int:
+    import soundfile
+
+    text = _read_text(args)
+    if (args.prompt_wav is None) != (args.prompt_text is None):
+        raise CliError("--prompt-wav and --prompt-text go together")
+    if args.server:
+        audio, rate, ttfb_s, wall_s, demo = await _say_remote(args, text)
+    else:
+        audio, rate, ttfb_s, wall_s, demo = await _say_local(args, text)
+    soundfile.write(args.output, audio, rate, subtype="PCM_16")
+    seconds = len(audio) / rate
+    rtf = wall_s / seconds if seconds else float("nan")
+    print(f"wrote {args.output}: {seconds:.2f} s at {rate} Hz; TTFB {ttfb_s * 1000:.0f} ms, RTF {rtf:.3f}"
+          + ("  [tiny demo model: the audio is NOT speech]" if demo else ""))
+    return 0
+
+
+async def _say_local(args: argparse.Namespace, text: str) -> tuple[np.ndarray, int, float, float, bool]:
+    from engine import EngineError
+
+    engine = await _start_engine(args)
+    try:
+        kwargs: dict = {"cfg_value": args.cfg, "seed": args.seed}
+        if args.prompt_wav:
+            kwargs.update(prompt_audio=_read_file(args.prompt_wav), prompt_text=args.prompt_text)
+        if args.reference_wav:
+            kwargs["reference_audio"] = _read_file(args.reference_wav)
+        chunks: list[np.ndarray] = []
+        t0 = time.perf_counter()
+        ttfb = 0.0
+        try:
+            async for chunk in engine.generate(text, **kwargs):
+                if not chunks:
+                    ttfb = time.perf_counter() - t0
+                chunks.append(chunk.audio)
+        except EngineError as e:
+            raise CliError(str(e)) from None
+        wall = time.perf_counter() - t0
+        info = engine.model_info()
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        return audio, info.sample_rate, ttfb, wall, info.is_demo
+    finally:
+        await engine.stop()
+
+
+async def _say_remote(args: argparse.Namespace, text: str) -> tuple[np.ndarray, int, float, float, bool]:
+    import aiohttp
+
+    from gateway.client import ServerError, VoxgateClient
+
+    base = args.server.rstrip("/")
+    http = base.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    voice = None
+    ref = args.prompt_wav or args.reference_wav
+    if ref:  # the gateway speaks stored voices: upload the prompt first
+        async with aiohttp.ClientSession(headers=headers) as http_session:
+            params = {"text": args.prompt_text} if args.prompt_text else {}
+            async with http_session.post(f"{http}/v1/voices", data=_read_file(ref), params=params) as r:
+                body = await r.json()
+                if r.status != 201:
+                    raise CliError(f"voice upload failed: {body.get('error', body)}")
+                voice = body["voice_id"]
+    rate = 48000
+    try:
+        client = await VoxgateClient.connect(f"{base}/v1/stream", api_key=args.api_key)
+    except Exception as e:
+        raise CliError(f"cannot connect to {base}/v1/stream: {e}") from None
+    async with client:
+        try:
+            started = await client.start(voice=voice, output={"format": "pcm_s16le", "sample_rate": rate},
+                                         generation={"cfg_value": args.cfg, "seed": args.seed})
+            t0 = time.perf_counter()
+            utt = await client.speak(text, "say", timeout=600)
+        except ServerError as e:
+            raise CliError(f"server: {e}") from None
+        wall = time.perf_counter() - t0
+    pcm = np.frombuffer(b"".join(utt.payloads), dtype="<i2").astype(np.float32) / 32768.0
+    demo = bool(started.get("model", {}).get("demo"))
+    if demo:
+        log.warning(DEMO_WARNING)
+    return pcm, rate, (utt.ttfb_ms or 0.0) / 1000.0, wall, demo
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""ElevenLabs-compatible streaming WebSockets: `/v1/text-to-speech/{voice_id}/stream-input` (one utterance per
+socket) and `/multi-stream-input` (contexts). Pipecat's and LiveKit's ElevenLabs plugins work with only a URL change.
+
+Client -> native: the init message (`text: " "`, `voice_settings`, `generation_config.chunk_length_schedule`,
+`xi_api_key`) sets up the session (schedule -> chunking.schedule); text -> text.append; `flush` -> text.flush;
+stream-input's `text: ""` (end of input) -> context.end; multi-stream's `text: ""` is a keepalive -> ping;
+`close_context` -> context.end when everything sent was flushed (Pipecat's end of turn: flush, then close), else
+context.cancel (a barge-in: the unflushed rest is dropped, audio stops now); `close_socket` -> close.
+Native -> client: audio frames -> {"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null,
+"contextId"}; context.done / context.cancelled -> {"isFinal": true, "contextId"}; error -> {"message", "error",
+"code"} and a close with that code (1008 for the client's mistakes and auth, 1011 for server faults).
+`voice_settings` (stability, similarity, style, speed) have no VoxCPM equivalent and are accepted and ignored;
+a `voice_id` that is not a stored voice speaks with the default voice."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
+from gateway.compat import AuthError, Transcoder, check_api_key, gateway_of, native, refusal
+from gateway.protocol import ErrorCode
+from gateway.session import Session, voice_ids
+
+log = logging.getLogger("voxgate.compat.elevenlabs")
+
+DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
+DEFAULT_INACTIVITY_S = 20
+MAX_INACTIVITY_S = 180
+MAX_CONTEXTS = 5  # ElevenLabs' limit per multi-stream socket
+SINGLE_CONTEXT = "0"  # the one context of a stream-input socket
+DEFAULT_CONTEXT = "default"  # multi-stream messages without a context_id
+POLICY_VIOLATION, INTERNAL_ERROR = 1008, 1011
+# native error code -> ElevenLabs' error name; unlisted codes keep the native name
+_ERROR_NAMES = {
+    ErrorCode.UNAUTHORIZED: "invalid_api_key",
+    ErrorCode.IDLE_TIMEOUT: "input_timeout_exceeded",
+    ErrorCode.TOO_MANY_CONTEXTS: "max_active_conversations",
+    ErrorCode.BAD_JSON: "invalid_message",
+    ErrorCode.INVALID_VALUE: "invalid_request",
+}
+_SERVER_FAULTS = {ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL_ERROR, ErrorCode.OVERLOADED, ErrorCode.SERVER_SHUTDOWN}
+
+
+class ElevenLabsError(Exception):
+    def __init__(self, error: str, message: str, code: int = POLICY_VIOLATION):
+        super().__init__(message)
+        self.error, self.message, self.code = error, message, code
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """An ElevenLabs `output_format`: what the session sends, and the container wrapped around it (if any)."""
+
+    native: dict[str, Any]  # session.start "output"
+    container: OutputFormat | None  # mp3 / Ogg Opus: made from the session's PCM per context
+
+
+def parse_output_format(name: str) -> WireFormat:
+    """pcm_<rate>, ulaw_8000, alaw_8000, mp3_<rate>_<kbps>, opus_48000_<kbps>; ElevenLabsError otherwise."""
+    m = re.fullmatch(r"(pcm|ulaw|alaw|mp3|opus)_(\d+)(?:_(\d+))?", name)
+    kind, rate, kbps = (m.group(1), int(m.group(2)), int(m.group(3) or 0)) if m else ("", 0, 0)
+    if kind == "pcm" and not kbps and rate in PCM_RATES:
+        return WireFormat({"format": "pcm_s16le", "sample_rate": rate}, None)
+    if kind in ("ulaw", "alaw") and not kbps and rate == 8000:
+        return WireFormat({"format": "mulaw" if kind == "ulaw" else "alaw", "sample_rate": 8000}, None)
+    if kind in ("mp3", "opus") and 8 <= kbps <= 320 and rate in (MP3_RATES if kind == "mp3" else (48000,)):
+        if kind == "mp3" and not av_available():
+            raise ElevenLabsError("invalid_output_format", "mp3 output needs PyAV on the server (`pip install av`); "
+                                  "ask for pcm_<rate> or opus_48000_<kbps>")
+        container = OutputFormat.from_dict({"format": "mp3" if kind == "mp3" else "ogg_opus", "sample_rate": rate,
+                                            "bitrate": kbps * 1000})
+        return WireFormat({"format": "pcm_s16le", "sample_rate": rate}, container)
+    raise ElevenLabsError("invalid_output_format", f"output_format {name!r} is not supported; use pcm_<8000|16000|"
+                          "22050|24000|44100|48000>, ulaw_8000, alaw_8000, mp3_<rate>_<kbps> or opus_48000_<kbps>")
+
+
+def _inactivity(value: str | None) -> float:
+    if value is None:
+        return DEFAULT_INACTIVITY_S
+    if not value.isdigit() or not 1 <= int(value) <= MAX_INACTIVITY_S:
+        raise ElevenLabsError("invalid_request", f"inactivity_timeout must be an integer from 1 to {MAX_INACTIVITY_S}")
+    return float(value)
+
+
+@dataclass
+class _Context:
+    index: int | None = None  # the native context's frame index, once context.started arrived
+    opened: bool = False  # text.append sent (the native turn exists)
+    unflushed: bool = False  # text arrived since the last flush
+    transcoder: Transcoder | None = None
+
+
+class Bridge:
+    """One ElevenLabs socket: translates its messages for the session, and is the session's Transport."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, voice_id: str, multi: bool,
+                 wire: WireFormat, authed_key: str | None):
+        self.request, self.ws, self.multi, self.wire = request, ws, multi, wire
+        self.voice_id = voice_id
+        self.key = authed_key  # None until the first message's xi_api_key is checked
+        self.session: Session | None = None
+        self.contexts: dict[str, _Context] = {}
+        self.by_index: dict[int, str] = {}
+        self.closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------------------------------------ client -> us
+
+    async def handle(self, raw: str | bytes) -> None:
+        try:
+            message = self._parse(raw)
+            if self.key is None:
+                self.key = self._authenticate(message)
+            if self.session is None:
+                await self._start(message)
+            await self._dispatch(message)
+        except ElevenLabsError as e:
+            await self.fail(e)
+
+    def _parse(self, raw: str | bytes) -> dict[str, Any]:
+        if isinstance(raw, bytes):
+            raise ElevenLabsError("invalid_message", "send JSON text messages, not binary")
+        try:
+            message = json.loads(raw)
+        except ValueError as e:
+            raise ElevenLabsError("invalid_message", f"invalid JSON: {e}") from None
+        if not isinstance(message, dict):
+            raise ElevenLabsError("invalid_message", "a message must be a JSON object")
+        for name, types in (("text", str), ("context_id", str), ("flush", bool), ("close_context", bool),
+                            ("close_socket", bool), ("try_trigger_generation", bool), ("voice_settings", dict),
+                            ("generation_config", dict), ("xi_api_key", str)):
+            if message.get(name) is not None and not isinstance(message[name], types):
+                raise ElevenLabsError("invalid_message", f"field '{name}' must be a {types.__name__}")
+        return message
+
+    def _authenticate(self, message: dict[str, Any]) -> str:
+        gw = gateway_of(self.request)
+        try:
+            key = check_api_key(gw, message.get("xi_api_key"))
+        except AuthError as e:
+            gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+            raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header or "
+                                  "xi_api_key in the first message") from None
+        reason = refusal(gw, key)
+        if reason is not None:
+            raise ElevenLabsError("max_concurrency_exceeded", reason, INTERNAL_ERROR if gw.draining else
+                                  POLICY_VIOLATION)
+        return key
+
+    async def _start(self, first: dict[str, Any]) -> None:
+        gw = gateway_of(self.request)
+        chunking = _chunking(first.get("generation_config"))
+        limits = dataclasses.replace(gw.config.limits, idle_timeout_s=_inactivity(
+            self.request.query.get("inactivity_timeout")), max_contexts=MAX_CONTEXTS if self.multi else 1)
+        self.session = Session(gw.engine, self, dataclasses.replace(gw.config.session, limits=limits),
+                               metrics=gw.metrics)
+        self.session.open()
+        gw.sessions.add(self.session)  # counted like a native session (limits, readiness, shutdown drain)
+        gw.per_key[self.key] += 1
+        stored = voice_ids(await _maybe_await(gw.engine.list_voices()))
+        await self._receive(native("session.start", voice=self.voice_id if self.voice_id in stored else None,
+                                   output=self.wire.native, chunking=chunking))
+
+    async def _dispatch(self, m: dict[str, Any]) -> None:
+        if m.get("close_socket"):
+            await self.close(1000, "close_socket")
+            return
+        cid = m.get("context_id") or (DEFAULT_CONTEXT if self.multi else SINGLE_CONTEXT)
+        ctx = self.contexts.get(cid)
+        if m.get("close_context"):
+            await self._close_context(cid, ctx)
+            return
+        text = m.get("text")
+        if text == "":
+            if not self.multi:  # end of input: speak the rest, then isFinal and close
+                await self._end(cid, ctx)
+            else:
+                await self._receive(native("ping"))
+        elif text is not None:
+            if ctx is None or not ctx.opened:
+                if ctx is None and m.get("generation_config") is not None and self.multi:
+                    await self._receive(native("session.update", chunking=_chunking(m["generation_config"])))
+                ctx = self.contexts.setdefault(cid, _Context())
+                if not text.strip():  # the init message: the context opens with its first words
+                    return
+                ctx.opened = True
+            ctx.unflushed = True
+            await self._receive(native("text.append", context_id=cid, text=text))
+        if m.get("flush") and ctx is not None and ctx.opened:
+            ctx.unflushed = False
+            await self._receive(native("text.flush", context_id=cid))
+
+    async def _end(self, cid: str, ctx: _Context | None) -> None:
+        if ctx is not None and ctx.opened:
+            await self._receive(native("context.end", context_id=cid))
+        else:  # nothing was said: the utterance is over at once
+            await self._final(cid)
+
+    async def _close_context(self, cid: str, ctx: _Context | None) -> None:
+        if ctx is None or not ctx.opened:
+            self.contexts.pop(cid, None)
+            await self._final(cid)
+        elif ctx.unflushed:
+            await self._receive(native("context.cancel", context_id=cid))
+        else:
+            await self._receive(native("context.end", context_id=cid))
+
+    async def _receive(self, message: str) -> None:
+        assert self.session is not None
+        await self.session.receive(message)
+
+    # ------------------------------------------------------------------------------------------------ us -> client
+    # (the session's Transport)
+
+    async def send_text(self, data: str) -> None:
+        m = json.loads(data)
+        kind, cid = m.get("type"), m.get("context_id")
+        if kind == "context.started":
+            ctx = self.contexts.setdefault(cid, _Context(opened=True))
+            ctx.index = m["index"]
+            ctx.transcoder = Transcoder(self.wire.container) if self.wire.container is not None else None
+            self.by_index[ctx.index] = cid
+        elif kind in ("context.done", "context.cancelled"):
+            ctx = self.contexts.pop(cid, None)
+            if ctx is not None and ctx.index is not None:
+                self.by_index.pop(ctx.index, None)
+                if kind == "context.done" and ctx.transcoder is not None:
+                    await self._audio(cid, ctx.transcoder.finish())
+            await self._final(cid)
+            if not self.multi:
+                self._background(self.close(1000, "done"))
+        elif kind == "error":
+            code = m.get("code", "")
+            await self.fail(ElevenLabsError(_ERROR_NAMES.get(code, code), m.get("message", ""),
+                                            INTERNAL_ERROR if code in _SERVER_FAULTS else POLICY_VIOLATION))
+
+    async def send_bytes(self, data: bytes) -> None:
+        index = unpack_frame_header(data)[2]
+        cid = self.by_index.get(index)
+        ctx = self.contexts.get(cid) if cid is not None else None
+        if ctx is None:
+            return
+        payload = bytes(data[HEADER_SIZE:])
+        await self._audio(cid, ctx.transcoder.write(payload) if ctx.transcoder is not None else payload)
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closing = True
+        if self.session is not None and not self.session.closed:
+            await self.session.close(code, reason)  # comes back here through the transport
+            return
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, message=reason.encode()[:120])
+
+    def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+    async def fail(self, e: ElevenLabsError) -> None:
+        """ElevenLabs reports an error as a JSON message, then closes the socket with the code."""
+        if self.closing:
+            return
+        self.closing = True  # no more client messages are read
+        log.info("elevenlabs socket error %s: %s", e.error, e.message)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.send_str(json.dumps({"message": e.message, "error": e.error,
+                                                                "code": e.code})), 1.0)
+        self._background(self.close(e.code, e.message))
+
+    async def _audio(self, cid: str, payload: bytes) -> None:
+        if payload:
+            message = {"audio": base64.b64encode(payload).decode(), "isFinal": False, "normalizedAlignment": None,
+                       "alignment": None}
+            if self.multi:
+                message["contextId"] = cid
+            await self.ws.send_str(json.dumps(message))
+
+    async def _final(self, cid: str) -> None:
+        await self.ws.send_str(json.dumps({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True}))
+
+    async def release(self) -> None:
+        """The socket is gone: stop the session and give back its place."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a close in progress keeps its code
+        if self.session is not None:
+            await self.session.close(1000, "")
+            gw = gateway_of(self.request)
+            gw.sessions.discard(self.session)
+            gw.per_key[self.key] -= 1
+            if gw.per_key[self.key] <= 0:
+                del gw.per_key[self.key]
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)  # not from inside the session's own send: it would wait on itself
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _chunking(generation_config: dict[str, Any] | None) -> dict[str, Any]:
+    """ElevenLabs' chunk_length_schedule (characters before each of the first segments) -> native chunking."""
+    schedule = (generation_config or {}).get("chunk_length_schedule")
+    if schedule is None:
+        return {}
+    if not isinstance(schedule, list) or not schedule or not all(type(v) is int and 1 <= v <= 8000 for v in schedule):
+        raise ElevenLabsError("invalid_request", "generation_config.chunk_length_schedule must be a non-empty list "
+                              "of positive integers")
+    return {"schedule": schedule, "max_chars": max(300, *schedule)}
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) else x
+
+
+# ---------------------------------------------------------------------------------------------------- handlers
+
+
+async def stream_input(request: web.Request) -> web.StreamResponse:
+    """/v1/text-to-speech/{voice_id}/stream-input: one utterance, ended by `text: ""`."""
+    return await _serve(request, multi=False)
+
+
+async def multi_stream_input(request: web.Request) -> web.StreamResponse:
+    """/v1/text-to-speech/{voice_id}/multi-stream-input: up to 5 contexts over one socket."""
+    return await _serve(request, multi=True)
+
+
+async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
+    gw = gateway_of(request)
+    limits = gw.config.limits
+    ws = web.WebSocketResponse(max_msg_size=2 * limits.max_message_bytes + 65536, compress=False, autoping=True)
+    await ws.prepare(request)
+    bridge = Bridge(request, ws, request.match_info["voice_id"], multi, WireFormat({}, None), None)
+    try:
+        bridge.wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
+        _inactivity(request.query.get("inactivity_timeout"))
+        header_key = request.headers.get("xi-api-key")
+        if header_key is not None or not gw.auth.enabled:  # else: xi_api_key in the first message
+            bridge.key = bridge._authenticate({"xi_api_key": header_key})
+    except ElevenLabsError as e:
+        await bridge.fail(e)
+        await bridge.release()
+        return ws
+    try:
+        async for msg in ws:
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                await bridge.handle(msg.data)
+            elif msg.type == WSMsgType.ERROR:
+                break
+            if bridge.closing or bridge.session is not None and bridge.session.closed:
+                break
+    finally:
+        await bridge.release()
+    return ws
+
+
+def register(app: web.Application) -> None:
+    app.router.add_get("/v1/text-to-speech/{voice_id}/stream-input", stream_input)
+    app.router.add_get("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input)

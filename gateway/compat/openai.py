@@ -1,0 +1,310 @@
+"""OpenAI-compatible speech API: `POST /v1/audio/speech` (audio streamed as it is made, or SSE), `GET /v1/models`,
+`GET /v1/audio/voices`. Errors in OpenAI's form: HTTP status + {"error": {"message", "type", "param", "code"}}.
+
+One request is one native session with one turn: session.start asking for PCM at the container's rate, the input as
+text.append pieces, context.end. The session's PCM frames are wrapped into the requested container (gateway.audio's
+Encoder). An HTTP client buffers what it downloads, so the session runs with no lead limit: audio leaves as fast as
+the engine makes it, and a client that stops reading still holds the session back through the bounded inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.audio import HEADER_SIZE, OutputFormat, av_available
+from gateway.compat import AuthError, Transcoder, gateway_of, native, refusal, tracked
+from gateway.protocol import ErrorCode
+from gateway.session import Session, voice_ids
+
+log = logging.getLogger("voxgate.compat.openai")
+
+BUILTIN_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
+                  "marin", "cedar")  # all speak with the model's default voice
+MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted (any model name is), listed for clients that check
+MAX_INPUT_CHARS = 4096  # OpenAI's limit
+# response_format -> (gateway.audio format, sample rate, content type); OpenAI's "opus" is Ogg Opus, "pcm" 24 kHz s16le
+RESPONSE_FORMATS = {
+    "mp3": ("mp3", 24000, "audio/mpeg"),
+    "opus": ("ogg_opus", 48000, "audio/ogg"),
+    "aac": ("aac", 24000, "audio/aac"),
+    "flac": ("flac", 24000, "audio/flac"),
+    "wav": ("wav", 24000, "audio/wav"),
+    "pcm": ("pcm_s16le", 24000, "audio/pcm"),
+}
+INBOX_SIZE = 64  # session messages waiting for the HTTP writer: beyond this the session waits (backpressure)
+# `generation` is voxgate's extension: the native session's generation settings (seed, cfg_value, ...)
+_FIELDS = {"model", "input", "voice", "instructions", "response_format", "speed", "stream_format", "generation"}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON form."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+# native error codes that are not the client's fault -> (HTTP status, OpenAI error type); every other code is a 400
+_SERVER_ERRORS = {
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_exceeded"),
+    ErrorCode.OVERLOADED: (503, "server_error"),
+    ErrorCode.SERVER_SHUTDOWN: (503, "server_error"),
+    ErrorCode.ENGINE_ERROR: (500, "server_error"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error"),
+    ErrorCode.SLOW_CONSUMER: (500, "server_error"),
+    ErrorCode.IDLE_TIMEOUT: (500, "server_error"),
+}
+
+
+def _from_native(event: dict[str, Any], param: str | None = "input") -> OpenAIError:
+    code = str(event.get("code", ErrorCode.INTERNAL_ERROR))
+    status, kind = _SERVER_ERRORS.get(code, (400, "invalid_request_error"))  # type: ignore[call-overload]
+    if code == ErrorCode.UNKNOWN_VOICE:
+        param = "voice"
+    return OpenAIError(status, str(event.get("message", "error")), type=kind, param=param if status == 400 else None,
+                       code=code)
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    model: str
+    input: str
+    voice: str | None  # a stored voice id, or None for the default voice
+    response_format: str = "mp3"
+    stream_format: str = "audio"
+    generation: dict[str, Any] = dataclasses.field(default_factory=dict)  # checked by the session
+
+
+def parse_speech_request(body: Any, stored_voices: set[str]) -> SpeechRequest:
+    """Validate a /v1/audio/speech body the way OpenAI does; OpenAIError (400) names the bad parameter."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                          code="unknown_parameter")
+    model, text, voice = (_required_str(body, name) for name in ("model", "input", "voice"))
+    if not text.strip():
+        raise OpenAIError(400, "input must contain text to speak", param="input", code="invalid_value")
+    if len(text) > MAX_INPUT_CHARS:
+        raise OpenAIError(400, f"input has {len(text)} characters; the maximum is {MAX_INPUT_CHARS}", param="input",
+                          code="string_above_max_length")
+    voice_id = _voice(voice, stored_voices)
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise OpenAIError(400, "instructions must be a string", param="instructions", code="invalid_type")
+    fmt = body.get("response_format", "mp3")
+    if fmt not in RESPONSE_FORMATS:
+        raise OpenAIError(400, f"response_format {fmt!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+                          param="response_format", code="invalid_value")
+    if fmt in ("mp3", "aac", "flac") and not av_available():
+        raise OpenAIError(400, f"response_format {fmt!r} needs PyAV on the server (`pip install av`); use wav, pcm "
+                          "or opus", param="response_format", code="unsupported_value")
+    speed = body.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not math.isfinite(speed) \
+            or not 0.25 <= speed <= 4.0:
+        raise OpenAIError(400, "speed must be a number from 0.25 to 4.0", param="speed", code="invalid_value")
+    if speed != 1.0:  # time-stretching would cost quality and latency; say so instead of ignoring it
+        raise OpenAIError(400, "voxgate speaks at the model's natural pace: speed must be 1.0", param="speed",
+                          code="unsupported_value")
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in ("audio", "sse"):
+        raise OpenAIError(400, "stream_format must be 'audio' or 'sse'", param="stream_format", code="invalid_value")
+    generation = body.get("generation", {})
+    if not isinstance(generation, dict):
+        raise OpenAIError(400, "generation must be an object", param="generation", code="invalid_type")
+    return SpeechRequest(model, text, voice_id, fmt, stream_format, generation)
+
+
+def _required_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if name == "voice" and isinstance(value, dict):  # {"id": "voice_1234"}: a custom voice reference
+        value = value.get("id")
+    if value is None:
+        raise OpenAIError(400, f"you must provide '{name}'", param=name, code="missing_required_parameter")
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(400, f"'{name}' must be a non-empty string", param=name, code="invalid_type")
+    return value
+
+
+def _voice(voice: str, stored: set[str]) -> str | None:
+    if voice in stored:
+        return voice
+    if voice.lower() in BUILTIN_VOICES or voice == "default":
+        return None
+    raise OpenAIError(400, f"voice {voice!r} is neither a built-in voice ({', '.join(BUILTIN_VOICES)}) nor a stored "
+                      "voice (see GET /v1/audio/voices; create one with POST /v1/voices)", param="voice",
+                      code="invalid_value")
+
+
+class Inbox:
+    """The session's transport for one HTTP request: what the session sends, queued for the response writer."""
+
+    def __init__(self, request: web.Request, size: int = INBOX_SIZE):
+        self.request = request
+        self.queue: asyncio.Queue[dict[str, Any] | bytes | None] = asyncio.Queue(size)
+        self.closed = False
+
+    async def send_text(self, data: str) -> None:
+        await self.queue.put(json.loads(data))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.queue.put(bytes(data[HEADER_SIZE:]))  # one turn per request: the header says nothing new
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = True
+        with contextlib.suppress(asyncio.QueueFull):  # a full queue: next() sees `closed` once it is drained
+            self.queue.put_nowait(None)
+
+    def abort(self) -> None:
+        """The client stopped reading (the session's stall timeout): drop the connection, so a blocked write ends."""
+        self.closed = True
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+    async def next(self, param: str | None = "input") -> dict[str, Any] | bytes:
+        """The next audio payload or meaningful event; OpenAIError for a native error (blaming `param`) or the
+        session closing."""
+        while True:
+            item = None if self.closed and self.queue.empty() else await self.queue.get()
+            if item is None:
+                raise OpenAIError(500, "the synthesis session closed unexpectedly", type="server_error")
+            if isinstance(item, bytes) or item.get("type") in ("session.started", "context.done"):
+                return item
+            if item.get("type") == "error":
+                raise _from_native(item, param)
+
+
+# ---------------------------------------------------------------------------------------------------- handlers
+
+
+async def speech(request: web.Request) -> web.StreamResponse:
+    """POST /v1/audio/speech."""
+    gw = gateway_of(request)
+    try:
+        key = _authenticate(request)
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise OpenAIError(400, "the request body is not valid JSON") from None
+        req = parse_speech_request(body, voice_ids(await _maybe_await(gw.engine.list_voices())))
+        reason = refusal(gw, key)
+        if reason is not None:
+            raise OpenAIError(503 if gw.draining else 429, reason, type="server_error" if gw.draining else
+                              "rate_limit_exceeded", code=str(ErrorCode.OVERLOADED))
+    except OpenAIError as e:
+        return e.response()
+    inbox = Inbox(request)
+    config = dataclasses.replace(gw.config.session, max_lead_ms=math.inf, max_lead_ms_telephony=math.inf)
+    session = Session(gw.engine, inbox, config, metrics=gw.metrics)
+    session.open()
+    with tracked(gw, session, key):
+        try:
+            return await _speak(request, session, inbox, req)
+        except OpenAIError as e:  # before the first byte: the status can still say what went wrong
+            return e.response()
+        finally:
+            pass
+
+
+async def _speak(request: web.Request, session: Session, inbox: Inbox, req: SpeechRequest) -> web.StreamResponse:
+    container, rate, content_type = RESPONSE_FORMATS[req.response_format]
+    await session.receive(native("session.start", voice=req.voice, generation=req.generation,
+                                 output={"format": "pcm_s16le", "sample_rate": rate}))
+    await inbox.next(param="generation")  # session.started, or the error (unknown voice, bad generation, ...)
+    step = session.limits.max_text_chars
+    for i in range(0, len(req.input), step):
+        await session.receive(native("text.append", context_id="speech", text=req.input[i:i + step]))
+    await session.receive(native("context.end", context_id="speech"))
+    first = await inbox.next()  # wait for audio, so an engine refusal still gets a proper status
+    sse = req.stream_format == "sse"
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else content_type,
+                                           "Cache-Control": "no-cache"})
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    transcoder = Transcoder(OutputFormat.from_dict({"format": container, "sample_rate": rate}))
+    item: dict[str, Any] | bytes = first
+    try:
+        while isinstance(item, bytes):
+            await _write(response, transcoder.write(item), sse)
+            item = await inbox.next()
+        await _write(response, transcoder.finish(), sse)
+        if sse:
+            audio_ms = float(item.get("audio_ms", 0.0))
+            patches = round(audio_ms / (session.model_info.patch_ms or 1.0))
+            usage = {"input_tokens": len(req.input), "output_tokens": patches,
+                     "total_tokens": len(req.input) + patches}
+            await response.write(_sse({"type": "speech.audio.done", "usage": usage}))
+        await response.write_eof()
+    except OpenAIError as e:  # mid-stream: the status is sent; end the body early rather than hang
+        log.info("speech stream ended early: %s", e.message)
+    except ConnectionError:  # the client went away; closing the session cancels the engine request
+        await asyncio.sleep(30)
+    return response
+
+
+async def _write(response: web.StreamResponse, data: bytes, sse: bool) -> None:
+    if data:
+        await response.write(_sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                             if sse else data)
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+def _authenticate(request: web.Request) -> str:
+    gw = gateway_of(request)
+    try:
+        return gw.auth.check_key(request.headers.get("Authorization"))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        raise OpenAIError(401, f"Incorrect API key provided: {e}", code="invalid_api_key") from None
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the served model (by architecture) and the OpenAI names it answers to."""
+    try:
+        _authenticate(request)
+    except OpenAIError as e:
+        return e.response()
+    info = gateway_of(request).engine.model_info()
+    names = [info.architecture, *MODEL_ALIASES]
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "voxgate"} for name in names]})
+
+
+async def voices(request: web.Request) -> web.Response:
+    """GET /v1/audio/voices: stored voices (usable as `voice`), then the built-in names (the default voice)."""
+    try:
+        _authenticate(request)
+    except OpenAIError as e:
+        return e.response()
+    stored = sorted(voice_ids(await _maybe_await(gateway_of(request).engine.list_voices())))
+    data = [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "audio_sample"} for v in stored]
+    data += [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "builtin"}
+             for v in BUILTIN_VOICES]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) else x
+
+
+def register(app: web.Application) -> None:
+    app.router.add_post("/v1/audio/speech", speech)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/audio/voices", voices)

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the gateway (served at /metrics). One registry per application, so several servers (tests)
+can live in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+# latency buckets (seconds) around what voice agents care about: tens to hundreds of milliseconds
+_LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.sessions = Gauge("voxgate_sessions", "Open WebSocket sessions", registry=r)
+        self.turns = Counter("voxgate_turns", "Turns (contexts) opened", registry=r)
+        self.turns_done = Counter("voxgate_turns_finished", "Turns finished, by outcome", ["outcome"], registry=r)
+        self.ttfb = Histogram("voxgate_ttfb_seconds", "First text of a turn -> first audio frame sent",
+                              buckets=_LATENCY, registry=r)
+        self.engine_ttfb = Histogram("voxgate_engine_ttfb_seconds", "Engine request -> first audio chunk",
+                                     buckets=_LATENCY, registry=r)
+        self.gap = Histogram("voxgate_playout_gap_seconds", "Estimated mid-turn silences the gateway caused",
+                             buckets=_LATENCY, registry=r)
+        self.rtf = Histogram("voxgate_turn_rtf", "Engine time / audio time per turn", buckets=_RTF, registry=r)
+        self.errors = Counter("voxgate_errors", "Errors sent to clients, by code", ["code"], registry=r)
+        self.http_requests = Counter("voxgate_http_requests", "HTTP API requests", ["route", "status"], registry=r)
+
+    def watch_engine(self, engine: Any) -> None:
+        """Export the engine's own numbers (queue depth, KV use, ...) as gauges, read at scrape time."""
+        self.registry.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self):
+        try:
+            stats = self.engine.stats()
+        except Exception:  # a stopped or crashed engine must not break the scrape
+            return
+        stats = stats if isinstance(stats, dict) else getattr(stats, "__dict__", {})
+        for name, value in _flatten(stats):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            yield GaugeMetricFamily(f"voxgate_engine_{name}", f"engine stats: {name}", value=float(value))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in d.items():
+        name = f"{prefix}{key}".replace(".", "_").replace("-", "_")
+        if isinstance(value, dict):
+            out += _flatten(value, name + "_")
+        else:
+            out.append((name, value))
+    return out

@@ -1,0 +1,471 @@
+"""The native streaming protocol, sans I/O: client messages parsed and validated into dataclasses, server messages
+serialised to JSON, and the 12-byte header of binary audio frames. docs/PROTOCOL.md is the reference."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from gateway.audio import FLAG_LAST, HEADER_SIZE, pack_frame_header, unpack_frame_header  # noqa: F401 (re-exported)
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(StrEnum):
+    BAD_JSON = "bad_json"
+    BAD_MESSAGE = "bad_message"  # not an object, or no string `type`
+    UNKNOWN_FIELD = "unknown_field"
+    MISSING_FIELD = "missing_field"
+    INVALID_VALUE = "invalid_value"
+    UNSUPPORTED_FRAME = "unsupported_frame"  # a binary frame from the client
+    MESSAGE_TOO_LARGE = "message_too_large"
+    NOT_STARTED = "not_started"
+    ALREADY_STARTED = "already_started"
+    UNKNOWN_CONTEXT = "unknown_context"
+    CONTEXT_CLOSED = "context_closed"  # text for a turn after its context.end
+    TOO_MANY_CONTEXTS = "too_many_contexts"
+    TEXT_TOO_LONG = "text_too_long"
+    BUFFER_FULL = "buffer_full"
+    UNKNOWN_VOICE = "unknown_voice"
+    RATE_LIMITED = "rate_limited"
+    OVERLOADED = "overloaded"
+    UNAUTHORIZED = "unauthorized"
+    IDLE_TIMEOUT = "idle_timeout"
+    SLOW_CONSUMER = "slow_consumer"
+    ENGINE_ERROR = "engine_error"
+    SERVER_SHUTDOWN = "server_shutdown"
+    INTERNAL_ERROR = "internal_error"
+
+
+class ProtocolError(Exception):
+    """A client mistake or a session-ending condition, reported to the client as an `error` message."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False, context_id: str | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = ErrorCode(code)
+        self.message = message
+        self.fatal = fatal
+        self.context_id = context_id
+
+    def to_message(self) -> Error:
+        return Error(code=str(self.code), message=self.message, context_id=self.context_id, fatal=self.fatal)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-session limits; all configurable on the server, all reported in `session.started`."""
+
+    max_message_bytes: int = 1 << 20
+    max_text_chars: int = 2000  # per text.append
+    max_buffered_chars: int = 8000  # text received but not yet spoken, per turn
+    max_contexts: int = 4  # concurrent turns per session
+    idle_timeout_s: float = 60.0
+    slow_consumer_timeout_s: float = 30.0
+    max_id_chars: int = 128  # context_id, flush_id
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- client -> server
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    cfg_value: float = 2.0
+    temperature: float = 1.0
+    seed: int | None = None
+    timesteps: int | None = None
+    max_length: int | None = None
+    continuation: bool = True  # prompt each segment with the previous segment's tail, so a turn sounds like one
+    continuation_patches: int = 12
+
+    def merged(self, update: dict[str, Any]) -> GenerationSettings:
+        return GenerationSettings(**{**asdict(self), **update})
+
+
+# name -> (accepted types, check, description of the valid range)
+_GENERATION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
+    "cfg_value": ((int, float), lambda v: 0.0 <= v <= 10.0, "a number in [0, 10]"),
+    "temperature": ((int, float), lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
+    "seed": ((int, type(None)), lambda v: v is None or 0 <= v < 2**63, "null or an integer in [0, 2^63)"),
+    "timesteps": ((int, type(None)), lambda v: v is None or 1 <= v <= 100, "null or an integer in [1, 100]"),
+    "max_length": ((int, type(None)), lambda v: v is None or 1 <= v <= 8192, "null or an integer in [1, 8192]"),
+    "continuation": ((bool,), lambda v: True, "a boolean"),
+    "continuation_patches": ((int,), lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
+}
+
+
+@dataclass(frozen=True)
+class SessionStart:
+    TYPE: ClassVar[str] = "session.start"
+    voice: str | None = None
+    output: dict[str, Any] = field(default_factory=dict)  # resolved by gateway.audio.OutputFormat.from_dict
+    chunking: dict[str, Any] = field(default_factory=dict)  # resolved by gateway.segmenter.ChunkingConfig
+    generation: dict[str, Any] = field(default_factory=dict)  # validated keys of GenerationSettings
+
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    """Changes for turns opened after it; turns already speaking keep their settings."""
+
+    TYPE: ClassVar[str] = "session.update"
+    voice: str | None = None
+    output: dict[str, Any] | None = None
+    chunking: dict[str, Any] | None = None
+    generation: dict[str, Any] | None = None
+    has_voice: bool = False  # distinguishes "voice": null (back to the default voice) from no voice field
+
+
+@dataclass(frozen=True)
+class TextAppend:
+    TYPE: ClassVar[str] = "text.append"
+    context_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class TextFlush:
+    TYPE: ClassVar[str] = "text.flush"
+    context_id: str
+    flush_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ContextEnd:
+    TYPE: ClassVar[str] = "context.end"
+    context_id: str
+
+
+@dataclass(frozen=True)
+class ContextCancel:
+    TYPE: ClassVar[str] = "context.cancel"
+    context_id: str
+
+
+@dataclass(frozen=True)
+class PlaybackPosition:
+    TYPE: ClassVar[str] = "playback.position"
+    context_id: str
+    played_ms: float
+
+
+@dataclass(frozen=True)
+class Ping:
+    TYPE: ClassVar[str] = "ping"
+    id: str | int | None = None
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    TYPE: ClassVar[str] = "session.end"
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A message type this server does not know: ignored (forward compatibility)."""
+
+    type: str
+
+
+ClientMessage = (SessionStart | SessionUpdate | TextAppend | TextFlush | ContextEnd | ContextCancel
+                 | PlaybackPosition | Ping | SessionEnd | Unknown)
+
+
+def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientMessage:
+    """Parse and validate one client frame; raises ProtocolError (non-fatal) on anything malformed."""
+    if isinstance(raw, bytes | bytearray | memoryview):
+        raise ProtocolError(ErrorCode.UNSUPPORTED_FRAME, "binary frames are not accepted from clients; send JSON text")
+    size = len(raw.encode("utf-8", "surrogatepass")) if len(raw) * 4 > limits.max_message_bytes else len(raw)
+    if size > limits.max_message_bytes:
+        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
+                            f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a JSON object")
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message needs a string field 'type'")
+    parser = _PARSERS.get(kind)
+    if parser is None:
+        return Unknown(kind)
+    return parser(_Fields(kind, data, limits))
+
+
+class _Fields:
+    """Typed access to one message's fields; remembers which were read, so leftovers are reported."""
+
+    def __init__(self, kind: str, data: dict[str, Any], limits: Limits):
+        self.kind, self.data, self.limits = kind, data, limits
+        self.context_id: str | None = None
+        cid = data.get("context_id")
+        if isinstance(cid, str):
+            self.context_id = cid
+
+    def fail(self, code: ErrorCode, message: str) -> ProtocolError:
+        return ProtocolError(code, f"{self.kind}: {message}", context_id=self.context_id)
+
+    def get(self, name: str, types: tuple[type, ...], *, required: bool = False, default: Any = None) -> Any:
+        if name not in self.data:
+            if required:
+                raise self.fail(ErrorCode.MISSING_FIELD, f"missing field '{name}'")
+            return default
+        value = self.data[name]
+        if not _is_instance(value, types):
+            raise self.fail(ErrorCode.INVALID_VALUE, f"field '{name}' must be {_type_names(types)}, "
+                                                      f"not {_json_type(value)}")
+        return value
+
+    def ident(self, name: str, *, required: bool, nullable: bool = False) -> str | None:
+        value = self.get(name, (str, type(None)) if nullable else (str,), required=required)
+        if value is not None and not 0 < len(value) <= self.limits.max_id_chars:
+            raise self.fail(ErrorCode.INVALID_VALUE, f"field '{name}' must have 1 to {self.limits.max_id_chars} "
+                                                      "characters")
+        return value
+
+    def section(self, name: str) -> dict[str, Any] | None:
+        value = self.get(name, (dict, type(None)))
+        return None if value is None else dict(value)
+
+    def done(self, *names: str) -> None:
+        extra = sorted(set(self.data) - {"type", *names})
+        if extra:
+            raise self.fail(ErrorCode.UNKNOWN_FIELD, f"unknown field(s): {', '.join(extra)}")
+
+
+def _is_instance(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not a number
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return isinstance(value, types)
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join(_json_type(t()) if t is not type(None) else "null" for t in types)
+
+
+def check_generation(update: dict[str, Any], context_id: str | None = None) -> dict[str, Any]:
+    """Validate a `generation` object (names, types, ranges)."""
+    for name, value in update.items():
+        rule = _GENERATION_RULES.get(name)
+        if rule is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_FIELD, f"unknown generation setting '{name}'; known: "
+                                f"{', '.join(_GENERATION_RULES)}", context_id=context_id)
+        types, ok, what = rule
+        if not _is_instance(value, types) or not ok(value):
+            raise ProtocolError(ErrorCode.INVALID_VALUE, f"generation.{name} must be {what}", context_id=context_id)
+    return update
+
+
+def _settings(f: _Fields) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("output", "chunking", "generation"):
+        section = f.section(name)
+        if section is not None:
+            out[name] = section
+    if "generation" in out:
+        check_generation(out["generation"])
+    if "voice" in f.data:
+        out["voice"] = f.ident("voice", required=False, nullable=True)
+    return out
+
+
+def _session_start(f: _Fields) -> SessionStart:
+    s = _settings(f)
+    f.done("voice", "output", "chunking", "generation")
+    return SessionStart(voice=s.get("voice"), output=s.get("output", {}), chunking=s.get("chunking", {}),
+                        generation=s.get("generation", {}))
+
+
+def _session_update(f: _Fields) -> SessionUpdate:
+    s = _settings(f)
+    f.done("voice", "output", "chunking", "generation")
+    return SessionUpdate(voice=s.get("voice"), output=s.get("output"), chunking=s.get("chunking"),
+                         generation=s.get("generation"), has_voice="voice" in s)
+
+
+def _text_append(f: _Fields) -> TextAppend:
+    cid = f.ident("context_id", required=True)
+    text = f.get("text", (str,), required=True)
+    f.done("context_id", "text")
+    if len(text) > f.limits.max_text_chars:
+        raise f.fail(ErrorCode.TEXT_TOO_LONG, f"{len(text)} characters exceed the limit of "
+                                              f"{f.limits.max_text_chars} per message; send the text in pieces")
+    return TextAppend(cid, text)
+
+
+def _text_flush(f: _Fields) -> TextFlush:
+    cid = f.ident("context_id", required=True)
+    flush_id = f.ident("flush_id", required=False)
+    f.done("context_id", "flush_id")
+    return TextFlush(cid, flush_id)
+
+
+def _context_end(f: _Fields) -> ContextEnd:
+    cid = f.ident("context_id", required=True)
+    f.done("context_id")
+    return ContextEnd(cid)
+
+
+def _context_cancel(f: _Fields) -> ContextCancel:
+    cid = f.ident("context_id", required=True)
+    f.done("context_id")
+    return ContextCancel(cid)
+
+
+def _playback_position(f: _Fields) -> PlaybackPosition:
+    cid = f.ident("context_id", required=True)
+    played = f.get("played_ms", (int, float), required=True)
+    f.done("context_id", "played_ms")
+    if played < 0:
+        raise f.fail(ErrorCode.INVALID_VALUE, "played_ms must not be negative")
+    return PlaybackPosition(cid, float(played))
+
+
+def _ping(f: _Fields) -> Ping:
+    ping_id = f.get("id", (str, int, type(None)))
+    f.done("id")
+    return Ping(ping_id)
+
+
+def _session_end(f: _Fields) -> SessionEnd:
+    f.done()
+    return SessionEnd()
+
+
+_PARSERS = {
+    SessionStart.TYPE: _session_start, SessionUpdate.TYPE: _session_update, TextAppend.TYPE: _text_append,
+    TextFlush.TYPE: _text_flush, ContextEnd.TYPE: _context_end, ContextCancel.TYPE: _context_cancel,
+    PlaybackPosition.TYPE: _playback_position, Ping.TYPE: _ping, SessionEnd.TYPE: _session_end,
+}
+
+
+# ---------------------------------------------------------------------------------------------- server -> client
+
+
+class ServerMessage:
+    TYPE: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}  # type: ignore[arg-type]
+
+    def encode(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class SessionStarted(ServerMessage):
+    TYPE: ClassVar[str] = "session.started"
+    session_id: str
+    output: dict[str, Any]
+    chunking: dict[str, Any]
+    generation: dict[str, Any]
+    voice: str | None
+    model: dict[str, Any]
+    limits: dict[str, Any]
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class SessionUpdated(ServerMessage):
+    TYPE: ClassVar[str] = "session.updated"
+    output: dict[str, Any]
+    chunking: dict[str, Any]
+    generation: dict[str, Any]
+    voice: str | None
+
+
+@dataclass(frozen=True)
+class ContextStarted(ServerMessage):
+    TYPE: ClassVar[str] = "context.started"
+    context_id: str
+    index: int
+    output: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SegmentStarted(ServerMessage):
+    TYPE: ClassVar[str] = "segment.started"
+    context_id: str
+    segment: int
+    text: str
+    pts_ms: float
+
+
+@dataclass(frozen=True)
+class TextFlushed(ServerMessage):
+    TYPE: ClassVar[str] = "text.flushed"
+    context_id: str
+    flush_id: str | None
+    audio_ms: float
+
+
+@dataclass(frozen=True)
+class ContextDone(ServerMessage):
+    TYPE: ClassVar[str] = "context.done"
+    context_id: str
+    audio_ms: float
+    metrics: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class ContextCancelled(ServerMessage):
+    TYPE: ClassVar[str] = "context.cancelled"
+    context_id: str
+    audio_sent_ms: float
+    audio_played_ms: float
+    played_source: str  # "client" (from playback.position) or "estimate" (from send times)
+    text_spoken: str
+    text_remaining: str
+
+
+@dataclass(frozen=True)
+class Error(ServerMessage):
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    context_id: str | None = None
+    fatal: bool = False
+
+
+@dataclass(frozen=True)
+class Pong(ServerMessage):
+    TYPE: ClassVar[str] = "pong"
+    id: str | int | None = None
+
+
+# ---------------------------------------------------------------------------------------------- binary audio frames
+# The 12-byte header itself lives in gateway.audio (one implementation); here: the whole message.
+
+
+@dataclass(frozen=True)
+class AudioFrame:
+    kind: int  # 1 opus, 2 pcm_s16le, 3 mulaw, 4 alaw
+    flags: int  # FLAG_LAST on the turn's last frame
+    index: int  # the context's index from context.started
+    seq: int  # per context, from 0
+    pts_ms: int  # where this frame starts in the turn's audio
+    payload: bytes
+
+
+def pack_frame(kind: int, flags: int, index: int, seq: int, pts_ms: float, payload: bytes) -> bytes:
+    """Header + payload of one binary audio message (index and seq wrap, as the header is fixed-width)."""
+    return pack_frame_header(kind, flags, index & 0xFFFF, seq & 0xFFFFFFFF, int(pts_ms) & 0xFFFFFFFF) + payload
+
+
+def unpack_frame(data: bytes) -> AudioFrame:
+    """Parse one binary audio message; ValueError if it is not one."""
+    kind, flags, index, seq, pts_ms = unpack_frame_header(data)
+    return AudioFrame(kind, flags, index, seq, pts_ms, bytes(data[HEADER_SIZE:]))

@@ -1,0 +1,322 @@
+"""The aiohttp application: native WebSocket endpoint, voices and token API, health, readiness, Prometheus metrics,
+and the static web client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import socket
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import WSMsgType, web
+
+from engine import errors as engine_errors
+from gateway.auth import Auth, AuthError
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ErrorCode, Limits, ProtocolError
+from gateway.session import Session, SessionConfig
+
+log = logging.getLogger("voxgate.server")
+
+WEB_CLIENT_DIR = Path(__file__).resolve().parent.parent / "web_client"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    session: SessionConfig = field(default_factory=SessionConfig)
+    max_sessions: int = 1000
+    max_sessions_per_key: int = 100
+    shutdown_timeout_s: float = 10.0  # turns in progress may finish within this, then sessions are closed
+    web_client_dir: Path | None = WEB_CLIENT_DIR
+    max_voice_bytes: int = 20 << 20
+    socket_send_buffer: int | None = None  # SO_SNDBUF; small values make pacing and barge-in tighter
+
+    @property
+    def limits(self) -> Limits:
+        return self.session.limits
+
+
+class Gateway:
+    """State shared by the handlers: the engine, auth, metrics and the open sessions."""
+
+    def __init__(self, engine: Any, config: ServerConfig, auth: Auth, metrics: GatewayMetrics):
+        self.engine, self.config, self.auth, self.metrics = engine, config, auth, metrics
+        self.sessions: set[Session] = set()
+        self.per_key: Counter[str] = Counter()
+        self.draining = False
+
+    def refusal(self, key: str) -> ProtocolError | None:
+        """Why a new session for this key is refused now (fatal error to send), or None. Compat adapters use it too."""
+        if self.draining:
+            return ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down", fatal=True)
+        if len(self.sessions) >= self.config.max_sessions:
+            return ProtocolError(ErrorCode.OVERLOADED, f"the server is at its limit of {self.config.max_sessions} "
+                                 "sessions; retry shortly or elsewhere", fatal=True)
+        if self.auth.enabled and self.per_key[key] >= self.config.max_sessions_per_key:
+            return ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.config.max_sessions_per_key} concurrent "
+                                 "sessions per API key", fatal=True)
+        return None
+
+    @contextlib.contextmanager
+    def tracked(self, session: Session, key: str) -> Iterator[None]:
+        """Count a session (limits, readiness, shutdown drain) while the block runs."""
+        self.sessions.add(session)
+        self.per_key[key] += 1
+        try:
+            yield
+        finally:
+            self.sessions.discard(session)
+            self.per_key[key] -= 1
+            if self.per_key[key] <= 0:
+                del self.per_key[key]
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | None = None,
+               metrics: GatewayMetrics | None = None, compat: bool = False) -> web.Application:
+    """The gateway as an aiohttp application around a started engine; `compat` adds the foreign protocols
+    (OpenAI speech, ElevenLabs stream-input, Twilio Media Streams: gateway/compat)."""
+    config = config or ServerConfig()
+    metrics = metrics or GatewayMetrics()
+    metrics.watch_engine(engine)
+    app = web.Application(client_max_size=config.max_voice_bytes)
+    app[GATEWAY] = Gateway(engine, config, auth or Auth(), metrics)
+    r = app.router
+    r.add_get("/v1/stream", stream)
+    r.add_post("/v1/tokens", create_token)
+    r.add_post("/v1/voices", add_voice)
+    r.add_get("/v1/voices", list_voices)
+    r.add_delete("/v1/voices/{voice_id}", remove_voice)
+    r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/metrics", prometheus)
+    if compat:
+        from gateway import compat as adapters  # imports this module: only here
+
+        adapters.register(app)
+    web_dir = config.web_client_dir
+    if web_dir is not None and (web_dir / "index.html").is_file():
+        async def index(_: web.Request) -> web.FileResponse:
+            return web.FileResponse(web_dir / "index.html")
+
+        r.add_get("/", index)
+        r.add_static("/", web_dir)  # last: it matches every other path
+    app.on_shutdown.append(_shutdown)
+    return app
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                       shutdown_timeout_s: float = 15.0) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    server = site._server  # aiohttp exposes the bound port only here
+    return runner, server.sockets[0].getsockname()[1] if server is not None else port
+
+
+# ---------------------------------------------------------------------------------------------------- WebSocket
+
+
+class _WsTransport:
+    def __init__(self, ws: web.WebSocketResponse, request: web.Request):
+        self.ws, self.request = ws, request
+
+    async def send_text(self, data: str) -> None:
+        await self.ws.send_str(data)
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.ws.send_bytes(data)
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code=code, message=reason.encode()[:120])
+
+    def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/stream: the native protocol (docs/PROTOCOL.md)."""
+    gw = request.app[GATEWAY]
+    try:
+        key = gw.auth.authenticate(request.headers.get("Authorization"), request.query.get("token"))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        return _error(401, ErrorCode.UNAUTHORIZED, str(e))
+    if gw.draining:
+        return _error(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
+    limits = gw.config.limits
+    # aiohttp drops frames above its own cap with close code 1009; below that, the session answers with a clear
+    # message_too_large error and carries on
+    ws = web.WebSocketResponse(max_msg_size=2 * limits.max_message_bytes + 65536, compress=False, autoping=True)
+    await ws.prepare(request)
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if gw.config.socket_send_buffer and sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, gw.config.socket_send_buffer)
+    session = Session(gw.engine, _WsTransport(ws, request), gw.config.session, metrics=gw.metrics)
+    session.open()
+    refusal = gw.refusal(key)
+    if refusal is not None:
+        await session.fail(refusal)
+        return ws
+    log.info("session %s opened (%s)", session.id, request.remote)
+    with gw.tracked(session, key):
+        try:
+            async for msg in ws:
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    await session.receive(msg.data)
+                elif msg.type == WSMsgType.ERROR:
+                    break
+                if session.closed:
+                    break
+        finally:
+            await session.close(1000, "")
+            log.info("session %s closed", session.id)
+    return ws
+
+
+async def _shutdown(app: web.Application) -> None:
+    gw = app[GATEWAY]
+    gw.draining = True
+    sessions = list(gw.sessions)
+    if sessions:
+        log.info("shutting down: %d sessions get %.0f s to finish their turns", len(sessions),
+                 gw.config.shutdown_timeout_s)
+    await asyncio.gather(*(s.shutdown(gw.config.shutdown_timeout_s) for s in sessions), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP API
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": str(code), "message": message}}, status=status)
+
+
+def _check_key(request: web.Request) -> str | web.Response:
+    gw = request.app[GATEWAY]
+    try:
+        return gw.auth.check_key(request.headers.get("Authorization"))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        return _error(401, ErrorCode.UNAUTHORIZED, str(e))
+
+
+async def create_token(request: web.Request) -> web.Response:
+    """POST /v1/tokens: a short-lived single-use token for a browser's `?token=`."""
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    token, ttl = request.app[GATEWAY].auth.issue_token(key)
+    return web.json_response({"token": token, "expires_in": ttl})
+
+
+async def add_voice(request: web.Request) -> web.Response:
+    """POST /v1/voices: multipart (`audio` file + optional `text`) or a raw WAV/FLAC body (+ `?text=`)."""
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    gw = request.app[GATEWAY]
+    text = request.query.get("text")
+    data = b""
+    try:
+        if request.content_type.startswith("multipart/"):
+            form = await request.post()
+            upload = form.get("audio") or form.get("file")
+            if upload is None or not hasattr(upload, "file"):
+                return _error(400, ErrorCode.MISSING_FIELD, "multipart body needs a file field 'audio'")
+            data = upload.file.read()
+            text = form.get("text", text) if isinstance(form.get("text", text), str | None) else text
+        else:
+            data = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
+    if not data:
+        return _error(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
+    try:
+        audio, rate = _decode_audio(data)
+    except ValueError as e:
+        return _error(400, ErrorCode.INVALID_VALUE, f"cannot read the audio (WAV or FLAC expected): {e}")
+    try:
+        voice_id = await gw.engine.add_voice(audio=audio, sample_rate=rate, text=text or None)
+    except engine_errors.InvalidRequest as e:
+        return _error(400, ErrorCode.INVALID_VALUE, str(e))
+    except engine_errors.EngineError as e:
+        return _error(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
+    return web.json_response({"voice_id": voice_id}, status=201)
+
+
+def _decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+    import soundfile
+
+    try:
+        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises its own error types for every malformed file
+        raise ValueError(str(e)) from None
+    return audio.mean(axis=1), int(rate)
+
+
+async def list_voices(request: web.Request) -> web.Response:
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    voices = request.app[GATEWAY].engine.list_voices()
+    if asyncio.iscoroutine(voices):
+        voices = await voices
+    return web.json_response({"voices": [v if isinstance(v, str) else asdict(v) for v in voices]})
+
+
+async def remove_voice(request: web.Request) -> web.Response:
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    voice_id = request.match_info["voice_id"]
+    try:
+        result = request.app[GATEWAY].engine.remove_voice(voice_id)
+        if asyncio.iscoroutine(result):
+            await result
+    except (engine_errors.UnknownVoice, KeyError):
+        return _error(404, ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice_id!r}")
+    return web.Response(status=204)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the engine serves and the server is not draining."""
+    gw = request.app[GATEWAY]
+    if gw.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    try:
+        health = gw.engine.health()
+        if asyncio.iscoroutine(health):
+            health = await health
+    except Exception as e:
+        return web.json_response({"status": "engine unavailable", "detail": str(e)}, status=503)
+    status = health.get("status") if isinstance(health, dict) else None
+    ok = status in ("ok", "degraded")  # degraded: some workers serve while others restart
+    body = {"status": "ready" if ok else f"engine {status}", "sessions": len(gw.sessions)}
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    body = request.app[GATEWAY].metrics.render()
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")

@@ -1,0 +1,684 @@
+"""One client session of the native protocol: turns (contexts), their segments in flight, pacing against the
+client's playout, cancellation with a heard report, limits. Talks to the engine through its async API and to the
+client through a `Transport`; knows nothing about aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine import errors as engine_errors
+from gateway import protocol as p
+from gateway.audio import Encoder, OutputFormat, opus_available
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ErrorCode, ProtocolError
+from gateway.segmenter import ChunkingConfig, Segment, Segmenter
+
+log = logging.getLogger("voxgate.session")
+
+TELEPHONY_FORMATS = ("mulaw", "alaw")
+REPORT_INTERVAL_S = 0.1  # how often a turn tells the engine's scheduler how much audio its listener has queued
+
+
+class SessionClosed(Exception):
+    """The connection is gone (or being closed): stop what you are doing."""
+
+
+class Transport(Protocol):
+    """How a session reaches its client; sends may block while the client is not reading."""
+
+    async def send_text(self, data: str) -> None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    limits: p.Limits = p.Limits()
+    max_lead_ms: float = 1500.0  # audio sent ahead of the client's playout
+    max_lead_ms_telephony: float = 500.0  # mulaw / alaw: phone gateways buffer little and clear on barge-in
+    pipeline_chunks: int = 16  # engine chunks decoded ahead of sending, per turn (the synthesis pipeline bound)
+    finished_turns_kept: int = 8  # for late playback.position / context.cancel after context.done
+
+
+# queue items from a turn's synthesis task to its sender task, in audio order
+@dataclass
+class _Packet:
+    payload: bytes
+    ms: float
+    last: bool = False  # the turn's last frame
+
+
+@dataclass
+class _SegmentMark:
+    segment: Segment
+    pts_ms: float
+    released_at: float
+
+
+@dataclass
+class _FlushMark:
+    flush_id: str | None
+
+
+@dataclass
+class _EndMark:
+    pass
+
+
+@dataclass
+class SegmentAudio:
+    text: str
+    start_ms: float
+    end_ms: float | None = None  # known once all its audio is queued
+
+
+@dataclass
+class Turn:
+    """One context: text in, audio out, in order."""
+
+    id: str
+    index: int
+    fmt: OutputFormat
+    voice: str | None
+    generation: p.GenerationSettings
+    segmenter: Segmenter
+    encoder: Encoder
+    max_lead_ms: float
+    segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _FlushMark | _EndMark
+    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packet | marks; bounded by the session
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
+    text: str = ""  # everything appended
+    ended: bool = False
+    seq: int = 0
+    request_id: str | None = None
+    queued_ms: float = 0.0  # encoded, not yet sent
+    held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
+    reported_at: float = 0.0  # last update_buffered to the engine
+    fed_ms: float = 0.0  # audio produced by the engine so far
+    audio: list[SegmentAudio] = field(default_factory=list)
+    # pacing: the client's playout is modelled as real time from (t_play, play_base_ms), capped at what was sent
+    sent_ms: float = 0.0
+    t_play: float | None = None
+    play_base_ms: float = 0.0
+    client_reported: bool = False
+    # metrics
+    t_first_text: float | None = None
+    t_first_audio: float | None = None
+    engine_ttfb_ms: float | None = None
+    later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
+    engine_s: float = 0.0
+    max_gap_ms: float = 0.0
+    segment_released_at: float = 0.0  # when the segment being sent left the segmenter
+
+    def sent_chars(self) -> int:
+        """Characters of segments whose audio has all been sent."""
+        return sum(len(a.text) for a in self.audio if a.end_ms is not None and a.end_ms <= self.sent_ms)
+
+    def played_ms(self, now: float) -> float:
+        if self.t_play is None:
+            return 0.0
+        return min(self.sent_ms, self.play_base_ms + (now - self.t_play) * 1000.0)
+
+    def buffered_ms(self, now: float) -> float:
+        """Audio the listener has or will have before it runs dry: queued at the client plus queued here."""
+        return self.sent_ms - self.played_ms(now) + self.queued_ms
+
+
+class Session:
+    """Drive with `receive()` per client frame; `close()` when the connection ends."""
+
+    def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
+                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 session_id: str | None = None):
+        self.engine = engine
+        self.transport = transport
+        self.config = config
+        self.limits = config.limits
+        self.metrics = metrics or GatewayMetrics()
+        self.clock = clock
+        self.id = session_id or uuid.uuid4().hex[:16]
+        info = engine.model_info()
+        self.model_info = info
+        self.model_rate: int = info.sample_rate
+        self.started = False
+        self.closed = False
+        self.draining = False
+        self.voice: str | None = None
+        self.fmt = OutputFormat.from_dict({})
+        self.chunking = ChunkingConfig()
+        self.generation = p.GenerationSettings()
+        self.turns: dict[str, Turn] = {}
+        self.finished: OrderedDict[str, Turn] = OrderedDict()
+        self.next_index = 0
+        self.last_activity = clock()
+        self._watchdog: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Start the idle watchdog."""
+        self.metrics.sessions.inc()
+        self._watchdog = asyncio.create_task(self._watch_idle())
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Stop every turn (cancelling engine requests) and close the connection; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.metrics.sessions.dec()
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        for turn in list(self.turns.values()):
+            await self._stop_turn(turn)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self.transport.close(code, reason)
+
+    async def fail(self, error: ProtocolError) -> None:
+        """Report an error; a fatal one closes the session."""
+        self.metrics.errors.labels(code=str(error.code)).inc()
+        log.info("session %s error %s: %s", self.id, error.code, error.message)
+        if error.fatal:
+            # the client may not be reading: do not let the error report stall the close
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await self.transport.send_text(error.to_message().encode())
+            await self.close(1008 if error.code != ErrorCode.SERVER_SHUTDOWN else 1001, str(error.code))
+            return
+        await self._send(error.to_message())
+
+    async def shutdown(self, deadline_s: float) -> None:
+        """Server shutdown: refuse new turns, let current ones finish until the deadline, then close."""
+        self.draining = True
+        end = self.clock() + deadline_s
+        while self.turns and self.clock() < end and not self.closed:
+            await asyncio.sleep(0.05)
+        await self.fail(ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down; reconnect",
+                                      fatal=True))
+
+    # ------------------------------------------------------------------------------------------------ input
+
+    async def receive(self, raw: str | bytes) -> None:
+        """Handle one frame from the client."""
+        if self.closed:
+            return
+        self.last_activity = self.clock()
+        try:
+            message = p.parse_client_message(raw, self.limits)
+            await self._dispatch(message)
+        except ProtocolError as e:
+            with contextlib.suppress(SessionClosed):
+                await self.fail(e)
+        except SessionClosed:
+            pass
+        except Exception:  # a bug here must not take the server down, nor leave the client guessing
+            log.exception("session %s: internal error", self.id)
+            with contextlib.suppress(SessionClosed):
+                await self.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
+
+    async def _dispatch(self, m: p.ClientMessage) -> None:
+        if isinstance(m, p.Unknown):
+            return
+        if isinstance(m, p.Ping):
+            await self._send(p.Pong(m.id))
+            return
+        if isinstance(m, p.SessionEnd):
+            await self.close(1000, "session.end")
+            return
+        if isinstance(m, p.SessionStart):
+            if self.started:
+                raise ProtocolError(ErrorCode.ALREADY_STARTED, "session.start was already received; "
+                                    "use session.update to change settings")
+            await self._apply_settings(m.voice, m.output, m.chunking, m.generation, set_voice=True)
+            self.started = True
+            await self._send(p.SessionStarted(
+                session_id=self.id, output=asdict(self.fmt), chunking=_to_dict(self.chunking),
+                generation=asdict(self.generation), voice=self.voice,
+                model={"name": self.model_info.name, "sample_rate": self.model_rate,
+                       "patch_ms": getattr(self.model_info, "patch_ms", None), "demo": self.model_info.is_demo},
+                limits=self.limits.to_dict()))
+            return
+        if not self.started:
+            raise ProtocolError(ErrorCode.NOT_STARTED, f"send session.start before {type(m).TYPE}",
+                                context_id=getattr(m, "context_id", None))
+        if isinstance(m, p.SessionUpdate):
+            await self._apply_settings(m.voice, m.output, m.chunking, m.generation, set_voice=m.has_voice)
+            await self._send(p.SessionUpdated(output=asdict(self.fmt), chunking=_to_dict(self.chunking),
+                                              generation=asdict(self.generation), voice=self.voice))
+        elif isinstance(m, p.TextAppend):
+            await self._append(m)
+        elif isinstance(m, p.TextFlush):
+            turn = self._turn(m.context_id)
+            if turn.ended:
+                raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended: everything "
+                                    "is being spoken already", context_id=m.context_id)
+            self._release(turn, turn.segmenter.flush())
+            turn.segments.put_nowait(_FlushMark(m.flush_id))
+        elif isinstance(m, p.ContextEnd):
+            turn = self._turn(m.context_id)
+            if not turn.ended:
+                turn.ended = True
+                self._release(turn, turn.segmenter.end())
+                turn.segments.put_nowait(_EndMark())
+                turn.wake.set()  # the segment timer has nothing left to do
+        elif isinstance(m, p.ContextCancel):
+            await self._cancel(m.context_id)
+        elif isinstance(m, p.PlaybackPosition):
+            turn = self.turns.get(m.context_id) or self.finished.get(m.context_id)
+            if turn is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no context {m.context_id!r}",
+                                    context_id=m.context_id)
+            turn.play_base_ms = min(m.played_ms, turn.sent_ms)
+            turn.t_play = self.clock()
+            turn.client_reported = True
+            self._report_buffered(turn, force=True)
+
+    async def _apply_settings(self, voice: str | None, output: dict | None, chunking: dict | None,
+                              generation: dict | None, set_voice: bool) -> None:
+        try:
+            fmt = self.fmt if output is None else OutputFormat.from_dict(output, self.model_rate)
+            chunk_cfg = self.chunking if chunking is None else _chunking_from_dict(chunking)
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(ErrorCode.INVALID_VALUE, str(e)) from None
+        if fmt.kind == 0:
+            raise ProtocolError(ErrorCode.INVALID_VALUE, f"output.format {fmt.format!r} is for HTTP streaming; "
+                                "the WebSocket sends opus, pcm_s16le, mulaw or alaw frames")
+        if fmt.format == "opus":
+            try:
+                opus_available()
+            except RuntimeError as e:  # libopus missing: the message says how to fix it, or to ask for PCM
+                raise ProtocolError(ErrorCode.INVALID_VALUE, str(e)) from None
+        gen = self.generation if generation is None else self.generation.merged(generation)
+        if set_voice and voice is not None and voice not in voice_ids(await _maybe_await(self.engine.list_voices())):
+            raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
+        self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
+        if set_voice:
+            self.voice = voice
+
+    def _turn(self, context_id: str) -> Turn:
+        turn = self.turns.get(context_id)
+        if turn is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no active context {context_id!r}", context_id=context_id)
+        return turn
+
+    async def _append(self, m: p.TextAppend) -> None:
+        turn = self.turns.get(m.context_id)
+        if turn is None:
+            turn = await self._open_turn(m.context_id)
+        elif turn.ended:
+            raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended; open a new one",
+                                context_id=m.context_id)
+        if len(turn.text) - turn.sent_chars() + len(m.text) > self.limits.max_buffered_chars:
+            raise ProtocolError(ErrorCode.BUFFER_FULL, f"more than {self.limits.max_buffered_chars} characters "
+                                "waiting to be spoken in this context; send more once audio has gone out",
+                                context_id=m.context_id)
+        if turn.t_first_text is None and m.text.strip():
+            turn.t_first_text = self.clock()
+        turn.text += m.text
+        turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
+        self._release(turn, turn.segmenter.push(m.text))
+        turn.wake.set()
+
+    async def _open_turn(self, context_id: str) -> Turn:
+        if self.draining:
+            raise ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down; no new turns",
+                                context_id=context_id)
+        if len(self.turns) >= self.limits.max_contexts:
+            raise ProtocolError(ErrorCode.TOO_MANY_CONTEXTS, f"at most {self.limits.max_contexts} concurrent "
+                                "contexts per session; end or cancel one first", context_id=context_id)
+        index, self.next_index = self.next_index, (self.next_index + 1) & 0xFFFF
+        lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
+        turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
+                    segmenter=Segmenter(self.chunking, self.clock), encoder=Encoder(self.fmt, self.model_rate),
+                    max_lead_ms=lead, frames=asyncio.Queue(self.config.pipeline_chunks))
+        self.finished.pop(context_id, None)
+        self.turns[context_id] = turn
+        self.metrics.turns.inc()
+        await self._send(p.ContextStarted(context_id, index, asdict(self.fmt)))
+        turn.tasks = [asyncio.create_task(self._synthesise(turn)), asyncio.create_task(self._send_audio(turn)),
+                      asyncio.create_task(self._segment_timer(turn))]
+        return turn
+
+    def _release(self, turn: Turn, segments: list[Segment]) -> None:
+        for seg in segments:
+            turn.segments.put_nowait(seg)
+
+    # ------------------------------------------------------------------------------------------------ turn tasks
+
+    async def _segment_timer(self, turn: Turn) -> None:
+        """Let time-based segment boundaries fire (the first segment leaves after max_delay_ms without a clause)."""
+        while not turn.ended:
+            deadline = turn.segmenter.next_deadline()
+            turn.wake.clear()
+            timeout = None if deadline is None else max(0.0, deadline - self.clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await turn.wake.wait()
+            if deadline is not None and not turn.ended and self.clock() >= deadline:
+                turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
+                self._release(turn, turn.segmenter.poll())
+
+    async def _synthesise(self, turn: Turn) -> None:
+        """Segments in order through the engine; encoded audio into the bounded frame queue."""
+        prompt: tuple[np.ndarray, str] | None = None
+        gen = turn.generation
+        try:
+            while True:
+                item = await turn.segments.get()
+                if isinstance(item, _FlushMark):
+                    await self._release_held(turn)
+                    await turn.frames.put(item)
+                    continue
+                if isinstance(item, _EndMark):
+                    for payload in turn.encoder.finish():
+                        await self._queue_packet(turn, payload)
+                    await self._release_held(turn, last=True)
+                    await turn.frames.put(item)
+                    return
+                await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
+                seg_audio = SegmentAudio(item.text, turn.fed_ms)
+                turn.audio.append(seg_audio)
+                latents = await self._generate(turn, item, prompt)
+                seg_audio.end_ms = turn.fed_ms
+                if gen.continuation and latents:
+                    prompt = (np.stack(latents)[-gen.continuation_patches:], item.text)  # [T, P, D]
+        except ProtocolError as e:
+            e.context_id = turn.id
+            self._background(self._abort_turn(turn, e))
+        except SessionClosed:
+            pass
+        except Exception:
+            log.exception("session %s context %s: synthesis failed", self.id, turn.id)
+            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                                  context_id=turn.id)))
+
+    async def _generate(self, turn: Turn, seg: Segment, prompt: tuple[np.ndarray, str] | None) -> list[np.ndarray]:
+        gen = turn.generation
+        turn.request_id = f"{self.id}:{turn.id}:{seg.index}"
+        kwargs: dict[str, Any] = dict(voice=turn.voice, cfg_value=gen.cfg_value, temperature=gen.temperature,
+                                      seed=gen.seed, max_length=gen.max_length, timesteps=gen.timesteps,
+                                      request_id=turn.request_id)
+        if prompt is not None:
+            kwargs.update(prompt_latents=prompt[0], prompt_text=prompt[1])
+        latents: list[np.ndarray] = []
+        stream = None
+        try:
+            stream = self.engine.generate(seg.text, **kwargs)
+            first = True
+            while True:
+                # only the time spent waiting for the engine counts towards RTF, not waits for the listener
+                t0 = self.clock()
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    turn.engine_s += self.clock() - t0
+                if first:
+                    first = False
+                    ttfb_ms = (self.clock() - t0) * 1000.0
+                    if turn.engine_ttfb_ms is None:
+                        turn.engine_ttfb_ms = ttfb_ms
+                        self.metrics.engine_ttfb.observe(ttfb_ms / 1000.0)
+                    else:  # continuation prompts make these longer: measured to keep that cost visible
+                        turn.later_ttfb_ms.append(ttfb_ms)
+                if chunk.latents is not None:
+                    latents.append(np.asarray(chunk.latents))
+                turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
+                for payload in turn.encoder.encode(chunk.audio):
+                    await self._queue_packet(turn, payload)
+        except engine_errors.InvalidRequest as e:
+            code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
+            raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
+        except engine_errors.EngineOverloaded as e:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity, retry shortly: {e}") from None
+        except engine_errors.EngineError as e:
+            raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
+        finally:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()  # cancels the engine request when we stop early
+        return latents
+
+    async def _queue_packet(self, turn: Turn, payload: bytes) -> None:
+        """Queue the previous packet and hold this one back, so the turn's last frame can carry FLAG_LAST."""
+        await self._release_held(turn)
+        turn.held = payload
+        turn.queued_ms += turn.fmt.frame_ms
+
+    async def _release_held(self, turn: Turn, last: bool = False) -> None:
+        if turn.held is not None:
+            payload, turn.held = turn.held, None
+            await turn.frames.put(_Packet(payload, turn.fmt.frame_ms, last))  # frames are whole: the encoder pads
+
+    async def _send_audio(self, turn: Turn) -> None:
+        """Paced sending: never more than max_lead_ms ahead of the client's playout."""
+        with contextlib.suppress(SessionClosed):
+            await self._send_audio_loop(turn)
+
+    async def _send_audio_loop(self, turn: Turn) -> None:
+        while True:
+            item = await turn.frames.get()
+            if isinstance(item, _Packet):
+                await self._pace(turn)
+                now = self.clock()
+                self._track_playout(turn, now)
+                flags = p.FLAG_LAST if item.last else 0
+                await self._send_bytes(p.pack_frame(turn.fmt.kind, flags, turn.index, turn.seq, turn.sent_ms,
+                                                    item.payload))
+                turn.seq += 1
+                turn.sent_ms += item.ms
+                turn.queued_ms -= item.ms
+                self._report_buffered(turn)
+            elif isinstance(item, _SegmentMark):
+                turn.segment_released_at = item.released_at
+                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.text,
+                                                  round(item.pts_ms, 1)))
+            elif isinstance(item, _FlushMark):
+                await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))
+            elif isinstance(item, _EndMark):
+                await self._finish_turn(turn)
+                return
+
+    async def _pace(self, turn: Turn) -> None:
+        while True:
+            now = self.clock()
+            if turn.t_play is None:
+                return
+            lead = turn.sent_ms - turn.played_ms(now)
+            if lead <= turn.max_lead_ms:
+                return
+            await asyncio.sleep((lead - turn.max_lead_ms) / 1000.0)
+
+    def _track_playout(self, turn: Turn, now: float) -> None:
+        if turn.t_play is None:  # first audio of the turn: playout starts now
+            turn.t_first_audio = now
+            turn.t_play, turn.play_base_ms = now, 0.0
+            if turn.t_first_text is not None:
+                self.metrics.ttfb.observe(now - turn.t_first_text)
+            return
+        dry_since = turn.t_play + (turn.sent_ms - turn.play_base_ms) / 1000.0
+        if now > dry_since:  # the listener ran out of audio: playout resumes when this packet arrives
+            # only count silence the gateway caused, not time spent waiting for the client's text
+            waited_from = max(dry_since, turn.segment_released_at)
+            gap_ms = max(0.0, (now - waited_from) * 1000.0)
+            turn.max_gap_ms = max(turn.max_gap_ms, gap_ms)
+            if gap_ms > 0:
+                self.metrics.gap.observe(gap_ms / 1000.0)
+            turn.t_play, turn.play_base_ms = now, turn.sent_ms
+
+    def _report_buffered(self, turn: Turn, force: bool = False) -> None:
+        now = self.clock()
+        if turn.request_id is None or (not force and now - turn.reported_at < REPORT_INTERVAL_S):
+            return
+        turn.reported_at = now
+        buffered = turn.buffered_ms(now)
+        turn.segmenter.set_queued_audio_ms(buffered)
+        with contextlib.suppress(Exception):  # advisory: the scheduler's hint must never break a turn
+            self.engine.update_buffered(turn.request_id, buffered)
+
+    async def _finish_turn(self, turn: Turn) -> None:
+        for task in turn.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()  # the segment timer; the synthesis task has already returned
+        audio_s = turn.sent_ms / 1000.0
+        rtf = turn.engine_s / audio_s if audio_s > 0 else None
+        if rtf is not None:
+            self.metrics.rtf.observe(rtf)
+        ttfb = None
+        if turn.t_first_audio is not None and turn.t_first_text is not None:
+            ttfb = round((turn.t_first_audio - turn.t_first_text) * 1000.0, 1)
+        later = turn.later_ttfb_ms
+        metrics = {"ttfb_ms": ttfb, "engine_ttfb_ms": _round(turn.engine_ttfb_ms), "rtf": _round(rtf, 4),
+                   "max_gap_ms": round(turn.max_gap_ms, 1), "segments": len(turn.audio),
+                   "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None}
+        self._retire(turn)
+        self.metrics.turns_done.labels(outcome="done").inc()
+        await self._send(p.ContextDone(turn.id, round(turn.sent_ms, 1), metrics))
+
+    def _retire(self, turn: Turn) -> None:
+        self.turns.pop(turn.id, None)
+        self.finished[turn.id] = turn
+        while len(self.finished) > self.config.finished_turns_kept:
+            self.finished.popitem(last=False)
+
+    # ------------------------------------------------------------------------------------------------ stopping
+
+    async def _stop_turn(self, turn: Turn) -> None:
+        """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
+        me = asyncio.current_task()
+        tasks = [t for t in turn.tasks if t is not me]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if turn.request_id is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.cancel(turn.request_id)
+        self._retire(turn)
+
+    async def _cancel(self, context_id: str) -> None:
+        turn = self.turns.get(context_id)
+        if turn is None:
+            turn = self.finished.get(context_id)
+            if turn is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no context {context_id!r}", context_id=context_id)
+        else:
+            await self._stop_turn(turn)
+            self.metrics.turns_done.labels(outcome="cancelled").inc()
+        played = turn.played_ms(self.clock())
+        texts = [s.text for s in turn.segmenter.segments] + [turn.segmenter.pending_text]
+        spoken, remaining = split_heard(texts, turn.audio, played)
+        await self._send(p.ContextCancelled(
+            context_id, audio_sent_ms=round(turn.sent_ms, 1), audio_played_ms=round(played, 1),
+            played_source="client" if turn.client_reported else "estimate", text_spoken=spoken,
+            text_remaining=remaining))
+
+    async def _abort_turn(self, turn: Turn, error: ProtocolError) -> None:
+        await self._stop_turn(turn)
+        self.metrics.turns_done.labels(outcome="error").inc()
+        await self.fail(error)
+
+    async def _watch_idle(self) -> None:
+        timeout = self.limits.idle_timeout_s
+        while not self.closed:
+            if self.turns:  # a turn that is speaking is activity
+                self.last_activity = self.clock()
+            idle = self.clock() - self.last_activity
+            if idle >= timeout:
+                await self.fail(ProtocolError(ErrorCode.IDLE_TIMEOUT, f"no message for {timeout:g} s; "
+                                              "send ping to keep an idle session open", fatal=True))
+                return
+            await asyncio.sleep(min(1.0, timeout - idle + 0.01))
+
+    # ------------------------------------------------------------------------------------------------ output
+
+    async def _send(self, message: p.ServerMessage) -> None:
+        await self._guarded(self.transport.send_text(message.encode()))
+
+    async def _send_bytes(self, data: bytes) -> None:
+        await self._guarded(self.transport.send_bytes(data))
+
+    async def _guarded(self, send: Any) -> None:
+        """A send that cannot complete within the stall timeout means the client stopped reading."""
+        if self.closed:
+            send.close()
+            raise SessionClosed
+        try:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races a finished send
+            async with asyncio.timeout(self.limits.slow_consumer_timeout_s):
+                await send
+        except TimeoutError:
+            self.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
+            log.info("session %s: slow consumer, closing", self.id)
+            self.transport.abort()  # its buffers are full: an error message could not get through either
+            self._background(self.close(1008, str(ErrorCode.SLOW_CONSUMER)))
+            raise SessionClosed from None
+        except (ConnectionError, RuntimeError):  # the connection is gone: wind the session down
+            self._background(self.close(1006, "connection lost"))
+            raise SessionClosed from None
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until done
+        task.add_done_callback(self._tasks.discard)
+
+
+def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -> tuple[str, str]:
+    """(heard, not heard) text of a turn: whole segments played, and of the segment playing, its played share cut
+    back to a word end. `texts` are the turn's segments in order (then any unreleased text); `audio[i]` is where
+    segment i's audio lies. A segment still being synthesised counts as unheard: better to repeat than to skip."""
+    heard: list[str] = []
+    rest: list[str] = []
+    for i, text in enumerate(texts):
+        seg = audio[i] if i < len(audio) else None
+        if rest or seg is None or seg.start_ms >= played_ms or seg.end_ms is None:
+            rest.append(text)
+        elif played_ms >= seg.end_ms:
+            heard.append(text)
+        else:
+            cut = int(len(text) * (played_ms - seg.start_ms) / max(seg.end_ms - seg.start_ms, 1e-9))
+            if cut < len(text) and not text[cut].isspace():
+                cut = text.rfind(" ", 0, cut) + 1  # back to the start of the word being spoken
+            heard.append(text[:cut].strip())
+            rest.append(text[cut:].strip())
+    return " ".join(t for t in heard if t), " ".join(t for t in rest if t)
+
+
+def voice_ids(voices: Any) -> set[str]:
+    """Ids from engine.list_voices() (VoiceInfo objects or plain ids)."""
+    return {getattr(v, "voice_id", v) for v in voices}
+
+
+def _chunking_from_dict(d: dict[str, Any]) -> ChunkingConfig:
+    from_dict = getattr(ChunkingConfig, "from_dict", None)
+    return from_dict(d) if from_dict is not None else ChunkingConfig(**d)
+
+
+def _to_dict(cfg: Any) -> dict[str, Any]:
+    to_dict = getattr(cfg, "to_dict", None)
+    return to_dict() if to_dict is not None else asdict(cfg)
+
+
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) else x

@@ -1,0 +1,92 @@
+"""The `voxgate` command as a user runs it (subprocesses): say locally, say through a gateway, serve + SIGTERM."""
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import soundfile
+
+from engine import Engine
+from gateway.client import VoxgateClient
+from gateway.server import ServerConfig, create_app, start_server
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+async def _voxgate(*args: str, timeout: float = 90) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.cli", *args, env=ENV,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out.decode()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def gateway_url(tiny_v2_dir):
+    engine = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=4)
+    await engine.wait_for_ready()
+    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None)))
+    yield f"ws://127.0.0.1:{port}"
+    await runner.cleanup()
+    await engine.stop()
+
+
+async def test_say_locally_writes_a_wav_and_reports_ttfb_and_rtf(tiny_v2_dir, tmp_path):
+    out = tmp_path / "local.wav"
+    code, text = await _voxgate("say", "Hello there.", "-o", str(out), "--model", str(tiny_v2_dir), "--seed", "1")
+    assert code == 0, text
+    audio, rate = soundfile.read(out)
+    assert rate == 48000 and len(audio) > 0
+    assert "TTFB" in text and "RTF" in text
+
+
+async def test_say_through_the_gateway(gateway_url, tmp_path):
+    out = tmp_path / "remote.wav"
+    code, text = await _voxgate("say", "Hello through the gateway.", "-o", str(out), "--server", gateway_url)
+    assert code == 0, text
+    audio, rate = soundfile.read(out)
+    assert rate == 48000 and len(audio) > 0 and "TTFB" in text
+
+
+async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
+    code, text = await _voxgate("say", "  ", "-o", str(tmp_path / "x.wav"), "--server", gateway_url)
+    assert code == 2 and "no text" in text and "Traceback" not in text
+    code, text = await _voxgate("say", "Hi.", "-o", str(tmp_path / "x.wav"), "--server", "ws://127.0.0.1:9")
+    assert code == 2 and "cannot connect" in text and "Traceback" not in text
+
+
+async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_v2_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--shutdown-timeout", "0.5", "--max-num-seqs", "4", env=ENV,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        banner = b""
+        while b"serving" not in banner:
+            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            assert line, "the server exited before serving"
+            banner += line
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/v1/models") as r:
+            assert r.status == 200  # the compat protocols are served too
+        async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
+            await c.start(output={"format": "pcm_s16le"})
+            utt = await c.speak("Served.", "t")
+            assert utt.done["audio_ms"] > 0
+            await c.append("A turn left open when the server stops", "open")
+            proc.send_signal(signal.SIGTERM)
+            error = await c.expect("error", timeout=20)
+            assert error["code"] == "server_shutdown" and error["fatal"] is True
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,157 @@
+"""The sans-I/O protocol core: every client message parsed and validated, every error code, server messages, frames."""
+
+import json
+
+import pytest
+
+from gateway import protocol as p
+from gateway.protocol import ErrorCode, Limits, ProtocolError, parse_client_message
+
+
+def parse(msg: dict | str, limits: Limits = Limits()) -> p.ClientMessage:
+    return parse_client_message(msg if isinstance(msg, str) else json.dumps(msg), limits)
+
+
+def error_of(msg: dict | str | bytes, limits: Limits = Limits()) -> ProtocolError:
+    with pytest.raises(ProtocolError) as e:
+        parse_client_message(msg if isinstance(msg, str | bytes) else json.dumps(msg), limits)
+    return e.value
+
+
+def test_every_client_message_parses_to_its_dataclass():
+    assert parse({"type": "session.start"}) == p.SessionStart()
+    start = parse({"type": "session.start", "voice": "v1", "output": {"format": "mulaw"},
+                   "chunking": {"first_chars": 10}, "generation": {"cfg_value": 1.5, "seed": 7}})
+    assert start == p.SessionStart("v1", {"format": "mulaw"}, {"first_chars": 10}, {"cfg_value": 1.5, "seed": 7})
+    assert parse({"type": "text.append", "context_id": "c", "text": "Hi."}) == p.TextAppend("c", "Hi.")
+    assert parse({"type": "text.flush", "context_id": "c", "flush_id": "f1"}) == p.TextFlush("c", "f1")
+    assert parse({"type": "text.flush", "context_id": "c"}) == p.TextFlush("c", None)
+    assert parse({"type": "context.end", "context_id": "c"}) == p.ContextEnd("c")
+    assert parse({"type": "context.cancel", "context_id": "c"}) == p.ContextCancel("c")
+    assert parse({"type": "playback.position", "context_id": "c", "played_ms": 120}) == p.PlaybackPosition("c", 120.0)
+    assert parse({"type": "ping", "id": 3}) == p.Ping(3)
+    assert parse({"type": "session.end"}) == p.SessionEnd()
+
+
+def test_session_update_tells_null_voice_from_absent_voice():
+    assert parse({"type": "session.update", "voice": None}).has_voice
+    update = parse({"type": "session.update", "generation": {"temperature": 0.5}})
+    assert not update.has_voice and update.generation == {"temperature": 0.5} and update.output is None
+
+
+def test_unknown_type_is_ignored_not_an_error():
+    assert parse({"type": "future.feature", "anything": [1, 2]}) == p.Unknown("future.feature")
+
+
+@pytest.mark.parametrize("raw, code", [
+    ("{not json", ErrorCode.BAD_JSON),
+    ("", ErrorCode.BAD_JSON),
+    ("[1, 2]", ErrorCode.BAD_MESSAGE),
+    ('{"text": "no type"}', ErrorCode.BAD_MESSAGE),
+    ('{"type": 5}', ErrorCode.BAD_MESSAGE),
+    ('{"type": "text.append", "context_id": "c"}', ErrorCode.MISSING_FIELD),
+    ('{"type": "text.append", "text": "hi"}', ErrorCode.MISSING_FIELD),
+    ('{"type": "playback.position", "context_id": "c"}', ErrorCode.MISSING_FIELD),
+    ('{"type": "text.append", "context_id": "c", "text": "hi", "colour": "red"}', ErrorCode.UNKNOWN_FIELD),
+    ('{"type": "session.start", "speed": 2}', ErrorCode.UNKNOWN_FIELD),
+    ('{"type": "session.start", "generation": {"top_k": 5}}', ErrorCode.UNKNOWN_FIELD),
+    ('{"type": "session.end", "now": true}', ErrorCode.UNKNOWN_FIELD),
+    ('{"type": "text.append", "context_id": 7, "text": "hi"}', ErrorCode.INVALID_VALUE),
+    ('{"type": "text.append", "context_id": "c", "text": null}', ErrorCode.INVALID_VALUE),
+    ('{"type": "text.append", "context_id": "", "text": "hi"}', ErrorCode.INVALID_VALUE),
+    ('{"type": "playback.position", "context_id": "c", "played_ms": "10"}', ErrorCode.INVALID_VALUE),
+    ('{"type": "playback.position", "context_id": "c", "played_ms": true}', ErrorCode.INVALID_VALUE),
+    ('{"type": "playback.position", "context_id": "c", "played_ms": -1}', ErrorCode.INVALID_VALUE),
+    ('{"type": "playback.position", "context_id": "c", "played_ms": NaN}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "output": "opus"}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "voice": 3}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"cfg_value": 11}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"temperature": "hot"}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"seed": 1.5}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"timesteps": 0}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"continuation": 1}}', ErrorCode.INVALID_VALUE),
+])
+def test_malformed_messages_get_their_error_code(raw, code):
+    err = error_of(raw)
+    assert err.code == code
+    assert not err.fatal  # a bad message is dropped; the session carries on
+    assert err.message
+
+
+def test_errors_name_the_context_when_one_was_given():
+    err = error_of({"type": "text.append", "context_id": "ctx-9", "text": "x", "bogus": 1})
+    assert err.context_id == "ctx-9" and "bogus" in err.message
+
+
+def test_text_too_long_per_message():
+    limits = Limits(max_text_chars=10)
+    assert parse({"type": "text.append", "context_id": "c", "text": "x" * 10}, limits) == p.TextAppend("c", "x" * 10)
+    err = error_of({"type": "text.append", "context_id": "c", "text": "x" * 11}, limits)
+    assert err.code == ErrorCode.TEXT_TOO_LONG and err.context_id == "c"
+
+
+def test_message_too_large_counts_utf8_bytes():
+    limits = Limits(max_message_bytes=100)
+    # 40 three-byte characters: 40 characters but 120 bytes of UTF-8
+    err = error_of(json.dumps({"type": "text.append", "context_id": "c", "text": "€" * 40}, ensure_ascii=False),
+                   limits)
+    assert err.code == ErrorCode.MESSAGE_TOO_LARGE
+
+
+def test_binary_frames_from_the_client_are_refused():
+    assert error_of(b"\x00\x01").code == ErrorCode.UNSUPPORTED_FRAME
+
+
+def test_ids_longer_than_the_limit_are_refused():
+    err = error_of({"type": "context.end", "context_id": "x" * 200}, Limits(max_id_chars=128))
+    assert err.code == ErrorCode.INVALID_VALUE
+
+
+def test_generation_settings_merge_keeps_unchanged_values():
+    g = p.GenerationSettings().merged({"seed": 5})
+    assert g.seed == 5 and g.cfg_value == p.GenerationSettings().cfg_value
+
+
+def test_server_messages_serialise_with_their_type():
+    done = json.loads(p.ContextDone("c", 320.0, {"ttfb_ms": 12.5, "engine_ttfb_ms": 8.0, "rtf": 0.2,
+                                                "max_gap_ms": 0.0}).encode())
+    assert done == {"type": "context.done", "context_id": "c", "audio_ms": 320.0,
+                    "metrics": {"ttfb_ms": 12.5, "engine_ttfb_ms": 8.0, "rtf": 0.2, "max_gap_ms": 0.0}}
+    err = ProtocolError(ErrorCode.SLOW_CONSUMER, "stopped reading", fatal=True, context_id=None)
+    assert json.loads(err.to_message().encode()) == {"type": "error", "code": "slow_consumer",
+                                                     "message": "stopped reading", "context_id": None, "fatal": True}
+    assert json.loads(p.Pong(4).encode()) == {"type": "pong", "id": 4}
+    assert json.loads(p.TextFlushed("c", "f", 40.0).encode())["type"] == "text.flushed"
+    cancelled = json.loads(p.ContextCancelled("c", 500.0, 200.0, "client", "Hello", "world").encode())
+    assert cancelled["text_spoken"] == "Hello" and cancelled["played_source"] == "client"
+
+
+def test_every_error_code_is_a_distinct_stable_string():
+    values = [c.value for c in ErrorCode]
+    assert len(values) == len(set(values))
+    assert all(v == v.lower() and " " not in v for v in values)
+    for code in ErrorCode:  # each one travels as an error message
+        assert json.loads(ProtocolError(code, "m").to_message().encode())["code"] == code.value
+
+
+@pytest.mark.parametrize("kind, flags, index, seq, pts", [(1, 0, 0, 0, 0), (2, p.FLAG_LAST, 65535, 2**32 - 1, 123456),
+                                                          (4, 0, 7, 1, 20)])
+def test_audio_frame_round_trip(kind, flags, index, seq, pts):
+    data = p.pack_frame(kind, flags, index, seq, pts, b"payload")
+    # magic u8, version u8, kind u8, flags u8, index u16, seq u32, pts_ms u32: 14 bytes, big-endian
+    assert len(data) == p.HEADER_SIZE + len(b"payload") and p.HEADER_SIZE == 14
+    assert data[0] == 0x56 and data[1] == 1  # magic 'V', version 1
+    assert int.from_bytes(data[10:14], "big") == pts
+    assert p.unpack_frame(data) == p.AudioFrame(kind, flags, index, seq, pts, b"payload")
+
+
+def test_frame_index_and_seq_wrap_instead_of_failing():
+    frame = p.unpack_frame(p.pack_frame(1, 0, 65536 + 3, 2**32 + 5, 10.7, b""))
+    assert (frame.index, frame.seq, frame.pts_ms) == (3, 5, 10)
+
+
+def test_unpack_rejects_what_is_not_a_frame():
+    with pytest.raises(ValueError):
+        p.unpack_frame(b"short")
+    with pytest.raises(ValueError):
+        p.unpack_frame(b"X" * 12)
