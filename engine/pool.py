@@ -17,6 +17,7 @@ import multiprocessing as mp
 import queue
 import random
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ RING_SECONDS = 20.0  # shared-memory audio ring per worker, in seconds of audio 
 MAX_TIMESTEPS = 100
 MAX_CFG = 20.0
 MAX_TEMPERATURE = 5.0
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS_PER_WINDOW = 5
 
 
 @dataclass
@@ -240,6 +243,7 @@ class Engine:
         self._call_ids = itertools.count()
         self._voices: dict[str, _Voice] = {}
         self._restarts = 0
+        self._restart_times: list[float] = []
         self._stopped = False
         self._fatal: str | None = None
         self._workers = [self._start_worker(i) for i in range(len(device_names))]
@@ -312,6 +316,13 @@ class Engine:
         if self._stopped or self._fatal is not None:
             if self._fatal is not None:
                 worker.ready.set()  # wake waiters so they see the fatal error
+            return
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restart_times) > MAX_RESTARTS_PER_WINDOW:  # a worker that keeps dying is broken, not unlucky
+            self._fatal = f"{error}; {len(self._restart_times)} crashes in {RESTART_WINDOW_S:.0f} s, not restarting"
+            log.error("%s", self._fatal)
+            worker.ready.set()
             return
         log.warning("%s; restarting it", error)
         self._restarts += 1

@@ -1,5 +1,5 @@
 """The native streaming protocol, sans I/O: client messages parsed and validated into dataclasses, server messages
-serialised to JSON, and the 12-byte header of binary audio frames. docs/PROTOCOL.md is the reference."""
+serialised to JSON, and the 14-byte header of binary audio frames. docs/PROTOCOL.md is the reference."""
 
 from __future__ import annotations
 
@@ -447,7 +447,7 @@ class Pong(ServerMessage):
 
 
 # ---------------------------------------------------------------------------------------------- binary audio frames
-# The 12-byte header itself lives in gateway.audio (one implementation); here: the whole message.
+# The 14-byte header itself lives in gateway.audio (one implementation); here: the whole message.
 
 
 @dataclass(frozen=True)
