@@ -31,6 +31,11 @@ if [ "$mode" = test ]; then
   $pip install -q -e ".[test]" "numpy<2.4"
   # The official package is the test oracle; --no-deps because its pins would replace our torch.
   $pip install -q --no-deps "voxcpm==2.0.3"
+  # Pipecat's ElevenLabs service is a real third-party client for the compat tests. Its full dependency set would
+  # downgrade soxr/soundfile and pull onnxruntime, so install it bare plus what its ElevenLabs service imports.
+  $pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_for2==0.4.1" "docstring_parser==0.18.0" \
+    "Markdown==3.11.3" "python-dotenv==1.2.4" "aiofiles==25.1.0" "loudness==0.2.0" "sentencex==1.0.32" \
+    "resampy==0.4.3" "num2words==0.5.14" "pillow==13.0.0"
 else
   echo "==> installing voxgate"
   $pip install -q -e .

@@ -38,7 +38,9 @@ def native(kind: str, **fields: Any) -> str:
 
 def check_api_key(gw: Gateway, key: str | None) -> str:
     """The identity for a raw API key (foreign protocols pass keys without `Bearer`); AuthError if refused."""
-    return gw.auth.check_key(f"Bearer {key}" if key else None)
+    if gw.auth.enabled and not key:
+        raise AuthError("no API key")
+    return gw.auth.check_key(f"Bearer {key}")
 
 
 def refusal(gw: Gateway, key: str) -> str | None:

@@ -205,6 +205,7 @@ class Bridge:
             await self._receive(native("context.end", context_id=cid))
         else:  # nothing was said: the utterance is over at once
             await self._final(cid)
+            self._background(self.close(1000, "done"))
 
     async def _close_context(self, cid: str, ctx: _Context | None) -> None:
         if ctx is None or not ctx.opened:

@@ -217,7 +217,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
         except OpenAIError as e:  # before the first byte: the status can still say what went wrong
             return e.response()
         finally:
-            pass
+            await session.close()
 
 
 async def _speak(request: web.Request, session: Session, inbox: Inbox, req: SpeechRequest) -> web.StreamResponse:
@@ -252,7 +252,7 @@ async def _speak(request: web.Request, session: Session, inbox: Inbox, req: Spee
     except OpenAIError as e:  # mid-stream: the status is sent; end the body early rather than hang
         log.info("speech stream ended early: %s", e.message)
     except ConnectionError:  # the client went away; closing the session cancels the engine request
-        await asyncio.sleep(30)
+        pass
     return response
 
 

@@ -1,0 +1,219 @@
+"""ElevenLabs stream-input / multi-stream-input against a real aiohttp server and the real tiny engine: Pipecat's own
+ElevenLabsTTSService, and a raw `websockets` peer speaking the documented message schema."""
+
+import asyncio
+import base64
+import io
+import json
+
+import av
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from engine import Engine
+from gateway.auth import Auth
+from gateway.server import ServerConfig, create_app, start_server
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+KEY = "xi-test-key"
+VOICE = "21m00Tcm4TlvDq8ikWAM"  # an ElevenLabs voice id: not stored here, so the default voice speaks
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(tiny_v2_dir):
+    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
+    await eng.wait_for_ready()
+    yield eng
+    await eng.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def port(engine):
+    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
+    runner, port = await start_server(app)
+    yield port
+    await runner.cleanup()
+
+
+def _url(port: int, endpoint: str, **query: str) -> str:
+    q = "&".join(f"{k}={v}" for k, v in query.items())
+    return f"ws://127.0.0.1:{port}/v1/text-to-speech/{VOICE}/{endpoint}?model_id=eleven_flash_v2_5&{q}"
+
+
+async def _until_final(ws, context_id: str | None = None) -> list[bytes]:
+    """Audio payloads (of one context) up to its isFinal message."""
+    payloads = []
+    while True:
+        m = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert "error" not in m, m
+        if context_id is not None and m.get("contextId") != context_id:
+            continue
+        if m.get("isFinal") is True:
+            return payloads
+        assert m["alignment"] is None and m["normalizedAlignment"] is None
+        payloads.append(base64.b64decode(m["audio"]))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own (audioop, AudioContextTTSService)
+async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames(port):
+    from pipecat.frames.frames import (
+        EndFrame,
+        ErrorFrame,
+        TTSAudioRawFrame,
+        TTSSpeakFrame,
+        TTSStartedFrame,
+        TTSStoppedFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.task import PipelineParams
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+    from pipecat.workers.runner import WorkerRunner
+
+    frames = []
+    stopped = asyncio.Event()
+
+    class Collect(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            frames.append(frame)
+            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
+                stopped.set()
+            await self.push_frame(frame, direction)
+
+    tts = ElevenLabsTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}", sample_rate=24000,
+                               settings=ElevenLabsTTSService.Settings(voice=VOICE))
+    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=24000))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run())
+    await worker.queue_frame(TTSSpeakFrame("Hello there."))
+    await asyncio.wait_for(stopped.wait(), 30)
+    await worker.queue_frame(EndFrame())
+    await asyncio.wait_for(run, 30)
+
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == 24000 and f.num_channels == 1 for f in audio)
+    assert all(len(f.audio) == 960 for f in audio)  # 20 ms of 16-bit PCM at 24 kHz per message
+    kinds = [type(f) for f in frames]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+
+
+async def test_stream_input_ulaw_with_key_in_first_message(port):
+    async with connect(_url(port, "stream-input", output_format="ulaw_8000")) as ws:
+        await ws.send(json.dumps({"text": " ", "xi_api_key": KEY, "voice_settings": {"stability": 0.5},
+                                  "generation_config": {"chunk_length_schedule": [50, 120, 160, 250]}}))
+        for piece in ("Hello ", "there. ", "How are ", "you?"):
+            await ws.send(json.dumps({"text": piece, "try_trigger_generation": True}))
+        await ws.send(json.dumps({"text": ""}))  # end of input
+        payloads = await _until_final(ws)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 5)
+    assert ws.close_code == 1000
+    assert payloads and all(len(p) == 160 for p in payloads)  # 20 ms of 8 kHz mu-law each
+
+
+async def test_multi_stream_contexts_flush_close_and_barge_in(port):
+    async with connect(_url(port, "multi-stream-input", output_format="pcm_16000"),
+                       additional_headers={"xi-api-key": KEY}) as ws:
+        await ws.send(json.dumps({"text": " ", "context_id": "a", "voice_settings": {"speed": 1.0}}))
+        await ws.send(json.dumps({"text": "Hello there. ", "context_id": "a"}))
+        await ws.send(json.dumps({"text": "", "context_id": "a"}))  # keepalive
+        await ws.send(json.dumps({"context_id": "a", "flush": True}))
+        await ws.send(json.dumps({"context_id": "a", "close_context": True}))  # after a flush: finish speaking
+        a = await _until_final(ws, "a")
+        assert a and sum(map(len, a)) % 640 == 0  # whole 20 ms frames of 16 kHz s16le
+
+        story = " ".join(f"This is part {i} of a reply the caller interrupts." for i in range(12))
+        await ws.send(json.dumps({"text": story, "context_id": "b"}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert first["contextId"] == "b" and first["audio"]
+        await ws.send(json.dumps({"context_id": "b", "close_context": True}))  # unflushed: a barge-in
+        b = await _until_final(ws, "b")
+        assert sum(map(len, b)) / 32000 < 3.0  # cut short: the whole story is ~10 s, paced 1.5 s ahead
+        with pytest.raises(TimeoutError):  # the interrupted context stays silent (its story had seconds left)
+            m = json.loads(await asyncio.wait_for(ws.recv(), 0.5))
+            pytest.fail(f"message after the barge-in: {m}")
+        await ws.send(json.dumps({"close_socket": True}))
+        with pytest.raises(ConnectionClosed):
+            while True:
+                m = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                assert "error" not in m, m
+    assert ws.close_code == 1000
+
+
+@pytest.mark.parametrize("output_format, container, rate", [("opus_48000_64", "ogg", 48000),
+                                                             (None, "mp3", 44100)])
+async def test_container_formats_are_one_decodable_stream_per_context(port, output_format, container, rate):
+    query = {"output_format": output_format} if output_format else {}
+    async with connect(_url(port, "stream-input", **query), additional_headers={"xi-api-key": KEY}) as ws:
+        await ws.send(json.dumps({"text": " "}))
+        await ws.send(json.dumps({"text": "Hi there.", "flush": True}))
+        await ws.send(json.dumps({"text": ""}))
+        data = b"".join(await _until_final(ws))
+    with av.open(io.BytesIO(data)) as f:
+        assert f.format.name.split(",")[0] == container
+        assert f.streams.audio[0].rate == rate
+        assert sum(frame.samples for frame in f.decode(audio=0)) > 0
+
+
+async def _error(ws) -> dict:
+    while True:
+        m = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        if "error" in m:
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)
+            return m
+
+
+@pytest.mark.parametrize("query, headers, messages, error", [
+    ({}, {"xi-api-key": "wrong"}, [], "invalid_api_key"),
+    ({}, {}, [{"text": " ", "xi_api_key": "wrong"}], "invalid_api_key"),
+    ({}, {}, [{"text": " "}], "invalid_api_key"),
+    ({"output_format": "wav_44100"}, {"xi-api-key": KEY}, [], "invalid_output_format"),
+    ({"inactivity_timeout": "999"}, {"xi-api-key": KEY}, [], "invalid_request"),
+    ({}, {"xi-api-key": KEY}, ["{not json"], "invalid_message"),
+    ({}, {"xi-api-key": KEY}, [{"text": 5}], "invalid_message"),
+    ({}, {"xi-api-key": KEY}, [{"text": " ", "generation_config": {"chunk_length_schedule": "fast"}}],
+     "invalid_request"),
+])
+async def test_bad_input_gets_an_elevenlabs_error_and_a_1008_close(port, query, headers, messages, error):
+    async with connect(_url(port, "stream-input", **query), additional_headers=headers) as ws:
+        for m in messages:
+            await ws.send(m if isinstance(m, str) else json.dumps(m))
+        reply = await _error(ws)
+    assert reply["error"] == error and reply["code"] == 1008 and reply["message"]
+    assert ws.close_code == 1008
+
+
+async def test_a_sixth_context_exceeds_the_limit(port):
+    async with connect(_url(port, "multi-stream-input", output_format="pcm_16000"),
+                       additional_headers={"xi-api-key": KEY}) as ws:
+        for i in range(6):
+            await ws.send(json.dumps({"text": "Some words to say.", "context_id": f"c{i}"}))
+        reply = await _error(ws)
+    assert reply["error"] == "max_active_conversations" and ws.close_code == 1008
+
+
+async def test_inactivity_timeout_closes_with_input_timeout_exceeded(port):
+    async with connect(_url(port, "multi-stream-input", output_format="pcm_16000", inactivity_timeout="1"),
+                       additional_headers={"xi-api-key": KEY}) as ws:
+        await ws.send(json.dumps({"text": " ", "context_id": "a"}))
+        reply = await _error(ws)
+    assert reply["error"] == "input_timeout_exceeded" and ws.close_code == 1008
+
+
+async def test_stream_input_with_nothing_to_say_ends_at_once(port):
+    async with connect(_url(port, "stream-input", output_format="pcm_24000"),
+                       additional_headers={"xi-api-key": KEY}) as ws:
+        await ws.send(json.dumps({"text": " "}))
+        await ws.send(json.dumps({"text": ""}))
+        assert await _until_final(ws) == []
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 5)
+    assert ws.close_code == 1000
