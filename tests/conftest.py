@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,3 +37,15 @@ def tiny_v1_dir(tmp_path_factory) -> Path:
     from engine.random_checkpoint import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny-v1"), tiny("voxcpm"), seed=0, progress=False)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(tiny_v2_dir):
+    """The real engine (one worker process) on the tiny VoxCPM2 checkpoint, shared by one test module.
+    Modules that need other engine settings define their own `engine` fixture."""
+    from engine import Engine
+
+    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
+    await eng.wait_for_ready()
+    yield eng
+    await eng.stop()

@@ -12,7 +12,6 @@ import pytest_asyncio
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from engine import Engine
 from gateway.auth import Auth
 from gateway.server import ServerConfig, create_app, start_server
 
@@ -20,14 +19,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)
 
 KEY = "xi-test-key"
 VOICE = "21m00Tcm4TlvDq8ikWAM"  # an ElevenLabs voice id: not stored here, so the default voice speaks
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 import soxr
 
-from engine import Engine
 from gateway.auth import Auth
 from gateway.server import ServerConfig, create_app, start_server
 
@@ -23,14 +22,6 @@ KEY = "sk-voxgate-test"
 SEED = 1234
 TEXT = "Hello there."
 SHORT = {"seed": SEED, "max_length": 4}  # 4 patches: enough to check a container, cheap on 2 cores
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -14,7 +14,6 @@ import pytest_asyncio
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from engine import Engine
 from gateway.auth import Auth
 from gateway.client import VoxgateClient
 from gateway.protocol import AudioFrame
@@ -24,14 +23,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)
 
 KEY = "twilio-test-key"
 STREAM_SID = "MZ18ad3ab5a668481ce02b83e7395059f0"
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -8,7 +8,6 @@ import opuslib
 import pytest
 import pytest_asyncio
 
-from engine import Engine
 from gateway.audio import alaw_decode, mulaw_decode
 from gateway.client import VoxgateClient
 from gateway.protocol import AudioFrame
@@ -19,14 +18,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)
 
 SEED = 1234
 TEXT = "Hello there."
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -10,7 +10,6 @@ import pytest
 import pytest_asyncio
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from engine import Engine
 from gateway.auth import Auth
 from gateway.client import VoxgateClient
 from gateway.protocol import Limits
@@ -23,14 +22,6 @@ LIMITS = Limits(max_message_bytes=2000, max_text_chars=100, max_buffered_chars=3
 LONG_TEXT = ("A slow listener gets a long answer, with several clauses and sentences to speak. "
              "It keeps going for a while, so that the audio fills every buffer on the way. "
              "And then it goes on a little more.")
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 async def _serve(engine, config: ServerConfig, auth: Auth | None = None):

@@ -10,19 +10,10 @@ import pytest
 import pytest_asyncio
 import soundfile
 
-from engine import Engine
 from gateway.client import VoxgateClient
 from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_v2_dir):
-    eng = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=8)
-    await eng.wait_for_ready()
-    yield eng
-    await eng.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
