@@ -5,9 +5,7 @@ Segmenting, pacing, encoding and cancellation exist once, in gateway.session and
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +13,6 @@ from aiohttp import web
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
-from gateway.session import Session
 
 if TYPE_CHECKING:  # gateway.server may import this package from its app factory
     from gateway.server import Gateway
@@ -43,31 +40,6 @@ def check_api_key(gw: Gateway, key: str | None) -> str:
     return gw.auth.check_key(f"Bearer {key}")
 
 
-def refusal(gw: Gateway, key: str) -> str | None:
-    """Why a new session for this key is refused now (server full, per-key limit, shutting down), or None."""
-    if gw.draining:
-        return "the server is shutting down"
-    if len(gw.sessions) >= gw.config.max_sessions:
-        return f"the server is at its limit of {gw.config.max_sessions} sessions; retry shortly"
-    if gw.per_key[key] >= gw.config.max_sessions_per_key:
-        return f"at most {gw.config.max_sessions_per_key} concurrent sessions per API key"
-    return None
-
-
-@contextlib.contextmanager
-def tracked(gw: Gateway, session: Session, key: str) -> Iterator[None]:
-    """Count the session like a native one (limits, readiness, shutdown drain) while the block runs."""
-    gw.sessions.add(session)
-    gw.per_key[key] += 1
-    try:
-        yield
-    finally:
-        gw.sessions.discard(session)
-        gw.per_key[key] -= 1
-        if gw.per_key[key] <= 0:
-            del gw.per_key[key]
-
-
 def gateway_of(request: web.Request) -> Gateway:
     from gateway.server import GATEWAY
 
@@ -91,4 +63,4 @@ class Transcoder:
         return b"" if self._encoder is None else b"".join(self._encoder.finish())
 
 
-__all__ = ["register", "native", "check_api_key", "refusal", "tracked", "gateway_of", "Transcoder", "AuthError"]
+__all__ = ["register", "native", "check_api_key", "gateway_of", "Transcoder", "AuthError"]

@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
-from gateway.compat import AuthError, Transcoder, check_api_key, gateway_of, native, refusal
+from gateway.compat import AuthError, Transcoder, check_api_key, gateway_of, native
 from gateway.protocol import ErrorCode
 from gateway.session import Session, voice_ids
 
@@ -151,9 +151,9 @@ class Bridge:
             gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
             raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header or "
                                   "xi_api_key in the first message") from None
-        reason = refusal(gw, key)
-        if reason is not None:
-            raise ElevenLabsError("max_concurrency_exceeded", reason, INTERNAL_ERROR if gw.draining else
+        refused = gw.refusal(key)
+        if refused is not None:
+            raise ElevenLabsError("max_concurrency_exceeded", refused.message, INTERNAL_ERROR if gw.draining else
                                   POLICY_VIOLATION)
         return key
 

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, OutputFormat, av_available
-from gateway.compat import AuthError, Transcoder, gateway_of, native, refusal, tracked
+from gateway.compat import AuthError, Transcoder, gateway_of, native
 from gateway.protocol import ErrorCode
 from gateway.session import Session, voice_ids
 
@@ -201,9 +201,9 @@ async def speech(request: web.Request) -> web.StreamResponse:
         except (ValueError, UnicodeDecodeError):
             raise OpenAIError(400, "the request body is not valid JSON") from None
         req = parse_speech_request(body, voice_ids(await _maybe_await(gw.engine.list_voices())))
-        reason = refusal(gw, key)
-        if reason is not None:
-            raise OpenAIError(503 if gw.draining else 429, reason, type="server_error" if gw.draining else
+        refused = gw.refusal(key)
+        if refused is not None:
+            raise OpenAIError(503 if gw.draining else 429, refused.message, type="server_error" if gw.draining else
                               "rate_limit_exceeded", code=str(ErrorCode.OVERLOADED))
     except OpenAIError as e:
         return e.response()
@@ -211,7 +211,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     config = dataclasses.replace(gw.config.session, max_lead_ms=math.inf, max_lead_ms_telephony=math.inf)
     session = Session(gw.engine, inbox, config, metrics=gw.metrics)
     session.open()
-    with tracked(gw, session, key):
+    with gw.tracked(session, key):
         try:
             return await _speak(request, session, inbox, req)
         except OpenAIError as e:  # before the first byte: the status can still say what went wrong

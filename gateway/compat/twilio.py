@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from gateway.audio import HEADER_SIZE, pack_frame_header
-from gateway.compat import AuthError, gateway_of, native, refusal, tracked
+from gateway.compat import AuthError, gateway_of, native
 from gateway.protocol import Error, ErrorCode
 from gateway.session import Session
 
@@ -175,9 +175,9 @@ async def control(request: web.Request) -> web.StreamResponse:
     except AuthError as e:
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         return web.json_response({"error": {"code": str(ErrorCode.UNAUTHORIZED), "message": str(e)}}, status=401)
-    reason = refusal(gw, key)
-    if reason is not None:
-        return web.json_response({"error": {"code": str(ErrorCode.OVERLOADED), "message": reason}}, status=503)
+    refused = gw.refusal(key)
+    if refused is not None:
+        return web.json_response({"error": {"code": str(refused.code), "message": refused.message}}, status=503)
     ws = web.WebSocketResponse(max_msg_size=2 * gw.config.limits.max_message_bytes + 65536, compress=False)
     await ws.prepare(request)
     bridge = CallBridge(request, ws)
@@ -188,7 +188,7 @@ async def control(request: web.Request) -> web.StreamResponse:
     calls = request.app[CALLS]
     calls[session.id] = bridge
     session.open()
-    with tracked(gw, session, key):
+    with gw.tracked(session, key):
         try:
             async for msg in ws:
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
