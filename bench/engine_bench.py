@@ -8,6 +8,8 @@ chunks of one request. Fixed length needs a checkpoint whose stop head never fir
     python bench/engine_bench.py --model DIR --concurrency 1,8,32,64 --patches 60 --out bench/results/x.json
     python bench/engine_bench.py --random-size tiny --closed-loop --concurrency 8 --duration 10
     python bench/engine_bench.py --random-size tiny --poisson 4 --requests 40
+    python bench/engine_bench.py --model DIR --concurrency 1,64 --extra closed:64,poisson:20   # same engine
+    python bench/engine_bench.py --model DIR --profile   # CUDA: per-module GPU times of a decode step
 """
 
 from __future__ import annotations
@@ -42,10 +44,15 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+LORAS: list[str] = []  # --lora: registered adapters; request `seed` uses LORAS[seed % len(LORAS)]
+
+
 async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -> dict:
     start = time.perf_counter()
     times, samples = [], 0
-    async for chunk in engine.generate(TEXT, seed=seed, max_length=patches, min_length=patches, timesteps=timesteps):
+    lora = LORAS[seed % len(LORAS)] if LORAS else None
+    async for chunk in engine.generate(TEXT, seed=seed, max_length=patches, min_length=patches, timesteps=timesteps,
+                                       lora=lora):
         times.append(time.perf_counter())
         samples += chunk.audio.shape[0]
     audio_s = samples / engine.model_info().sample_rate
@@ -54,7 +61,10 @@ async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -
             "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times)}
 
 
-async def run_level(engine: Engine, args: argparse.Namespace, concurrency: int) -> dict:
+async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode: str = "batch") -> dict:
+    """mode: "batch" (N requests, at most `concurrency` at once), "closed" (closed-loop users), "poisson" (open
+    loop at `level` requests/s); `level` is the concurrency, or the rate."""
+    concurrency = int(level)
     steps0, t0 = engine.stats().steps, time.perf_counter()
     results: list[dict] = []
     seeds = iter(range(10**9))
@@ -65,15 +75,15 @@ async def run_level(engine: Engine, args: argparse.Namespace, concurrency: int) 
             print(f"  ... {len(results)} requests done, {engine.stats().running} running", file=sys.stderr)
 
     progress = asyncio.create_task(report())
-    if args.poisson:
+    if mode == "poisson":
         rng = random.Random(0)
         tasks = []
-        for _ in range(args.requests):
+        for _ in range(args.requests or 32):
             tasks.append(asyncio.create_task(one_request(engine, args.patches, next(seeds), args.timesteps)))
             tasks[-1].add_done_callback(lambda t: results.append(t.result()))
-            await asyncio.sleep(rng.expovariate(args.poisson))
+            await asyncio.sleep(rng.expovariate(level))
         await asyncio.gather(*tasks)
-    elif args.closed_loop:
+    elif mode == "closed":
         end = t0 + args.duration
 
         async def user():
@@ -82,7 +92,7 @@ async def run_level(engine: Engine, args: argparse.Namespace, concurrency: int) 
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
     else:
-        n = args.requests or concurrency
+        n = args.requests or min(args.max_requests, args.requests_factor * concurrency)
         sem = asyncio.Semaphore(concurrency)
 
         async def limited():
@@ -95,7 +105,8 @@ async def run_level(engine: Engine, args: argparse.Namespace, concurrency: int) 
     ttfb = [r["ttfb"] * 1000 for r in results]
     gaps = [g * 1000 for r in results for g in r["gaps"]]
     return {
-        "concurrency": concurrency, "requests": len(results), "elapsed_s": elapsed,
+        "mode": mode, "concurrency": level if mode == "poisson" else concurrency, "requests": len(results),
+        "elapsed_s": elapsed,
         "ttfb_ms": {"p50": percentile(ttfb, 50), "p90": percentile(ttfb, 90), "p99": percentile(ttfb, 99)},
         "rtf_mean": float(np.mean([r["rtf"] for r in results])),
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
@@ -123,16 +134,22 @@ async def main(args: argparse.Namespace) -> dict:
     model = model_dir(args)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_waiting=args.max_num_seqs * 4,
                     inference_timesteps=args.timesteps, dtype=args.dtype,
-                    gpu_memory_utilization=args.gpu_memory_utilization)
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank)
     t = time.perf_counter()
     await engine.wait_for_ready()
     print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.model_info()}", file=sys.stderr)
+    if args.lora:
+        await register_random_loras(engine, args.lora, args.lora_rank)
     await one_request(engine, 2, 0, args.timesteps)  # warm-up
     levels = []
     try:
-        for c in args.concurrency:
-            print(f"concurrency {c} ...", file=sys.stderr)
-            levels.append(await run_level(engine, args, c))
+        mode = "poisson" if args.poisson else "closed" if args.closed_loop else "batch"
+        plan = [(mode, float(c)) for c in ([args.poisson] if args.poisson else args.concurrency)]
+        plan += [(m, float(v)) for m, v in (x.split(":") for x in args.extra)]
+        for m, c in plan:
+            print(f"{m} {c} ...", file=sys.stderr)
+            levels.append(await run_level(engine, args, c, m))
     finally:
         await engine.stop()
     try:
@@ -144,18 +161,119 @@ async def main(args: argparse.Namespace) -> dict:
     return {"command": " ".join(sys.argv), "git_commit": commit, "device": device,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
-            "timesteps": args.timesteps, "mode": "poisson" if args.poisson else
-            "closed-loop" if args.closed_loop else "batch", "levels": levels}
+            "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
+            "lora_rank": args.lora_rank if args.lora else None, "levels": levels}
+
+
+async def register_random_loras(engine: Engine, count: int, rank: int) -> None:
+    """`count` random adapters of rank `rank` on every LoRA target (alpha = rank, small weights)."""
+    from engine.lora import lora_layout
+
+    layout = lora_layout(engine.config)
+    gen = torch.Generator().manual_seed(0)
+    t = time.perf_counter()
+    for i in range(count):
+        tensors = {}
+        for path, (fan_in, fan_out) in layout.items():
+            tensors[f"{path}.lora_A"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            tensors[f"{path}.lora_B"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+        await engine.register_lora(f"bench-{i}", tensors, config={"r": rank, "alpha": rank})
+        LORAS.append(f"bench-{i}")
+    print(f"registered {count} LoRA adapters of rank {rank} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
 
 def table(result: dict) -> str:
-    rows = ["| concurrency | requests | TTFB p50 / p90 / p99 (ms) | RTF mean | gap p50 / p99 (ms) | steps/s "
-            "| audio s/s |", "|---|---|---|---|---|---|---|"]
+    rows = ["| mode | concurrency | requests | TTFB p50 / p90 / p99 (ms) | RTF mean | gap p50 / p99 (ms) | steps/s "
+            "| audio s/s |", "|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
         t, g = lv["ttfb_ms"], lv["gap_ms"]
-        rows.append(f"| {lv['concurrency']} | {lv['requests']} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
+        rows.append(f"| {lv.get('mode', 'batch')} | {lv['concurrency']} | {lv['requests']} | "
+                    f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
                     f"{lv['rtf_mean']:.3f} | {g['p50']:.1f} / {g['p99']:.1f} | {lv['steps_per_s']:.1f} | "
                     f"{lv['audio_s_per_s']:.1f} |")
+    return "\n".join(rows)
+
+def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
+    """Mean GPU time of `fn` replayed as a CUDA graph (launch overhead excluded), in ms; `graphed`: fn already
+    replays one."""
+    fn()
+    torch.cuda.synchronize()
+    if not graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) -> dict[str, float]:
+    from engine.model.attention import AttentionMetadata
+
+    net, h, dtype = runner.model, runner.host_np, runner.dtype
+    runner._stage_padding(b)
+    for j in range(b):
+        table = list(range(j * blocks, (j + 1) * blocks))
+        h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, 2.0
+        h["slots"][j] = table[context // 16] * 16 + context % 16
+        h["block_tables"][j, :blocks] = table
+    h["noise"][:b] = np.random.default_rng(b).standard_normal(h["noise"][:b].shape)
+    h["patches"][:b] = np.random.default_rng(b + 1).standard_normal(h["patches"][:b].shape) * 0.5
+    runner.inputs.copy_rows_(runner.host, b)
+    i = runner.inputs
+    meta = AttentionMetadata(runner.cu_seqlens[:b + 1], i.seq_lens[:b], i.slots[:b], i.block_tables[:b], 1,
+                             runner.max_positions)
+    patches, noise, cfg, positions = i.patches[:b].to(dtype), i.noise[:b].to(dtype), i.cfg[:b].to(dtype), \
+        i.positions[:b]
+    x = torch.randn(b, runner.config.lm.hidden_size, device="cuda", dtype=dtype)
+    sampled = net.sample_patches(x, x, patches, noise, timesteps, cfg)
+    times = {
+        "locenc": gpu_ms(lambda: net.encode_patches(patches)),
+        "base_lm": gpu_ms(lambda: net.base_lm.forward_paged(x, positions, meta, runner.caches[0], net.attention)),
+        "residual_lm": gpu_ms(lambda: net.residual_lm.forward_paged(x, positions, meta, runner.caches[1],
+                                                                     net.attention)),
+        "dit_all_steps": gpu_ms(lambda: net.sample_patches(x, x, patches, noise, timesteps, cfg)),
+        "vae": gpu_ms(lambda: runner._vae_decode(i.vae_slots[:b], sampled)),
+    }
+    if runner.graphs is not None and b in runner.graphs.graphs:
+        times["whole_step_graph"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
+    return times
+
+
+@torch.inference_mode()
+def profile(model: str, dtype: str | None, timesteps: int, context: int, batches: tuple[int, ...] = (1, 64, 256)
+            ) -> dict:
+    """GPU time per module of one decode step (LocEnc, base LM, residual LM, DiT with all Euler steps, VAE with its
+    state gather/scatter) and of the whole graphed step, at each batch size, sequences `context` positions long."""
+    from engine.checkpoint import load_model
+    from engine.runner import Runner
+    from engine.worker import WorkerConfig
+
+    loaded = load_model(model, "cuda", dtype)
+    blocks = -(-(context + 1) // 16)
+    runner = Runner(loaded, WorkerConfig(
+        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=4096,
+        block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
+        inference_timesteps=timesteps))
+    out: dict = {"model": model, "dtype": str(runner.dtype), "timesteps": timesteps, "context": context,
+                 "device": torch.cuda.get_device_name(0), "batches": {}}
+    for b in batches:
+        out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
+        print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()), file=sys.stderr)
+    out["memory"] = runner.memory
+    return out
+
+
+def profile_table(result: dict) -> str:
+    names = list(next(iter(result["batches"].values())))
+    rows = ["| batch | " + " | ".join(names) + " (ms) |", "|---" * (len(names) + 1) + "|"]
+    for b, times in result["batches"].items():
+        rows.append(f"| {b} | " + " | ".join(f"{times[n]:.2f}" for n in names) + " |")
     return "\n".join(rows)
 
 
@@ -166,27 +284,39 @@ def parse_args() -> argparse.Namespace:
     src.add_argument("--random-size", choices=["tiny", "voxcpm2", "voxcpm1.5"], default="tiny")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--patches", type=int, default=20, help="patches per request (fixed length)")
-    p.add_argument("--requests", type=int, default=0, help="requests per level (default: = concurrency)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per level (default: requests-factor x concurrency, at most max-requests)")
+    p.add_argument("--requests-factor", type=int, default=1)
+    p.add_argument("--max-requests", type=int, default=1024)
+    p.add_argument("--extra", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="more levels on the same engine after the sweep: closed:C (C users), poisson:R (R req/s)")
+    p.add_argument("--profile", action="store_true", help="CUDA only: per-module GPU times of a decode step")
     p.add_argument("--closed-loop", action="store_true", help="each of C users sends requests back to back")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per level in closed loop")
     p.add_argument("--poisson", type=float, default=0.0, help="open loop: RATE requests/s (uses --requests)")
+    p.add_argument("--context", type=int, default=160, help="--profile: KV positions per sequence")
     p.add_argument("--timesteps", type=int, default=10)
+    p.add_argument("--lora", type=int, default=0, help="register N random LoRA adapters; requests spread across them")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--out", help="write the JSON result here")
-    args = p.parse_args()
-    if args.poisson and not args.requests:
-        args.requests = 32
-    return args
+    return p.parse_args()
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    result = asyncio.run(main(arguments))
+    if arguments.profile:
+        result = profile(model_dir(arguments), arguments.dtype, arguments.timesteps, arguments.context)
+        render = profile_table
+    else:
+        result = asyncio.run(main(arguments))
+        render = table
     text = json.dumps(result, indent=2)
     if arguments.out:
         Path(arguments.out).write_text(text)
     else:
         print(text)
-    print(table(result))
+    print(render(result))

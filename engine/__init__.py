@@ -6,16 +6,18 @@ from engine.errors import (
     EngineOverloaded,
     EngineStopped,
     InvalidAudio,
+    InvalidLoRA,
     InvalidParameter,
     InvalidRequest,
     TextTooLong,
+    UnknownLoRA,
     UnknownVoice,
     WorkerCrashed,
 )
-from engine.pool import AudioChunk, Engine, EngineStats, Generation, ModelInfo, SyncEngine, VoiceInfo
+from engine.pool import AudioChunk, Engine, EngineStats, Generation, LoRAInfo, ModelInfo, SyncEngine, VoiceInfo
 
 __all__ = [
     "AudioChunk", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats", "EngineStopped",
-    "Generation", "InvalidAudio", "InvalidParameter", "InvalidRequest", "ModelInfo", "SyncEngine", "TextTooLong",
-    "UnknownVoice", "VoiceInfo", "WorkerCrashed",
+    "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest", "LoRAInfo", "ModelInfo",
+    "SyncEngine", "TextTooLong", "UnknownLoRA", "UnknownVoice", "VoiceInfo", "WorkerCrashed",
 ]

@@ -36,6 +36,14 @@ class InvalidAudio(InvalidRequest):
     """Prompt or reference audio (or latents) cannot be used."""
 
 
+class InvalidLoRA(InvalidRequest):
+    """A LoRA adapter cannot be used: missing config, unknown target, rank above the maximum, wrong shapes."""
+
+
+class UnknownLoRA(InvalidRequest):
+    """No registered LoRA adapter has this name."""
+
+
 class EngineOverloaded(EngineError):
     """The wait queue is full: retry later or elsewhere."""
 

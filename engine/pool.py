@@ -1,8 +1,14 @@
 """The public engine API: async `Engine` (and blocking `SyncEngine`) over one worker process per device.
 
 The caller's process holds the model config and tokenizer (no weights): every request is validated and turned into
-a prompt here, so bad input is a typed `InvalidRequest` before anything is queued. Requests go to the least loaded
-worker; a reader thread per worker turns its step messages into `AudioChunk`s and hands them to the event loop.
+a prompt here, so bad input is a typed `InvalidRequest` before anything is queued. Each new turn goes to the worker
+with the most headroom (`headroom`: free sequence room and free KV blocks from the stats every worker reports each
+step, avoiding a worker that is late on a listener's deadline); a reader thread per worker turns its step messages
+into `AudioChunk`s and hands them to the event loop.
+
+Placement: `devices` lists CUDA indices (`[0, 1]`: one worker per GPU) or device names (`["cpu", "cpu"]`: two CPU
+workers); with `tensor_parallel_size=N` every N consecutive devices form one worker whose model is split across them
+(`engine.distributed`, `engine.model.parallel`). Stored voices are registered on every worker.
 A worker that dies fails its in-flight requests with `WorkerCrashed` at once (its process sentinel wakes the
 reader) and is started again, stored voices included.
 """
@@ -31,18 +37,22 @@ import torch
 
 from engine.checkpoint import resolve_model_dir
 from engine.config import ModelConfig
+from engine.distributed import disable_nvls
 from engine.errors import (
     EmptyText,
     EngineError,
     EngineOverloaded,
     EngineStopped,
     InvalidAudio,
+    InvalidLoRA,
     InvalidParameter,
     InvalidRequest,
     TextTooLong,
+    UnknownLoRA,
     UnknownVoice,
     WorkerCrashed,
 )
+from engine.model.parallel import check_tensor_parallel
 from engine.request import RequestSpec, SamplingParams
 from engine.text import Tokenizer, normalize_text
 from engine.worker import AudioRing, WorkerConfig, run_worker
@@ -55,6 +65,7 @@ MAX_CFG = 20.0
 MAX_TEMPERATURE = 5.0
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_PER_WINDOW = 5
+LATE_SLACK_MS = 300.0  # a worker whose most starved settled listener has less than this buffered is running late
 
 
 @dataclass
@@ -87,6 +98,24 @@ class VoiceInfo:
     mode: str  # "reference" (v2: shared prefix KV) or "prompt" (continuation from the voice's audio and text)
     num_patches: int
     text: str | None
+    lora: str | None = None  # the LoRA adapter every request of this voice uses
+
+
+@dataclass
+class LoRAInfo:
+    name: str
+    rank: int
+    alpha: float
+    num_layers: int  # target linears the adapter changes
+    num_parameters: int
+    in_flight: int  # requests using it now
+
+
+@dataclass
+class _LoRA:
+    adapter: Any  # engine.lora.LoRAAdapter (float32 CPU weights: resent to a restarted worker)
+    users: set[str] = field(default_factory=set)  # request ids in flight
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -118,6 +147,7 @@ class _Stream:
     worker: _WorkerHandle
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
+    lora: _LoRA | None = None
 
 
 class _WorkerHandle:
@@ -200,11 +230,12 @@ class _WorkerHandle:
 class Engine:
     """Async streaming TTS engine: one worker process per device, continuous batching inside each."""
 
-    def __init__(self, model: str | None = None, *, devices: list[int] | None = None, max_num_seqs: int = 256,
+    def __init__(self, model: str | None = None, *, devices: list[int | str] | None = None,
+                 tensor_parallel_size: int = 1, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
                  inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
-                 worker_threads: int = 1):
+                 worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32):
         self.loop = asyncio.get_running_loop()
         self.is_demo = model is None and not torch.cuda.is_available()
         if model is None:
@@ -215,38 +246,43 @@ class Engine:
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         _check_int("block_size", block_size, 1)
         _check_int("inference_timesteps", inference_timesteps, 1, MAX_TIMESTEPS)
+        _check_int("max_loras", max_loras, 0, 4096)
+        _check_int("max_lora_rank", max_lora_rank, 1, 1024)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise InvalidParameter(f"gpu_memory_utilization must be in (0, 1] (got {gpu_memory_utilization})")
         self.path: Path = resolve_model_dir(model)
         self.name = model
         self.config = ModelConfig.from_file(self.path / "config.json")
         self.tokenizer = Tokenizer.from_dir(self.path)
-        if devices is None:
-            device_names = ["cuda:0"] if torch.cuda.is_available() else ["cpu"]
-        elif not devices or not torch.cuda.is_available():
-            raise InvalidParameter("devices lists CUDA device indices; none are available here" if devices else
-                                   "devices must not be empty")
-        else:
-            device_names = [f"cuda:{d}" for d in devices]
+        _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        try:
+            check_tensor_parallel(self.config, tensor_parallel_size)
+        except ValueError as e:
+            raise InvalidParameter(str(e)) from None
+        groups = _device_groups(devices, tensor_parallel_size)
+        disable_nvls()  # inherited by every worker and tensor-parallel rank started from here
         self.default_timesteps = inference_timesteps
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
         self._worker_configs = [WorkerConfig(
-            model=str(self.path), device=d, dtype=dtype, max_num_seqs=max_num_seqs,
+            model=str(self.path), device=group[0], dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads)
-            for d in device_names]
+            inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads,
+            tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank)
+            for group in groups]
         self._ring_floats = int(RING_SECONDS * self.config.sample_rate) + max_num_seqs * self.config.samples_per_patch
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, tuple[asyncio.Future, _WorkerHandle]] = {}
         self._call_ids = itertools.count()
         self._voices: dict[str, _Voice] = {}
+        self._loras: dict[str, _LoRA] = {}
+        self._lora_layout: dict[str, tuple[int, int]] | None = None
         self._restarts = 0
         self._restart_times: list[float] = []
         self._stopped = False
         self._fatal: str | None = None
-        self._workers = [self._start_worker(i) for i in range(len(device_names))]
+        self._workers = [self._start_worker(i) for i in range(len(groups))]
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **kwargs: Any) -> Engine | SyncEngine:
@@ -328,11 +364,17 @@ class Engine:
         self._restarts += 1
         new = self._start_worker(worker.index)
         self._workers[worker.index] = new
+        for lora in self._loras.values():
+            new.send(("lora_add", next(self._call_ids), lora.adapter))
         for voice in self._voices.values():
             if voice.prefix is not None:
                 new.send(("voice", next(self._call_ids), voice.prefix))
 
     def _forget(self, stream: _Stream) -> None:
+        if stream.lora is not None:
+            stream.lora.users.discard(stream.request_id)
+            if not stream.lora.users:
+                stream.lora.drained.set()
         stream.done = True
         self._streams.pop(stream.request_id, None)
         stream.worker.in_flight.discard(stream.request_id)
@@ -342,7 +384,9 @@ class Engine:
             raise EngineStopped("the engine is stopped")
         if self._fatal is not None:
             raise EngineStopped(f"the worker cannot start: {self._fatal}")
-        worker = min(self._workers, key=lambda w: (not w.ready.is_set(), len(w.in_flight)))
+        worker = max(self._workers, key=lambda w: (w.ready.is_set() and w.alive,
+                                                   headroom(w.stats, len(w.in_flight), self.max_num_seqs),
+                                                   -len(w.in_flight)))
         if len(worker.in_flight) >= self.max_num_seqs + self.max_waiting:
             raise EngineOverloaded(f"{len(worker.in_flight)} requests in flight on the least loaded worker "
                                    f"(limit {self.max_num_seqs} running + {self.max_waiting} waiting)")
@@ -367,8 +411,10 @@ class Engine:
                  reference_audio: Any = None, reference_latents: Any = None, cfg_value: float = 2.0,
                  temperature: float = 1.0, seed: int | None = None, max_length: int | None = None,
                  min_length: int = 2, timesteps: int | None = None, priority: int = 0,
-                 request_id: str | None = None) -> Generation:
-        """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels."""
+                 request_id: str | None = None, lora: str | None = None) -> Generation:
+        """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.
+
+        `lora` names a registered adapter (default: the stored voice's adapter, if it names one)."""
         if not isinstance(text, str):
             raise InvalidParameter(f"text must be a string (got {type(text).__name__})")
         if not normalize_text(text):
@@ -416,13 +462,20 @@ class Engine:
             ref_patches = v.latents if v.info.mode == "reference" else None
             if v.text is not None:
                 prompt_text, prompt_patches = v.text, v.latents
+            lora = v.info.lora if lora is None else lora
+        adapter = self._lora(lora)
         worker = self._pick_worker()
+        # the voice's shared prefix KV was computed under the voice's adapter: another adapter recomputes it
+        shared = v is not None and v.prefix is not None and lora == v.info.lora
         args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt_patches, ref_patches=ref_patches,
-                    params=params, request_id=request_id, voice_id=voice if v is not None and v.prefix else None)
+                    params=params, request_id=request_id, voice_id=voice if shared else None, lora=lora)
         spec = None
         if prompt_audio is None and reference_audio is None:
             spec = self._spec(**args)  # all checks done before the caller iterates
-        stream = _Stream(request_id, worker)
+        stream = _Stream(request_id, worker, lora=adapter)
+        if adapter is not None:
+            adapter.users.add(request_id)
+            adapter.drained.clear()
         self._streams[request_id] = stream
         worker.in_flight.add(request_id)
         audio = (prompt_audio, reference_audio, prompt_sample_rate)
@@ -445,7 +498,7 @@ class Engine:
 
     def _spec(self, *, text: str, prompt_text: str | None, prompt_patches: torch.Tensor | None,
               ref_patches: torch.Tensor | None, params: SamplingParams, request_id: str,
-              voice_id: str | None) -> RequestSpec:
+              voice_id: str | None, lora: str | None = None) -> RequestSpec:
         from engine.prompt import build_prompt, length_cap
 
         try:
@@ -469,7 +522,7 @@ class Engine:
             audio_mask=[int(m) for m in prompt.audio_mask], cond=torch.as_tensor(prompt.cond, dtype=torch.float32),
             context_patches=None if prompt.context_patches is None else
             torch.as_tensor(prompt.context_patches, dtype=torch.float32),
-            params=params, voice_id=voice_id)
+            params=params, voice_id=voice_id, lora=lora)
 
     def _kv_positions(self) -> int:
         cfg = self._worker_configs[0]
@@ -528,9 +581,19 @@ class Engine:
         return await self._call(self._pick_worker(), "encode", samples, sample_rate, pad)
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
-                        text: str | None = None, voice_id: str | None = None) -> str:
+                        text: str | None = None, voice_id: str | None = None, lora: str | None = None) -> str:
         """Store a voice. VoxCPM2: a reference voice whose prefix KV is computed once per worker and shared by
-        every request of the voice. VoxCPM 0.5B/1.5: prompt audio + its transcript `text` (continuation)."""
+        every request of the voice. VoxCPM 0.5B/1.5: prompt audio + its transcript `text` (continuation).
+        `lora` names a registered adapter the voice's requests use; with no audio the voice is the adapter alone."""
+        self._lora(lora)
+        if lora is not None and audio is None and latents is None and text is None:
+            voice_id = voice_id or uuid.uuid4().hex[:12]
+            if not isinstance(voice_id, str):
+                raise InvalidParameter("voice_id must be a string")
+            if voice_id in self._voices:
+                await self.remove_voice(voice_id)
+            self._voices[voice_id] = _Voice(VoiceInfo(voice_id, "lora", 0, None, lora), None, None, None)
+            return voice_id
         if (audio is None) == (latents is None):
             raise InvalidParameter("give the voice as audio or as latents (exactly one)")
         if text is not None and not normalize_text(text):
@@ -544,17 +607,17 @@ class Engine:
         pad = "right" if reference else "left"
         patches = self._latents(latents, "latents") if latents is not None else \
             await self._encode(audio, sample_rate, pad)
-        prefix = self._voice_prefix(voice_id, patches) if reference else None
+        prefix = self._voice_prefix(voice_id, patches, lora) if reference else None
         if voice_id in self._voices:
             await self.remove_voice(voice_id)
-        voice = _Voice(VoiceInfo(voice_id, "reference" if reference else "prompt", int(patches.shape[0]), text),
-                       patches, text, prefix)
+        voice = _Voice(VoiceInfo(voice_id, "reference" if reference else "prompt", int(patches.shape[0]), text,
+                                 lora), patches, text, prefix)
         if prefix is not None:
             await asyncio.gather(*(self._call(w, "voice", prefix) for w in self._workers))
         self._voices[voice_id] = voice
         return voice_id
 
-    def _voice_prefix(self, voice_id: str, ref: torch.Tensor) -> RequestSpec:
+    def _voice_prefix(self, voice_id: str, ref: torch.Tensor, lora: str | None = None) -> RequestSpec:
         """`[103, ref..., 104]`: the first positions of every prompt of this voice, as a prefix-only request."""
         from engine.prompt import build_prompt
 
@@ -567,7 +630,7 @@ class Engine:
             patches=torch.as_tensor(prompt.patches[:n], dtype=torch.float32),
             audio_mask=[int(m) for m in prompt.audio_mask[:n]],
             cond=torch.zeros(self.config.patch_size, self.config.feat_dim), context_patches=None,
-            params=SamplingParams(), voice_id=voice_id, prefix_only=True)
+            params=SamplingParams(), voice_id=voice_id, prefix_only=True, lora=lora)
 
     async def remove_voice(self, voice_id: str) -> None:
         if self._voices.pop(voice_id, None) is None:
@@ -578,6 +641,57 @@ class Engine:
 
     def list_voices(self) -> list[VoiceInfo]:
         return [v.info for v in self._voices.values()]
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------------
+    def _lora(self, name: str | None) -> _LoRA | None:
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise InvalidParameter(f"lora must be an adapter name (got {type(name).__name__})")
+        entry = self._loras.get(name)
+        if entry is None:
+            raise UnknownLoRA(f"no registered LoRA adapter {name!r}")
+        return entry
+
+    async def register_lora(self, name: str, source: str | Path | dict[str, torch.Tensor],
+                            config: dict[str, Any] | None = None) -> LoRAInfo:
+        """Load an adapter (a directory with lora_weights.safetensors + lora_config.json, the .safetensors file,
+        or tensors with `config`), check it against the model and put it on every worker. Bad adapters raise
+        `InvalidLoRA` here, before any worker sees them."""
+        from engine.lora import load_adapter, lora_layout
+
+        max_loras, max_rank = self._worker_configs[0].max_loras, self._worker_configs[0].max_lora_rank
+        if not max_loras:
+            raise InvalidLoRA("this engine has no LoRA slots: start it with max_loras >= 1")
+        if isinstance(name, str) and name in self._loras:
+            raise InvalidLoRA(f"a LoRA adapter named {name!r} is already registered: unregister it first")
+        if self._lora_layout is None:
+            self._lora_layout = lora_layout(self.config)
+        adapter = await asyncio.to_thread(load_adapter, name, source, self._lora_layout, max_rank, config)
+        if name in self._loras:  # registered meanwhile
+            raise InvalidLoRA(f"a LoRA adapter named {name!r} is already registered: unregister it first")
+        await asyncio.gather(*(self._call(w, "lora_add", adapter) for w in self._workers))
+        entry = _LoRA(adapter)
+        entry.drained.set()
+        self._loras[name] = entry
+        return self._lora_info(entry)
+
+    async def unregister_lora(self, name: str) -> None:
+        """Refuse new requests for the adapter at once, wait for those in flight to finish, then free it."""
+        entry = self._lora(name)
+        users = [v.info.voice_id for v in self._voices.values() if v.info.lora == name]
+        if users:
+            raise InvalidParameter(f"LoRA adapter {name!r} is used by stored voice(s) {users}: remove them first")
+        del self._loras[name]
+        await entry.drained.wait()
+        await asyncio.gather(*(self._call(w, "lora_remove", name) for w in self._workers if w.alive))
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return [self._lora_info(e) for e in self._loras.values()]
+
+    def _lora_info(self, entry: _LoRA) -> LoRAInfo:
+        a = entry.adapter
+        return LoRAInfo(a.name, a.rank, a.alpha, len(a.weights), a.num_parameters, len(entry.users))
 
     # ---- status ------------------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -601,7 +715,10 @@ class Engine:
         ready = [w.ready.is_set() and w.alive for w in self._workers]
         status = "stopped" if self._stopped else "failed" if self._fatal else \
             "ok" if all(ready) else "degraded" if any(ready) else "starting"
-        return {"status": status, "workers": [{"device": w.cfg.device, "ready": r, "pid": w.process.pid}
+        return {"status": status, "workers": [{"device": w.cfg.device, "devices": list(w.cfg.tp_devices or
+                                                                                  [w.cfg.device]),
+                                               "ready": r, "pid": w.process.pid, "in_flight": len(w.in_flight),
+                                               "stats": dict(w.stats)}
                                               for w, r in zip(self._workers, ready, strict=True)],
                 "error": self._fatal, "restarts": self._restarts, "in_flight": len(self._streams)}
 
@@ -727,6 +844,15 @@ class SyncEngine:
     def list_voices(self) -> list[VoiceInfo]:
         return self._call(self.engine.list_voices)
 
+    def register_lora(self, name: str, source: Any, config: dict[str, Any] | None = None) -> LoRAInfo:
+        return self._run(self.engine.register_lora(name, source, config))
+
+    def unregister_lora(self, name: str) -> None:
+        self._run(self.engine.unregister_lora(name))
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return self._call(self.engine.list_loras)
+
     def encode_audio(self, audio: bytes | np.ndarray, sample_rate: int | None = None) -> np.ndarray:
         return self._run(self.engine.encode_audio(audio, sample_rate))
 
@@ -749,6 +875,56 @@ class SyncEngine:
             self._thread.join(5.0)
 
 
+def headroom(stats: dict[str, Any], in_flight: int, max_num_seqs: int) -> float:
+    """How much more a worker can take, from the stats it reports every step: the tighter of its free sequence
+    room and its free KV blocks (both fractions), less one whole unit while it is late on a deadline (a listener
+    about to starve), so a late worker gets new turns only when every worker is late."""
+    seqs = max(in_flight, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
+    room = 1.0 - seqs / max_num_seqs
+    total = stats.get("total_blocks") or 0
+    if total:  # requests routed since the last report hold no blocks yet: charge them the average
+        used = total - stats.get("free_blocks", total) - stats.get("voice_blocks", 0)
+        reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        unseen = max(0, in_flight - reported)
+        per_seq = used / reported if reported else 0.0
+        room = min(room, (stats.get("free_blocks", total) - unseen * per_seq) / total)
+    slack = stats.get("min_slack_ms")
+    if slack is not None and slack < LATE_SLACK_MS:
+        room -= 1.0
+    return room
+
+
+def _device_groups(devices: list[int | str] | None, tp: int) -> list[list[str]]:
+    """Device names, one list per worker: `tp` consecutive devices form one tensor-parallel group.
+
+    `devices` holds CUDA indices (0, 1) or torch device names ("cuda:1", "cpu"); "cpu" may repeat, for several CPU
+    workers (or ranks). Default: the first `tp` GPUs, or `tp` CPU ranks without a GPU."""
+    if devices is None:
+        devices = list(range(tp)) if torch.cuda.is_available() else ["cpu"] * tp
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise InvalidParameter("devices must be a non-empty list of CUDA indices or device names")
+    names = []
+    for d in devices:
+        try:
+            dev = torch.device(f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else d)
+        except (RuntimeError, TypeError):
+            raise InvalidParameter(f"devices: {d!r} is neither a CUDA index nor a device name") from None
+        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise InvalidParameter(f"devices: {d!r} is not a CUDA device available here")
+        if dev.type not in ("cuda", "cpu"):
+            raise InvalidParameter(f"devices: {d!r}: only CUDA devices and the CPU are supported")
+        names.append(f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu")
+    if len(names) % tp:
+        raise InvalidParameter(f"{len(names)} devices do not split into tensor-parallel groups of {tp}")
+    groups = [names[i:i + tp] for i in range(0, len(names), tp)]
+    for g in groups:
+        if len({torch.device(n).type for n in g}) > 1:
+            raise InvalidParameter(f"a tensor-parallel group cannot mix the CPU and GPUs ({g})")
+        if g[0] != "cpu" and len(set(g)) < len(g):
+            raise InvalidParameter(f"a tensor-parallel group needs distinct GPUs ({g})")
+    return groups
+
+
 def _check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise InvalidParameter(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
@@ -760,4 +936,4 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
         raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
 
 
-__all__ = ["AudioChunk", "Engine", "EngineStats", "Generation", "ModelInfo", "SyncEngine", "VoiceInfo"]
+__all__ = ["AudioChunk", "Engine", "EngineStats", "Generation", "LoRAInfo", "ModelInfo", "SyncEngine", "VoiceInfo"]

@@ -41,6 +41,7 @@ class RequestSpec:
     params: SamplingParams
     voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
     prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
+    lora: str | None = None  # a registered LoRA adapter applied to this request
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +66,7 @@ class Request:
     generated: list[torch.Tensor] = field(default_factory=list)  # [P, D] each
     vae_slot: int | None = None
     vae_primed: bool = False
+    lora_slot: int = 0  # the model's LoRA slot holding spec.lora while admitted (0: none)
     stop_reason: str | None = None
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))

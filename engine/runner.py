@@ -1,69 +1,365 @@
 """Runs one scheduled step on the device: flat LM batch -> patches -> stop flags -> streaming VAE.
 
 The runner owns everything that lives on the device: the model, both paged KV caches (base and residual LM share
-block tables), and one VAE stream state with a row per request slot. On CPU the KV pool has a fixed number of
-blocks; on a GPU it takes what `gpu_memory_utilization` leaves after the weights and an activation reserve.
+block tables), and one VAE stream state with a row per request slot. Two paths:
+
+- decode-only steps at the default timesteps go through static buffers (`engine.cuda_graphs`): on CUDA one graph
+  replay per step, no host sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
+- steps with prefill chunks run both LMs eagerly over the flat batch, then the emitting rows go through the
+  second graph set, "sample + stop + VAE", over the same buffers;
+- steps with rows at other timesteps run wholly eagerly.
+
+`launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
+CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.
+
+On a GPU the KV cache takes what `gpu_memory_utilization` leaves after the weights, the static buffers, the
+measured peak of a largest eager step and the graphs' memory pool (estimated by the largest decode step's peak).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, KVCache
+from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeResult, bucket_for, buckets_for
+from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
+from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
     from engine.checkpoint import LoadedModel
     from engine.worker import WorkerConfig
 
+log = logging.getLogger(__name__)
+
 CPU_KV_BLOCKS = 1024
+GiB = 2**30
+MEMORY_MARGIN = GiB // 2  # cuBLAS/Triton workspaces and allocator fragmentation beyond the measured peaks
+GRAPH_POOL_FACTOR = 2.5
 
 
 @dataclass
 class StepOutput:
-    """Aligned with the scheduled seqs; None where a seq only prefilled."""
+    """Aligned with the scheduled seqs; None where a seq only prefilled. On CUDA the audio arrays view pinned
+    buffers that the step after next overwrites: copy them before then."""
 
     patches: list[torch.Tensor | None]  # [P, D] float32 on CPU
     stops: list[bool]
     audio: list[np.ndarray | None]  # float32 mono, one patch
 
 
+@dataclass
+class PendingStep:
+    """A launched step: `done` already when it ran eagerly, else the graph path's rows behind `event`."""
+
+    seqs: list[ScheduledSeq]
+    done: StepOutput | None = None
+    result: DecodeResult | None = None  # CPU outputs, or pinned host copies on CUDA
+    event: torch.cuda.Event | None = None
+    emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
+
+
 class Runner:
     def __init__(self, loaded: LoadedModel, cfg: WorkerConfig):
         self.config = loaded.config
         self.model, self.vae = loaded.model, loaded.vae
+        # under tensor parallelism this rank caches only its own KV heads
+        self.kv_stacks = tuple(local_kv_stack(s, tp_size(self.model))
+                               for s in (self.config.lm, self.config.residual_lm))
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vae_dtype = next(self.vae.parameters()).dtype
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_budget(cfg)
-        self.caches = tuple(KVCache.allocate(stack, self.num_blocks, self.block_size, self.device, self.dtype)
-                            for stack in (self.config.lm, self.config.residual_lm))
-        self.vae_state = self.vae.stream_state(cfg.max_num_seqs)
+        self.timesteps = cfg.inference_timesteps
+        self.max_num_seqs = cfg.max_num_seqs
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.model.attention = make_attention_backend(self.device, cfg.block_size)
+        weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
-    def _blocks_from_budget(self, cfg: WorkerConfig) -> int:
-        if self.device.type != "cuda":
-            return CPU_KV_BLOCKS
+        # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).
+        self.buckets: list[int] | None = buckets_for(cfg.max_num_seqs) if cuda else None
+        self.max_positions = self.config.lm.max_position_embeddings
+        p, d = self.config.patch_size, self.config.feat_dim
+        width = -(-self.max_positions // self.block_size)
+        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, self.device)
+        self.host = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True) \
+            if cuda else self.inputs
+        self.host_np = {name: t.numpy() for name, t in vars(self.host).items()}
+        rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
+        self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
+        self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
+        hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
+        self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
+        self.res_h = torch.zeros_like(self.lm_h)
+        self.scratch_slot = cfg.max_num_seqs  # padding rows decode into this extra VAE row
+        # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
+        self.lora = getattr(self.model, "lora", None) is not None
+        self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
+        self.lora_rows_host = torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda)
+        self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
+        self.parity = 0
+        self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
+
+        self.memory: dict[str, float] = {}
+        if cfg.num_kv_blocks:
+            self.num_blocks = cfg.num_kv_blocks
+        elif cuda:
+            self.num_blocks = agree_min(self.model, self._blocks_from_budget(cfg, weights), self.device)
+        else:
+            self.num_blocks = CPU_KV_BLOCKS
+        self.scratch_block = self.num_blocks  # one block past the scheduler's: padding rows write their KV here
+        self.caches = tuple(KVCache.allocate(stack, self.num_blocks + 1, self.block_size, self.device, self.dtype)
+                            for stack in self.kv_stacks)
+        self.graphs: DecodeGraphs | None = None
+        self.sample_graphs: DecodeGraphs | None = None
+        if cuda and cfg.cuda_graphs:
+            before = torch.cuda.memory_reserved(self.device)
+            pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(lambda rows: self._decode_body(rows, self.max_positions),
+                                           self.buckets or [], self._pad_all, pool)
+                self.sample_graphs = DecodeGraphs(self._sample_body, self.buckets or [], self._pad_all, pool)
+            self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
+        if cuda:
+            self._log_memory(cfg, weights)
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+    def _kv_bytes_per_block(self) -> int:
+        return self.block_size * 2 * self.dtype.itemsize * sum(
+            s.num_hidden_layers * s.num_key_value_heads * s.head_dim for s in self.kv_stacks)
+
+    def _blocks_from_budget(self, cfg: WorkerConfig, weights: int) -> int:
+        mixed, decode = self._measure_activations(cfg)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Activations of the largest step (prefill tokens, DiT CFG batch, VAE) are reserved up front, so the
-        # configured fraction holds without a profiling run.
-        reserve = 2 * 2**30 + cfg.max_num_batched_tokens * self.config.lm.hidden_size * 64
-        budget = total * cfg.gpu_memory_utilization - (total - free) - reserve
-        bytes_per_block = self.block_size * 2 * self.dtype.itemsize * sum(
-            s.num_hidden_layers * s.num_key_value_heads * s.head_dim
-            for s in (self.config.lm, self.config.residual_lm))
-        blocks = int(budget // bytes_per_block)
+        # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
+        # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
+        graphs = GRAPH_POOL_FACTOR * decode
+        budget = total * cfg.gpu_memory_utilization - (total - free) - max(mixed, decode) - graphs - MEMORY_MARGIN
+        self.memory.update(weights_gib=weights / GiB, eager_peak_gib=max(mixed, decode) / GiB,
+                           graph_estimate_gib=graphs / GiB, total_gib=total / GiB)
+        blocks = int(budget // self._kv_bytes_per_block())
         if blocks < 1:
             raise MemoryError(f"no room for the KV cache: gpu_memory_utilization {cfg.gpu_memory_utilization} "
-                              f"leaves {budget / 2**30:.1f} GiB after weights and activations")
+                              f"leaves {budget / GiB:.1f} GiB after weights, activations and CUDA graphs")
         return blocks
 
     @torch.inference_mode()
+    def _measure_activations(self, cfg: WorkerConfig) -> tuple[int, int]:
+        """Peak bytes of (a prefill step of max_num_batched_tokens tokens, a decode step of max_num_seqs rows),
+        run eagerly on a scratch KV cache that every sequence shares."""
+        tokens = cfg.max_num_batched_tokens
+        seqs = min(cfg.max_num_seqs, tokens)
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        blocks = -(-max(lens) // self.block_size)
+        self.scratch_block = 0
+        self.caches = tuple(KVCache.allocate(stack, blocks, self.block_size, self.device, self.dtype)
+                            for stack in self.kv_stacks)
+        meta = AttentionMetadata.build(lens, [0] * seqs, [list(range(blocks))] * seqs, self.block_size, self.device)
+        p, d = self.config.patch_size, self.config.feat_dim
+        dev = self.device
+
+        def peak(run) -> int:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            run()
+            torch.cuda.synchronize(dev)
+            return torch.cuda.max_memory_allocated(dev) - base
+
+        mixed = peak(lambda: self.model.forward_lms(
+            torch.zeros(tokens, dtype=torch.long, device=dev), torch.zeros(tokens, p, d, device=dev, dtype=self.dtype),
+            torch.zeros(tokens, dtype=torch.long, device=dev), meta.positions().long(), meta, self.caches,
+            torch.tensor(np.cumsum(lens) - 1, device=dev)))
+        self._pad_all(cfg.max_num_seqs)
+        decode = peak(lambda: self._decode_body(cfg.max_num_seqs, self.max_positions))
+        del self.caches
+        return mixed, decode
+
+    def _log_memory(self, cfg: WorkerConfig, weights: int) -> None:
+        block_bytes = self._kv_bytes_per_block()
+        positions = self.num_blocks * self.block_size
+        self.memory.update(kv_gib=self.num_blocks * block_bytes / GiB, kv_blocks=self.num_blocks,
+                           kv_positions=positions, weights_gib=weights / GiB,
+                           allocated_gib=torch.cuda.memory_allocated(self.device) / GiB,
+                           reserved_gib=torch.cuda.memory_reserved(self.device) / GiB)
+        streams = positions // max(1, 512)
+        m = self.memory
+        log.info("GPU memory: weights %.2f GiB, CUDA graphs %.2f GiB (estimated %.2f), eager activation peak "
+                 "%.2f GiB, KV cache %.2f GiB = %d blocks x %d positions (%d streams of 512 positions); reserved "
+                 "%.2f of %.2f GiB at utilization %.2f", m["weights_gib"], m.get("graphs_gib", 0.0),
+                 m.get("graph_estimate_gib", 0.0), m.get("eager_peak_gib", 0.0), m["kv_gib"], self.num_blocks,
+                 self.block_size, streams, m["reserved_gib"], m.get("total_gib", 0.0), cfg.gpu_memory_utilization)
+
+    # ---- one step --------------------------------------------------------------------------------------------
     def step(self, seqs: list[ScheduledSeq]) -> StepOutput:
+        """Run one step to completion."""
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
+        """Start a step; on the graph paths the device works on it after this returns."""
+        if self._decode_only(seqs):
+            n = len(seqs)
+            rows = self._stage_rows([s.request for s in seqs], [s.request.generated[-1] for s in seqs])
+            self._stage_positions(seqs)
+            self._upload(rows)
+            if self.graphs is not None:
+                result = self.graphs.replay(rows)
+            else:
+                result = self._decode_body(rows, self._max_seqlen_k(n))
+            return self._download(seqs, result, n, None)
+        if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
+            return PendingStep(seqs, done=self._eager_step(seqs))
+        lm_h, res_h = self._forward_lms(seqs)
+        emit = [k for k, s in enumerate(seqs) if s.emit]
+        if not emit:
+            return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)))
+        reqs = [seqs[k].request for k in emit]
+        rows = self._stage_rows(reqs, [r.cond for r in reqs])
+        self._upload(rows)
+        index = torch.tensor(emit, device=self.device)
+        n = len(emit)
+        self.lm_h[:n].copy_(lm_h.index_select(0, index))
+        self.res_h[:n].copy_(res_h.index_select(0, index))
+        self.lm_h[n:rows].zero_()
+        self.res_h[n:rows].zero_()
+        result = self.sample_graphs.replay(rows) if self.sample_graphs is not None else self._sample_body(rows)
+        return self._download(seqs, result, n, emit)
+
+    def collect(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched step's outputs."""
+        if pending.done is not None:
+            return pending.done
+        assert pending.result is not None
+        if pending.event is not None:
+            pending.event.synchronize()
+        r = pending.result
+        patches = list(r.patches.clone())  # the requests keep these; the pinned buffers are reused
+        stops = r.stops.tolist()
+        audio = r.audio.numpy()
+        if pending.emit is None:
+            return StepOutput(patches, stops, [audio[j] for j in range(len(pending.seqs))])
+        out = StepOutput([None] * len(pending.seqs), [False] * len(pending.seqs), [None] * len(pending.seqs))
+        for j, k in enumerate(pending.emit):
+            out.patches[k], out.stops[k], out.audio[k] = patches[j], stops[j], audio[j]
+        return out
+
+    def _decode_only(self, seqs: list[ScheduledSeq]) -> bool:
+        width = self.host.block_tables.shape[1]
+        return bool(seqs) and len(seqs) <= self.max_num_seqs and all(
+            s.num_tokens == 1 and s.emit and s.request.generated and len(s.request.block_table) <= width
+            and s.request.spec.params.timesteps == self.timesteps for s in seqs)
+
+    def _max_seqlen_k(self, n: int) -> int:
+        # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
+        return self.max_positions if self.device.type == "cuda" else int(self.host.seq_lens[:n].max())
+
+    def _stage_rows(self, reqs: list, conds: list[torch.Tensor]) -> int:
+        """Host rows of the sampling inputs (condition patch, noise, cfg, VAE row) of `reqs`, padding up to the
+        bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream)."""
+        d, p = self.config.feat_dim, self.config.patch_size
+        h = self.host_np
+        for j, (req, cond) in enumerate(zip(reqs, conds, strict=True)):
+            if not req.vae_primed:
+                self._prime(req)
+            params = req.spec.params
+            self.host.patches[j].copy_(cond)
+            noise = self.host.noise[j]
+            torch.randn(d, p, generator=req.generator, out=noise)
+            if params.temperature != 1.0:
+                noise.mul_(params.temperature)
+            h["cfg"][j] = params.cfg_value
+            h["vae_slots"][j] = req.vae_slot
+            self.lora_rows_host[j] = req.lora_slot
+        n = len(reqs)
+        rows = bucket_for(n, self.buckets) if self.buckets else n
+        self._stage_padding(rows, first=n)
+        return rows
+
+    def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
+        """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""
+        h, bs = self.host_np, self.block_size
+        for j, seq in enumerate(seqs):
+            pos, table = seq.start, seq.request.block_table
+            h["positions"][j] = pos
+            h["slots"][j] = table[pos // bs] * bs + pos % bs
+            h["seq_lens"][j] = pos + 1
+            h["block_tables"][j, :len(table)] = table
+
+    def _upload(self, rows: int) -> None:
+        if self.host is not self.inputs:
+            self.inputs.copy_rows_(self.host, rows)
+        if self.lora:
+            self.lora_rows[:rows].copy_(self.lora_rows_host[:rows], non_blocking=True)
+
+    def _download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
+                  ) -> PendingStep:
+        """The first n result rows: as they are on CPU; on CUDA copied D2H into pinned memory behind an event."""
+        if self.device.type != "cuda":
+            return PendingStep(seqs, result=DecodeResult(result.patches[:n], result.stops[:n], result.audio[:n]),
+                               emit=emit)
+        out = self.outputs[self.parity]
+        self.parity ^= 1
+        for dst, src in ((out.patches, result.patches), (out.stops, result.stops), (out.audio, result.audio)):
+            dst[:n].copy_(src[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(seqs, result=DecodeResult(out.patches[:n], out.stops[:n], out.audio[:n]), event=event,
+                           emit=emit)
+
+    def _stage_padding(self, rows: int, first: int = 0) -> None:
+        """Host rows [first, rows): sequences of length 1 in the scratch KV block, decoding into the scratch VAE row."""
+        h = self.host_np
+        for name in ("patches", "noise", "positions"):
+            h[name][first:rows] = 0
+        h["cfg"][first:rows] = 1.0
+        h["slots"][first:rows] = self.scratch_block * self.block_size
+        h["seq_lens"][first:rows] = 1
+        h["block_tables"][first:rows, 0] = self.scratch_block
+        h["vae_slots"][first:rows] = self.scratch_slot
+        self.lora_rows_host[first:rows] = 0
+
+    def _pad_all(self, rows: int) -> None:
+        self._stage_padding(rows)
+        self._upload(rows)
+
+    def _decode_body(self, rows: int, max_seqlen_k: int) -> DecodeResult:
+        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture)."""
+        b = self.inputs
+        self.model.set_lora_indices(tokens=self.lora_rows[:rows])
+        meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens[:rows + 1], seq_lens=b.seq_lens[:rows],
+                                 slot_mapping=b.slots[:rows], block_tables=b.block_tables[:rows],
+                                 max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+        lm_h, res_h = self.model.forward_lms(self.zeros[:rows], b.patches[:rows].to(self.dtype), self.ones[:rows],
+                                             b.positions[:rows], meta, self.caches, last_index=self.row_index[:rows])
+        return self._sample_body(rows, lm_h, res_h)
+
+    def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None
+                     ) -> DecodeResult:
+        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones)."""
+        b = self.inputs
+        self.model.set_lora_indices(seqs=self.lora_rows[:rows])
+        lm_h = self.lm_h[:rows] if lm_h is None else lm_h
+        res_h = self.res_h[:rows] if res_h is None else res_h
+        sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
+                                            b.noise[:rows].to(self.dtype), self.timesteps, b.cfg[:rows].to(self.dtype))
+        stops = self.model.stop_flags(lm_h)
+        return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+
+    def _host_outputs(self, rows: int) -> DecodeResult:
+        c = self.config
+        return DecodeResult(torch.empty(rows, c.patch_size, c.feat_dim, pin_memory=True),
+                            torch.empty(rows, dtype=torch.bool, pin_memory=True),
+                            torch.empty(rows, c.samples_per_patch, pin_memory=True))
+
+    def _forward_lms(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both LMs eagerly over the flat batch of every scheduled chunk; (lm_h, res_h) [len(seqs), H]."""
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []
@@ -78,11 +374,19 @@ class Runner:
         meta = AttentionMetadata.build(query_lens, [s.start for s in seqs],
                                        [s.request.block_table for s in seqs], self.block_size, self.device)
         dev = self.device
+        if self.lora:
+            slots = [s.request.lora_slot for s in seqs]
+            self.model.set_lora_indices(tokens=torch.tensor(np.repeat(slots, query_lens), device=dev))
         last_index = torch.tensor(np.cumsum(query_lens) - 1, device=dev)
         lm_h, res_h = self.model.forward_lms(
             torch.tensor(ids, device=dev), torch.cat(patches).to(dev, self.dtype), torch.tensor(masks, device=dev),
             torch.tensor(positions, device=dev), meta, caches=self.caches, last_index=last_index)
+        return lm_h, res_h
 
+    def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
+        """The whole step eagerly (rows may sample at different timesteps)."""
+        lm_h, res_h = self._forward_lms(seqs)
+        dev = self.device
         out = StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs))
         emit = [k for k, s in enumerate(seqs) if s.emit]
         if not emit:
@@ -97,6 +401,8 @@ class Runner:
             cond = torch.stack([r.cond for r in reqs]).to(dev, self.dtype)
             noise = torch.stack([self.noise(r) for r in reqs]).to(dev, self.dtype)
             cfg = torch.tensor([r.spec.params.cfg_value for r in reqs], device=dev, dtype=self.dtype)
+            if self.lora:
+                self.model.set_lora_indices(seqs=torch.tensor([r.lora_slot for r in reqs], device=dev))
             sampled[group] = self.model.sample_patches(lm_h[rows], res_h[rows], cond, noise, timesteps, cfg).float()
         stops = self.model.stop_flags(lm_h[torch.tensor(emit, device=dev)]).tolist()
         audio = self.decode_audio([seqs[k].request for k in emit], sampled)
@@ -116,11 +422,15 @@ class Runner:
             if not req.vae_primed:
                 self._prime(req)
         slots = torch.tensor([r.vae_slot for r in reqs], device=self.vae_state.buffers[0].device)
+        return self._vae_decode(slots, patches).cpu().numpy()
+
+    def _vae_decode(self, slots: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """[B, P, D] patches -> [B, samples] float32 audio, advancing the VAE state rows `slots`."""
         part = self.vae_state.gather(slots)
         latents = patches.to(self.vae_dtype).transpose(1, 2)  # [B, D, P]: P latent frames per patch
         audio = self.vae.decode_stream(latents, part)
         self.vae_state.scatter_(slots, part)
-        return audio.reshape(len(reqs), -1).float().cpu().numpy()
+        return audio.reshape(patches.shape[0], -1).float()
 
     def _prime(self, req) -> None:
         """Start the request's VAE row from silence, or from its prompt's last patches (seamless continuation)."""

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import BlockManager
+from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
+
+SETTLED_MS = 1000.0  # a stream's deadline slack counts for routing once it has spoken this long
 
 
 @dataclass
@@ -41,11 +44,12 @@ class VoicePrefix:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
-                 patch_ms: float, sit_out_ms: float = 2000.0):
+                 patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.patch_ms = patch_ms
         self.sit_out_ms = sit_out_ms
+        self.loras = loras  # LoRA slots: an admitted request holds its adapter's slot until it finishes or yields
         self.blocks = BlockManager(num_blocks, block_size)
         self.watermark = max(1, num_blocks // 100)
         self.waiting: list[Request] = []
@@ -80,6 +84,7 @@ class Scheduler:
         req.status, req.stop_reason = Status.FINISHED, reason
         self.blocks.release(req.block_table)
         req.block_table = []
+        self._release_lora(req)
         if req.vae_slot is not None:
             self.free_slots.append(req.vae_slot)
             req.vae_slot = None
@@ -155,6 +160,11 @@ class Scheduler:
         need = self.blocks.blocks_for(req.seq_len) - len(shared)
         if self.blocks.num_free - need < (self.watermark if self.running else 0):
             return False
+        if req.spec.lora is not None:
+            slot = self.loras.acquire(req.spec.lora) if self.loras is not None else None
+            if slot is None:  # every LoRA slot is held by a running request
+                return False
+            req.lora_slot = slot
         req.block_table = self.blocks.share(shared) + self.blocks.allocate(need)
         req.num_computed = len(shared) * self.blocks.block_size
         if needs_slot:
@@ -166,6 +176,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.release(req.block_table)
         req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
+        self._release_lora(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -198,6 +209,12 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            assert self.loras is not None and req.spec.lora is not None
+            self.loras.release(req.spec.lora)
+            req.lora_slot = 0
+
     def _keep_as_voice(self, req: Request) -> None:
         full = req.seq_len // self.blocks.block_size
         voice_id = req.spec.voice_id
@@ -206,10 +223,19 @@ class Scheduler:
         self.voices[voice_id] = VoicePrefix(self.blocks.share(req.block_table[:full]), req.seq_len)
         self.finish(req, "stop")
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float | None]:
         return {
             "running": len(self.running), "waiting": len(self.waiting),
             "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
             "voice_blocks": sum(len(v.blocks) for v in self.voices.values()),
             "free_slots": len(self.free_slots), "steps": self.num_steps, "preemptions": self.num_preemptions,
+            "min_slack_ms": self.min_slack_ms(),
         }
+
+    def min_slack_ms(self) -> float | None:
+        """Audio buffered at the most starved listener among streams past their first second (a stream that has
+        just started has little buffered by nature); None when there is none. Low means this worker is late."""
+        now = time.monotonic()
+        slack = [r.buffered_ms(now, self.patch_ms) for r in self.running
+                 if len(r.generated) * self.patch_ms >= SETTLED_MS]
+        return min(slack, default=None)

@@ -8,7 +8,8 @@ so the worker never overwrites audio that has not been read; if the ring is ever
 step's audio travels inline in the message instead: slower, never wrong, never blocking the GPU.
 
 Messages, pool -> worker: ("add", RequestSpec) ("cancel", id) ("buffered", id, ms) ("voice", call, RequestSpec)
-("remove_voice", voice_id) ("encode", call, audio, sample_rate, pad) ("stop",).
+("remove_voice", voice_id) ("encode", call, audio, sample_rate, pad) ("lora_add", call, LoRAAdapter)
+("lora_remove", call, name) ("stop",).
 Worker -> pool: ("ready", info) ("step", chunks, inline_audio, stats) ("reply", call, ok, value)
 ("failed", id, message) ("stats", stats) ("fatal", message).
 """
@@ -42,6 +43,10 @@ class WorkerConfig:
     inference_timesteps: int
     sit_out_ms: float = 2000.0
     threads: int = 1
+    cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
+    max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
+    max_lora_rank: int = 32
+    tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
 
 
 class AudioRing:
@@ -87,6 +92,9 @@ class AudioRing:
 def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm_name: str,
                read_pos: Any) -> None:
     """Entry point of the spawned worker process."""
+    from engine.distributed import disable_nvls
+
+    disable_nvls()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
     try:
@@ -94,7 +102,11 @@ def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm
     except Exception as e:  # a load failure is reported once, then the process exits
         results.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    worker.loop()
+    try:
+        worker.loop()
+    finally:
+        if worker.tp is not None:
+            worker.tp.close()
 
 
 class Worker:
@@ -104,21 +116,39 @@ class Worker:
         from engine.scheduler import Scheduler
 
         self.cfg, self.commands, self.results, self.ring = cfg, commands, results, ring
+        self.tp = None
+        if len(cfg.tp_devices) > 1:  # start the follower ranks first: every rank loads, shards and sizes in step
+            from engine.distributed import TensorParallelLeader
+            from engine.model.parallel import shard_model
+
+            self.tp = TensorParallelLeader(cfg)
         self.loaded = load_model(cfg.model, cfg.device, cfg.dtype)
+        if self.tp is not None:
+            shard_model(self.loaded.model, 0, self.tp.world, self.tp.group)
+        self.loras = None
+        if cfg.max_loras:  # before the runner, so the slots count as weights in its memory budget
+            from engine.lora import AdapterSlots
+            from engine.model.lora import attach_lora
+
+            if self.tp is not None:
+                raise ValueError("LoRA slots do not support tensor parallelism yet")
+            self.loras = AdapterSlots(attach_lora(self.loaded.model, cfg.max_loras, cfg.max_lora_rank))
         self.runner = Runner(self.loaded, cfg)
         config = self.loaded.config
         self.scheduler = Scheduler(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
-            sit_out_ms=cfg.sit_out_ms)
+            sit_out_ms=cfg.sit_out_ms, loras=self.loras)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
+        self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
-                                "pid": os.getpid()}))
+                                "pid": os.getpid(), "memory": self.runner.memory}))
 
     def loop(self) -> None:
         while True:
             if not self.scheduler.has_work:
+                self.publish()
                 self.commands.poll(None)
             changed = False
             while self.commands.poll():
@@ -127,6 +157,7 @@ class Worker:
                 except EOFError:  # the pool is gone
                     return
                 if msg[0] == "stop":
+                    self.publish()
                     return
                 self.handle(msg)
                 changed = True
@@ -138,7 +169,21 @@ class Worker:
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "add":
-            self.scheduler.add(msg[1])
+            spec = msg[1]
+            if spec.lora is not None and (self.loras is None or spec.lora not in self.loras.host):
+                self.results.send(("failed", spec.request_id, f"LoRA adapter {spec.lora!r} is not loaded here"))
+            else:
+                self.scheduler.add(spec)
+        elif kind in ("lora_add", "lora_remove"):
+            _, call, arg = msg
+            if self.loras is None:
+                self.results.send(("reply", call, False, "this worker has no LoRA slots"))
+                return
+            if kind == "lora_add":
+                self.loras.add(arg)
+            else:
+                self.loras.remove(arg)
+            self.results.send(("reply", call, True, None))
         elif kind == "cancel":
             self.scheduler.cancel(msg[1])
         elif kind == "buffered":
@@ -159,18 +204,30 @@ class Worker:
             log.error("unknown command %r", kind)
 
     def step(self) -> None:
+        """Schedule and launch step N, publish step N-1 while the device runs N, then collect N.
+
+        Step N+1's inputs depend on step N's patches, so steps themselves cannot overlap; what overlaps the device
+        is the host's heaviest work: copying audio into the ring and sending the step message."""
         sched = self.scheduler
         seqs = sched.schedule()
         if not seqs:
+            self.publish()
             if sched.waiting and not sched.running:  # nothing can ever free room for it
                 req = sched.waiting[0]
                 sched.finish(req, "error")
                 self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
             return
         try:
-            out = self.runner.step(seqs)
+            if self.tp is not None:
+                self.tp.send_step(seqs, sched)
+            pending = self.runner.launch(seqs)
+            self.publish()
+            out = self.runner.collect(pending)
         except Exception as e:  # a failed step fails its requests, not the worker
             log.error("step failed:\n%s", traceback.format_exc())
+            if self.tp is not None:  # the ranks are out of step now: end the group, the pool restarts it
+                self.tp.abort()
+            self.publish()
             for seq in seqs:
                 if seq.request.request_id in sched.requests:
                     sched.finish(seq.request, "error")
@@ -189,12 +246,20 @@ class Worker:
                            offset, offset + audio.shape[0], last, req.stop_reason))
             audio_parts.append(audio)
             offset += audio.shape[0]
+        self.unpublished = (chunks, audio_parts, finished)
+
+    def publish(self) -> None:
+        """Send the last collected step's chunks (audio through the ring) and the replies it completed."""
+        if self.unpublished is None:
+            return
+        chunks, audio_parts, finished = self.unpublished
+        self.unpublished = None
         if chunks:
             audio = np.concatenate(audio_parts)
             span = self.ring.write(audio)
-            self.results.send(("step", chunks, span if span is not None else audio, sched.stats()))
+            self.results.send(("step", chunks, span if span is not None else audio, self.scheduler.stats()))
         else:
-            self.results.send(("stats", sched.stats()))
+            self.results.send(("stats", self.scheduler.stats()))
         for req in finished:  # after the stats, so a caller woken by the reply sees the voice's blocks
             call = self.voice_calls.pop(req.request_id, None)
             if call is not None:

@@ -46,7 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     def engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="model directory or Hugging Face id (default: VoxCPM2 on a GPU, else the "
                                        "tiny demo model)")
-        p.add_argument("--devices", help="CUDA device indices, e.g. 0,1 (one engine worker per GPU)")
+        p.add_argument("--devices", help="CUDA device indices, e.g. 0,1 (one engine worker per GPU, or per group of "
+                       "--tensor-parallel-size GPUs); cpu,cpu: two CPU workers")
+        p.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs per engine worker: the LMs and LocDiT split across them (default 1)")
         p.add_argument("--max-num-seqs", type=int, default=None, help="concurrent requests per worker")
         p.add_argument("--timesteps", type=int, default=None, help="diffusion steps per patch (default 10)")
 
@@ -104,9 +107,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs: dict = {}
     if args.devices:
         try:
-            kwargs["devices"] = [int(d) for d in args.devices.split(",")]
+            kwargs["devices"] = [d.strip() if d.strip() == "cpu" else int(d) for d in args.devices.split(",")]
         except ValueError:
-            raise CliError(f"--devices {args.devices!r}: expected indices like 0,1") from None
+            raise CliError(f"--devices {args.devices!r}: expected indices like 0,1 (or cpu)") from None
+    if args.tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.max_num_seqs:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.timesteps:

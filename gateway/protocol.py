@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     TEXT_TOO_LONG = "text_too_long"
     BUFFER_FULL = "buffer_full"
     UNKNOWN_VOICE = "unknown_voice"
+    UNKNOWN_LORA = "unknown_lora"
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     UNAUTHORIZED = "unauthorized"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import logging
 import socket
 from collections import Counter
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aiohttp import WSMsgType, web
+from aiohttp import BodyPartReader, WSMsgType, web
 
 from engine import errors as engine_errors
 from gateway.auth import Auth, AuthError
@@ -36,6 +37,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0  # turns in progress may finish within this, then sessions are closed
     web_client_dir: Path | None = WEB_CLIENT_DIR
     max_voice_bytes: int = 20 << 20
+    max_lora_bytes: int = 1 << 30  # a LoRA upload (streamed, so not bound by max_voice_bytes)
     socket_send_buffer: int | None = None  # SO_SNDBUF; small values make pacing and barge-in tighter
 
     @property
@@ -96,6 +98,9 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
     r.add_post("/v1/voices", add_voice)
     r.add_get("/v1/voices", list_voices)
     r.add_delete("/v1/voices/{voice_id}", remove_voice)
+    r.add_post("/v1/loras", add_lora)
+    r.add_get("/v1/loras", list_loras)
+    r.add_delete("/v1/loras/{name}", remove_lora)
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", prometheus)
@@ -227,17 +232,22 @@ async def create_token(request: web.Request) -> web.Response:
 
 
 async def add_voice(request: web.Request) -> web.Response:
-    """POST /v1/voices: multipart (`audio` file + optional `text`) or a raw WAV/FLAC body (+ `?text=`)."""
+    """POST /v1/voices: multipart (`audio` file + optional `text`, `lora`) or a raw WAV/FLAC body (+ `?text=`,
+    `?lora=`). `lora` names a registered adapter the voice's requests use; with it the audio is optional."""
     key = _check_key(request)
     if isinstance(key, web.Response):
         return key
     gw = request.app[GATEWAY]
     text = request.query.get("text")
+    lora = request.query.get("lora")
     data = b""
     try:
         if request.content_type.startswith("multipart/"):
             form = await request.post()
             upload = form.get("audio") or form.get("file")
+            lora = form.get("lora") if isinstance(form.get("lora"), str) else lora
+            if upload is None and lora:
+                return await _add_lora_voice(gw, lora)
             if upload is None or not hasattr(upload, "file"):
                 return _error(400, ErrorCode.MISSING_FIELD, "multipart body needs a file field 'audio'")
             data = upload.file.read()
@@ -246,6 +256,8 @@ async def add_voice(request: web.Request) -> web.Response:
             data = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _error(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
+    if not data and lora:
+        return await _add_lora_voice(gw, lora)
     if not data:
         return _error(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
     try:
@@ -253,11 +265,25 @@ async def add_voice(request: web.Request) -> web.Response:
     except ValueError as e:
         return _error(400, ErrorCode.INVALID_VALUE, f"cannot read the audio (WAV or FLAC expected): {e}")
     try:
-        voice_id = await gw.engine.add_voice(audio=audio, sample_rate=rate, text=text or None)
+        voice_id = await gw.engine.add_voice(audio=audio, sample_rate=rate, text=text or None,
+                                             **({"lora": lora} if lora else {}))
+    except engine_errors.UnknownLoRA as e:
+        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
     except engine_errors.InvalidRequest as e:
         return _error(400, ErrorCode.INVALID_VALUE, str(e))
     except engine_errors.EngineError as e:
         return _error(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
+    return web.json_response({"voice_id": voice_id}, status=201)
+
+
+async def _add_lora_voice(gw: Gateway, lora: str) -> web.Response:
+    """A voice that is a LoRA adapter alone (a fine-tuned speaker needs no reference audio)."""
+    try:
+        voice_id = await gw.engine.add_voice(lora=lora)
+    except engine_errors.UnknownLoRA as e:
+        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
+    except engine_errors.InvalidRequest as e:
+        return _error(400, ErrorCode.INVALID_VALUE, str(e))
     return web.json_response({"voice_id": voice_id}, status=201)
 
 
@@ -292,6 +318,79 @@ async def remove_voice(request: web.Request) -> web.Response:
             await result
     except (engine_errors.UnknownVoice, KeyError):
         return _error(404, ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice_id!r}")
+    return web.Response(status=204)
+
+
+async def add_lora(request: web.Request) -> web.Response:
+    """POST /v1/loras: multipart with `name`, `weights` (lora_weights.safetensors) and `config` (the contents of
+    lora_config.json, as a field or a file). 201 with the adapter's info; a bad adapter is a 400 naming the problem."""
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    gw = request.app[GATEWAY]
+    if not request.content_type.startswith("multipart/"):
+        return _error(400, ErrorCode.INVALID_VALUE, "send the adapter as multipart/form-data: name, weights, config")
+    fields: dict[str, bytes] = {}
+    size = 0
+    reader = await request.multipart()
+    async for part in reader:
+        if not isinstance(part, BodyPartReader) or part.name not in ("name", "weights", "config"):
+            continue
+        chunks = []
+        while chunk := await part.read_chunk():
+            size += len(chunk)
+            if size > gw.config.max_lora_bytes:
+                return _error(413, ErrorCode.MESSAGE_TOO_LARGE, f"adapter over {gw.config.max_lora_bytes} bytes")
+            chunks.append(chunk)
+        fields[part.name] = b"".join(chunks)
+    missing = [f for f in ("name", "weights", "config") if not fields.get(f)]
+    if missing:
+        return _error(400, ErrorCode.MISSING_FIELD, f"multipart body needs the field(s) {missing}")
+    try:
+        name = fields["name"].decode()
+        config = json.loads(fields["config"])
+        tensors = await asyncio.to_thread(_read_safetensors, fields["weights"])
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        return _error(400, ErrorCode.INVALID_VALUE, f"cannot read the adapter: {e}")
+    try:
+        info = await gw.engine.register_lora(name, tensors, config=config)
+    except engine_errors.InvalidRequest as e:
+        return _error(400, ErrorCode.INVALID_VALUE, str(e))
+    except engine_errors.EngineError as e:
+        return _error(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
+    return web.json_response({"lora": asdict(info)}, status=201)
+
+
+def _read_safetensors(data: bytes) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except SafetensorError as e:
+        raise ValueError(f"weights: not a safetensors file ({e})") from None
+
+
+async def list_loras(request: web.Request) -> web.Response:
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    return web.json_response({"loras": [asdict(i) for i in request.app[GATEWAY].engine.list_loras()]})
+
+
+async def remove_lora(request: web.Request) -> web.Response:
+    """DELETE /v1/loras/{name}: new requests for it are refused at once; answers 204 once those in flight finished
+    and the adapter is freed."""
+    key = _check_key(request)
+    if isinstance(key, web.Response):
+        return key
+    name = request.match_info["name"]
+    try:
+        await request.app[GATEWAY].engine.unregister_lora(name)
+    except engine_errors.UnknownLoRA as e:
+        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
+    except engine_errors.InvalidRequest as e:  # still named by a stored voice
+        return _error(409, ErrorCode.INVALID_VALUE, str(e))
     return web.Response(status=204)
 
 

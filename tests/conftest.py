@@ -5,9 +5,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import pytest_asyncio
-import torch
+# With no GPU, Triton kernels can only run in its interpreter, and triton must see this before anything (torch
+# included) imports it: set it before torch, for the whole session.
+if not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `pytest` (not only `python -m pytest`) must import the engine from the checkout

@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttention
 from engine.model.layers import FSQ
 from engine.model.local import CFM, LocDiT, LocEnc
+from engine.model.lora import LoRAState
 from engine.model.minicpm import MiniCPM
 
 
@@ -43,6 +44,16 @@ class VoxCPMModel(nn.Module):
             self.fusion_concat_proj = nn.Linear(2 * hidden, hidden)
         self.stop_proj = nn.Linear(hidden, hidden)
         self.stop_head = nn.Linear(hidden, 2, bias=False)
+        self.lora: LoRAState | None = None  # batched adapter slots, from engine.model.lora.attach_lora
+
+    def set_lora_indices(self, tokens: Tensor | None = None, seqs: Tensor | None = None) -> None:
+        """Adapter slot (0: none) of each flat LM position [N] and each sampled sequence [B] for the coming
+        `forward_lms` / `sample_patches`; only the given ones change. No-op without LoRA slots."""
+        if self.lora is not None:
+            if tokens is not None:
+                self.lora.tokens = tokens
+            if seqs is not None:
+                self.lora.seqs = seqs
 
     def encode_patches(self, patches: Tensor) -> Tensor:
         """LocEnc + enc_to_lm_proj: [N, P, D] -> [N, H_lm]."""
@@ -93,6 +104,8 @@ class VoxCPMModel(nn.Module):
             raise ValueError(f"sample_patches: for {b} sequences need cond [{b}, {p}, {d}], noise [{b}, {d}, {p}] "
                              f"and cfg_value [{b}] (got {tuple(cond.shape)}, {tuple(noise.shape)}, "
                              f"{tuple(cfg_value.shape)})")
+        if self.lora is not None:
+            self.lora.begin_sampling()
         lm_mu, res_mu = self.lm_to_dit_proj(lm_h), self.res_to_dit_proj(res_h)
         mu = torch.stack((lm_mu, res_mu), dim=1) if self.is_v2 else (lm_mu + res_mu)[:, None]
         return self.feat_decoder.solve(noise.transpose(1, 2), mu, cond, timesteps, cfg_value)

@@ -1,0 +1,215 @@
+"""The engine on a CUDA GPU: bf16 vs fp32 per module, graphed decode step == eager step, graphs in the serving
+engine, and the memory budget at gpu_memory_utilization 0.9 with 512 concurrent streams.
+
+Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py` (bench/gpu_run.sh does). One test
+runs on CPU too: the bucket padding of the static-buffer path (graphs are CUDA-only; their body is not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine
+from engine.checkpoint import load_model
+from engine.model.attention import AttentionMetadata, KVCache, TorchAttention, make_attention_backend
+from engine.request import RequestSpec, SamplingParams
+from engine.runner import Runner
+from engine.scheduler import Scheduler
+from engine.worker import WorkerConfig
+
+gpu = pytest.mark.gpu
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_spec(i: int, config, timesteps: int, prompt_len: int = 12, cfg_value: float = 2.0) -> RequestSpec:
+    tokens = [(7 * i + k) % 50 + 1 for k in range(prompt_len)]
+    p, d = config.patch_size, config.feat_dim
+    return RequestSpec(f"r{i}", tokens, torch.zeros(prompt_len, p, d), [0] * prompt_len, torch.zeros(p, d), None,
+                       SamplingParams(cfg_value=cfg_value, seed=i, max_length=50, min_length=50, timesteps=timesteps))
+
+
+def runner_and_scheduler(loaded, max_num_seqs: int, timesteps: int, blocks: int = 128) -> tuple[Runner, Scheduler]:
+    device = str(next(loaded.model.parameters()).device)
+    cfg = WorkerConfig(model="", device=device, dtype=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                       block_size=16, num_kv_blocks=blocks, gpu_memory_utilization=0.9,
+                       inference_timesteps=timesteps)
+    runner = Runner(loaded, cfg)
+    return runner, Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, num_blocks=runner.num_blocks,
+                             block_size=16, patch_ms=loaded.config.patch_ms)
+
+
+def advance(runner: Runner, sched: Scheduler):
+    seqs = sched.schedule()
+    out = runner.step(seqs)
+    sched.postprocess(seqs, out.patches, out.stops)
+    return seqs, out
+
+
+def graphed_vs_eager(runner: Runner, seqs):
+    """Run `seqs` through launch/collect (graphs) and, from the same saved state, through the eager step: the
+    outputs, the KV cache and the VAE state agree, except the scratch block and row the padding rows write."""
+    reqs = [s.request for s in seqs]
+    state = [t.clone() for c in runner.caches for t in (c.k, c.v)] + [b.clone() for b in runner.vae_state.buffers]
+    rng = [r.generator.get_state() for r in reqs]
+    live = [t for c in runner.caches for t in (c.k, c.v)] + list(runner.vae_state.buffers)
+
+    graphed = runner.collect(runner.launch(seqs))
+    graphed_audio = [None if a is None else a.copy() for a in graphed.audio]
+    graphed_state = [t.clone() for t in live]
+    for t, saved in zip(live, state, strict=True):
+        t.copy_(saved)
+    for r, saved in zip(reqs, rng, strict=True):
+        r.generator.set_state(saved)
+    eager = runner._eager_step(seqs)
+
+    assert graphed.stops == eager.stops
+    assert sum(p is not None for p in graphed.patches) == sum(s.emit for s in seqs) > 0
+    for g, e, ga, ea in zip(graphed.patches, eager.patches, graphed_audio, eager.audio, strict=True):
+        assert (g is None) == (e is None) == (ga is None) == (ea is None)
+        if g is not None:
+            assert torch.isfinite(g).all() and np.isfinite(ga).all()
+            assert relative_error(g, e) < 1e-4
+            assert relative_error(torch.from_numpy(ga), torch.from_numpy(ea)) < 1e-3  # ~30 convs deep
+    scratch, slot = runner.scratch_block, runner.scratch_slot
+    for i, (g, t) in enumerate(zip(graphed_state, live, strict=True)):
+        real = (slice(None), slice(0, scratch)) if i < 4 else (slice(0, slot),)
+        assert relative_error(g[real], t[real]) < 1e-3
+    return eager
+
+
+@pytest.fixture
+def no_tf32():
+    """cuDNN runs fp32 convolutions in TF32 by default: 1e-3 differences between algorithms, not between paths."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = previous
+
+
+def check_graphed_steps(runner: Runner, sched: Scheduler, loaded, batch: int) -> None:
+    for i in range(batch):
+        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=10 + 3 * i, cfg_value=1.5 + 0.25 * (i % 3)))
+    for _ in range(3):
+        advance(runner, sched)
+    seqs = sched.schedule()
+    assert runner._decode_only(seqs) and len(seqs) == batch
+    out = graphed_vs_eager(runner, seqs)  # a decode step: one graph
+    sched.postprocess(seqs, out.patches, out.stops)
+    sched.add(make_spec(99, loaded.config, timesteps=4, prompt_len=20))
+    seqs = sched.schedule()
+    assert not runner._decode_only(seqs) and len(seqs) == batch + 1
+    graphed_vs_eager(runner, seqs)  # a mixed step: eager LMs, then the sample + VAE graph
+
+
+@gpu
+@pytest.mark.parametrize("batch", [8, 5])  # 8 fills its bucket; 5 runs with 3 padding rows
+def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
+    loaded = load_model(tiny_v2_dir, cuda, "float32")  # fp32: the two paths differ only in summation order
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
+    assert runner.graphs is not None and runner.sample_graphs is not None
+    check_graphed_steps(runner, sched, loaded, batch)
+
+
+def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir):
+    loaded = load_model(tiny_v2_dir, "cpu")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
+    runner.buckets = [8, 16]  # CPU runs the exact batch by default; force the CUDA bucketing (5 -> 8 rows)
+    check_graphed_steps(runner, sched, loaded, 5)
+
+
+@gpu
+@torch.inference_mode()
+def test_bf16_matches_fp32_reference_per_module(cuda, voxcpm2_dir):
+    ref, low = load_model(voxcpm2_dir, cuda, "float32"), load_model(voxcpm2_dir, cuda, "bfloat16")
+    ref.model.attention = TorchAttention()
+    low.model.attention = make_attention_backend(cuda, 16)
+    config = ref.config
+    p, d, n = config.patch_size, config.feat_dim, 96
+    gen = torch.Generator(cuda).manual_seed(0)
+    tokens = torch.randint(1, 1000, (n,), generator=gen, device=cuda)
+    meta = AttentionMetadata.build([n], [0], [list(range(n // 16))], 16, cuda)
+    errors = {}
+    hidden = {}
+    for name, loaded in (("fp32", ref), ("bf16", low)):
+        kv = tuple(KVCache.allocate(s, n // 16, 16, cuda, loaded.dtype) for s in (config.lm, config.residual_lm))
+        hidden[name] = loaded.model.forward_lms(tokens, torch.zeros(n, p, d, device=cuda, dtype=loaded.dtype),
+                                                torch.zeros(n, dtype=torch.long, device=cuda),
+                                                torch.arange(n, device=cuda), meta, kv,
+                                                torch.tensor([n - 1], device=cuda))
+    errors["lm_hidden"] = relative_error(hidden["bf16"][0].float(), hidden["fp32"][0])
+    errors["residual_hidden"] = relative_error(hidden["bf16"][1].float(), hidden["fp32"][1])
+    lm_h, res_h = hidden["fp32"]  # the DiT on identical inputs
+    cond = torch.randn(1, p, d, generator=gen, device=cuda)
+    noise = torch.randn(1, d, p, generator=gen, device=cuda)
+    cfg = torch.full((1,), 2.0, device=cuda)
+    patch = ref.model.sample_patches(lm_h, res_h, cond, noise, 10, cfg)
+    patch_low = low.model.sample_patches(lm_h.bfloat16(), res_h.bfloat16(), cond.bfloat16(), noise.bfloat16(), 10,
+                                         cfg.bfloat16())
+    errors["patch"] = relative_error(patch_low, patch)
+    latents = torch.randn(2, d, 3 * p, generator=gen, device=cuda)  # the VAE (kept fp32) vs a bf16 copy of it
+    audio = ref.vae.decode(latents)
+    audio_low = low.vae.to(torch.bfloat16).decode(latents.bfloat16()).float()
+    errors["vae_audio_bf16"] = relative_error(audio_low, audio)
+    print("bf16 vs fp32 relative errors:", {k: f"{v:.2e}" for k, v in errors.items()})
+    assert errors["lm_hidden"] < 0.05 and errors["residual_hidden"] < 0.05
+    assert errors["patch"] < 0.1
+    assert errors["vae_audio_bf16"] < 0.1
+
+
+@gpu
+async def test_engine_with_graphs_streams_finite_audio_for_concurrent_requests(cuda, tiny_v2_dir):
+    engine = Engine(str(tiny_v2_dir), max_num_seqs=16, num_kv_blocks=256, inference_timesteps=4)
+    await engine.wait_for_ready()
+    try:
+        async def one(i: int) -> list:
+            return [c async for c in engine.generate(f"Stream number {i} says hello.", seed=i, max_length=6,
+                                                     min_length=6)]
+
+        results = await asyncio.gather(*(one(i) for i in range(12)))
+        spp = engine.model_info().samples_per_patch
+        for chunks in results:
+            assert len(chunks) == 6
+            for c in chunks:
+                assert c.audio.shape == (spp,) and np.isfinite(c.audio).all()
+        same = await asyncio.gather(one(3), one(3))  # same seed alone twice (different batch partners)
+        np.testing.assert_allclose(np.concatenate([c.audio for c in same[0]]),
+                                   np.concatenate([c.audio for c in same[1]]), atol=5e-2)
+    finally:
+        await engine.stop()
+
+
+@gpu
+@pytest.mark.timeout(420)
+async def test_512_concurrent_streams_fit_at_utilization_09(cuda, voxcpm2_dir):
+    engine = Engine(str(voxcpm2_dir), max_num_seqs=512, max_waiting=512, gpu_memory_utilization=0.9,
+                    inference_timesteps=10)
+    await engine.wait_for_ready()
+    peak = 0
+    try:
+        async def one(i: int) -> int:
+            chunks = [c async for c in engine.generate(f"Caller {i}: hello, how are you today?", seed=i,
+                                                       max_length=4, min_length=4)]
+            assert all(np.isfinite(c.audio).all() for c in chunks)
+            return len(chunks)
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, engine.stats().running)
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        counts = await asyncio.gather(*(one(i) for i in range(512)))
+        watcher.cancel()
+        assert counts == [4] * 512
+        assert peak >= 256, f"only {peak} streams ran at once"
+        print(f"512 streams: peak running {peak}; memory {engine._workers[0].info.get('memory')}")
+    finally:
+        await engine.stop()
