@@ -212,6 +212,20 @@ def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
     end.synchronize()
     return start.elapsed_time(end) / replays
 
+def kernel_count(fn) -> int:
+    """GPU kernels one call of `fn` launches (what its CUDA graph holds as kernel nodes), by torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset")))
+
+
 def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) -> dict[str, float]:
     from engine.model.attention import AttentionMetadata
 
@@ -242,6 +256,9 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     }
     if runner.graphs is not None and b in runner.graphs.graphs:
         times["whole_step_graph"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
+    # eager, the same work the decode graph captures; a count, not ms
+    times["kernels_per_step"] = kernel_count(lambda: runner._decode_body(b, runner.max_positions))
+    times["dit_kernels"] = kernel_count(lambda: net.sample_patches(x, x, patches, noise, timesteps, cfg))
     return times
 
 
@@ -264,16 +281,17 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
                  "device": torch.cuda.get_device_name(0), "batches": {}}
     for b in batches:
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
-        print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()), file=sys.stderr)
+        print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
     out["memory"] = runner.memory
     return out
 
 
 def profile_table(result: dict) -> str:
     names = list(next(iter(result["batches"].values())))
-    rows = ["| batch | " + " | ".join(names) + " (ms) |", "|---" * (len(names) + 1) + "|"]
+    rows = ["| batch | " + " | ".join(names) + " (ms; kernels: counts) |", "|---" * (len(names) + 1) + "|"]
     for b, times in result["batches"].items():
-        rows.append(f"| {b} | " + " | ".join(f"{times[n]:.2f}" for n in names) + " |")
+        rows.append(f"| {b} | " + " | ".join(f"{times[n]:.0f}" if "kernels" in n else f"{times[n]:.2f}"
+                                             for n in names) + " |")
     return "\n".join(rows)
 
 

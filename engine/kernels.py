@@ -4,6 +4,8 @@ Each replaces a chain of eager torch kernels with one pass over memory, with the
 - `snake`: the AudioVAE's Snake activation (five eager kernels over its largest activations).
 - `rms_norm`: MiniCPM's RMSNorm (variance in fp32, normalise, round to x's dtype, scale by the weight).
 - `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
+- `silu_mul`: SwiGLU's act silu(gate) * up from one fused gate|up GEMM output (three kernels -> one).
+- `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one).
 """
 
 from __future__ import annotations
@@ -93,4 +95,72 @@ def cfg_zero_euler_(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tenso
     if x.numel():
         _cfg_zero_euler_kernel[(b,)](x, v.contiguous(), cfg_value.contiguous(), b, numel, dt,
                                      BLOCK=triton.next_power_of_2(numel), num_warps=4)
+    return x
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, stride_y, ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < ffn
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + ffn + cols, mask=mask, other=0.0)
+    # eager rounds silu(gate) to the activation dtype before the product; so does this
+    act = (gate.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))).to(gate.dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (act * up.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up where gate_up [..., 2F] is gate | up side by side (one GEMM's output) -> [..., F]."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul needs an even last dim (gate | up), got {tuple(gate_up.shape)}")
+    ffn = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * ffn)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], ffn, device=gate_up.device, dtype=gate_up.dtype)
+    if y.numel():
+        block = min(1024, triton.next_power_of_2(ffn))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(ffn, block))](rows, y, rows.stride(0), y.stride(0), ffn,
+                                                                   BLOCK=block, num_warps=4)
+    return y.view(*gate_up.shape[:-1], ffn)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, heads, positions,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    row = token % positions  # cos/sin rows repeat every `positions` tokens (dense stacks: one table per patch)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < heads
+    first = x_ptr + token * stride_xt + h * stride_xh + d
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    cos1 = tl.load(cos_ptr + row * stride_ct + d)
+    cos2 = tl.load(cos_ptr + row * stride_ct + HALF + d)
+    sin1 = tl.load(sin_ptr + row * stride_ct + d)
+    sin2 = tl.load(sin_ptr + row * stride_ct + HALF + d)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """In place rotate-half RoPE, fp32 math: x [..., T, heads, D] (last dim contiguous, e.g. the q|k heads of a
+    fused qkv output); cos/sin fp32 [T, D] contiguous, repeated over x's leading dims. Returns x."""
+    t, heads, dim = x.shape[-3:]
+    if cos.shape != (t, dim) or sin.shape != cos.shape or dim % 2 or dim & (dim - 1):
+        raise ValueError(f"rope_ needs x [..., T, H, D] (D a power of two) and cos/sin [T, D] "
+                         f"(got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)})")
+    if x.stride(-1) != 1:
+        raise ValueError("rope_ needs x's last dim contiguous")
+    try:
+        tokens = x.view(-1, heads, dim)  # a view, so the kernel writes into x
+    except RuntimeError as e:
+        raise ValueError(f"rope_ needs x's token dims to flatten into one strided dim ({e})") from None
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if tokens.numel():
+        _rope_kernel[(tokens.shape[0],)](tokens, cos, sin, tokens.stride(0), tokens.stride(1), cos.stride(0), heads,
+                                         t, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4)
     return x

@@ -79,6 +79,7 @@ class Runner:
         cuda = self.device.type == "cuda"
         if cuda:
             self.model.attention = make_attention_backend(self.device, cfg.block_size)
+            self.model.fuse_projections()  # before the graphs capture the step
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
         # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).

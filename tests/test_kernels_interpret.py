@@ -1,5 +1,6 @@
-"""The Triton kernels on CPU under TRITON_INTERPRET=1: paged attention == TorchAttention; fused Snake, RMSNorm and
-CFG-Zero* + Euler == their eager torch formulas.
+"""The Triton kernels on CPU under TRITON_INTERPRET=1: paged attention == TorchAttention; fused Snake, RMSNorm,
+CFG-Zero* + Euler, SiLU*mul and RoPE == their eager torch formulas. Also on CPU: the fused q/k/v and gate/up
+projections (`fuse_projections`) change no output and no state_dict, and step aside for LoRA.
 
 Needs `triton` installed (the test extras pin it); without it these tests fail rather than skip.
 """
@@ -13,9 +14,13 @@ import sys
 import pytest
 import torch
 
+from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, TorchAttention, make_attention_backend
 from engine.model.audio_vae import Snake
-from engine.model.layers import RMSNorm
+from engine.model.layers import LongRoPE, RMSNorm, apply_rope
+from engine.model.lora import attach_lora
+from engine.model.voxcpm import VoxCPMModel
+from engine.model_configs import tiny
 
 # The interpreter itself trips a numpy deprecation on every scalar index; it says nothing about our kernels.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -184,3 +189,107 @@ def test_fused_kernels_reject_bad_shapes(kernels):
         fused.cfg_zero_euler_(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2), 0.1)
     with pytest.raises(ValueError, match="fp32 state"):
         fused.cfg_zero_euler_(torch.zeros(2, 4, dtype=torch.float16), torch.zeros(4, 4), torch.ones(2), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_silu_mul_matches_torch(kernels, dtype):
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(3, 5, 2 * 40, generator=gen) * 3).to(dtype)
+
+    y = kernels[1].silu_mul(gate_up)
+
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate.float()).to(dtype).double() * up.double()  # eager rounds silu first
+    assert y.dtype == dtype and y.shape == (3, 5, 40)
+    assert relative_error(y, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dense", [False, True])
+def test_fused_rope_matches_torch(kernels, dtype, dense):
+    """In place on the q|k heads of a fused qkv output (a strided view), for the paged LMs (one table row per
+    token) and the dense stacks (one [L, D] table shared by the batch)."""
+    stack = ModelConfig.from_dict(tiny("voxcpm2")).lm
+    rope, d = LongRoPE(stack), stack.head_dim
+    gen = torch.Generator().manual_seed(8)
+    if dense:
+        qkv = torch.randn(3, 7, 4 + 2 * 2, d, generator=gen).to(dtype)
+        cos, sin = rope.prefix(7, torch.device("cpu"))
+    else:
+        qkv = torch.randn(9, 4 + 2 * 2, d, generator=gen).to(dtype)
+        cos, sin = rope(torch.randint(0, 3000, (9,), generator=gen))
+    before = qkv.clone()
+    ref = apply_rope(qkv[..., :6, :].double(), cos.double(), sin.double())
+
+    out = kernels[1].rope_(qkv[..., :6, :], cos, sin)
+
+    assert out.data_ptr() == qkv.data_ptr()
+    assert relative_error(qkv[..., :6, :], ref) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(qkv[..., 6:, :], before[..., 6:, :])  # the v heads untouched
+
+
+def test_rope_rejects_bad_shapes(kernels):
+    with pytest.raises(ValueError, match="rope_ needs"):
+        kernels[1].rope_(torch.zeros(4, 2, 16), torch.zeros(3, 16), torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="rope_ needs"):
+        kernels[1].rope_(torch.zeros(4, 2, 12), torch.zeros(4, 12), torch.zeros(4, 12))
+    with pytest.raises(ValueError, match="silu_mul needs"):
+        kernels[1].silu_mul(torch.zeros(2, 5))
+
+
+def tiny_model(seed: int) -> VoxCPMModel:
+    torch.manual_seed(seed)
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # RMSNorm weights start at 1: randomise everything
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def local_outputs(model: VoxCPMModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """LocEnc features and sampled patches (LocDiT, 4 timesteps, CFG) of fixed random inputs."""
+    cfg, gen = model.config, torch.Generator().manual_seed(9)
+    b, p, d, h = 2, cfg.patch_size, cfg.feat_dim, cfg.lm.hidden_size
+    with torch.no_grad():
+        enc = model.encode_patches(torch.randn(3, p, d, generator=gen))
+        lm_h, res_h = torch.randn(b, h, generator=gen), torch.randn(b, h, generator=gen)
+        patches = model.sample_patches(lm_h, res_h, torch.randn(b, p, d, generator=gen),
+                                       torch.randn(b, d, p, generator=gen), 4, torch.tensor([2.0, 1.5]))
+    return enc, patches
+
+
+def test_fused_projections_change_no_output_or_state_dict():
+    model = tiny_model(0)
+    ref = local_outputs(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model.fuse_projections()
+
+    attn = model.feat_decoder.estimator.decoder.layers[0].self_attn
+    assert attn.qkv is not None and attn.q_proj.weight.data_ptr() == attn.qkv.data_ptr()
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[k], v) for k, v in state.items())
+    for ours, theirs in zip(local_outputs(model), ref, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # loading a checkpoint after fusing writes through the views into the fused weights
+    model.load_state_dict(tiny_model(1).state_dict())
+    assert attn.q_proj.weight.data_ptr() == attn.qkv.data_ptr()
+    for ours, theirs in zip(local_outputs(model), local_outputs(tiny_model(1)), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_after_fusing_takes_the_unfused_path():
+    model, plain = tiny_model(2), tiny_model(2)
+    model.fuse_projections()
+    for m in (model, plain):
+        state = attach_lora(m, num_adapters=1, max_rank=2)
+        gen = torch.Generator().manual_seed(3)
+        state.load_slot(1, {path: (torch.randn(2, layer.lora_A.shape[2], generator=gen),
+                                   torch.randn(layer.lora_B.shape[1], 2, generator=gen))
+                            for path, layer in state.layers.items()})
+        m.set_lora_indices(seqs=torch.tensor([1, 0]))
+
+    ours, ref = local_outputs(model), local_outputs(plain)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours[1], local_outputs(tiny_model(2))[1], atol=1e-3)  # the adapter did act

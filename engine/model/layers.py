@@ -1,12 +1,14 @@
 """Small building blocks shared by every VoxCPM stack: RMSNorm, SwiGLU MLP, LongRoPE, FSQ, timestep embedding.
 
 Numerics follow the official code operation by operation (fp32 norm variance, fp32 RoPE rotation, the same
-LongRoPE table arithmetic), so fp32 results agree with it to rounding.
+LongRoPE table arithmetic), so fp32 results agree with it to rounding. On CUDA the elementwise chains run as the
+fused Triton kernels of engine.kernels (same formulas), and `fuse_linears` lets q/k/v and gate/up run as one GEMM.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,40 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:
+            from engine.kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         variance = x.float().pow(2).mean(dim=-1, keepdim=True)
         return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def fuse_linears(linears: Sequence[nn.Module]) -> Tensor | None:
+    """One [sum(out), in] weight whose row blocks become the linears' weights (their parameters turn into views of
+    it: no extra memory, state_dict names unchanged), so one GEMM can replace len(linears). None, and nothing
+    changed, unless all are plain bias-free nn.Linear without hooks (a LoRA hook or a TP wrapper keeps them apart)."""
+    if not all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+               for m in linears):
+        return None
+    fused = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        m.weight = nn.Parameter(fused[start:start + m.out_features], requires_grad=m.weight.requires_grad)
+        start += m.out_features
+    return fused
+
+
+def fused_weight(fused: Tensor | None, linears: Sequence[nn.Module]) -> Tensor | None:
+    """`fused` while the linears still are its plain views; None once a hook was attached (LoRA), a weight was
+    replaced (TP sharding, `.to()`) since `fuse_linears`: the caller then runs them one by one."""
+    if fused is None:
+        return None
+    row_bytes, start = fused.stride(0) * fused.element_size(), 0
+    for m in linears:
+        if m._forward_hooks or m.weight.data_ptr() != fused.data_ptr() + start * row_bytes:
+            return None
+        start += m.out_features
+    return fused if start == fused.shape[0] else None
 
 
 class SwiGLU(nn.Module):
@@ -34,9 +68,27 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, ffn, bias=False)
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_up: Tensor | None = None  # from `fuse`
+
+    def fuse(self) -> None:
+        """Run gate and up as one GEMM from now on (when they are plain linears)."""
+        self.gate_up = fuse_linears((self.gate_proj, self.up_proj))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused_weight(self.gate_up, (self.gate_proj, self.up_proj))
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(F.linear(x, gate_up)))
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a [..., 2F] gate | up tensor: one Triton kernel on CUDA."""
+    if gate_up.is_cuda:
+        from engine import kernels
+
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LongRoPE:
@@ -51,6 +103,7 @@ class LongRoPE:
         original = stack.rope_scaling.original_max_position_embeddings
         self.scale = math.sqrt(1 + math.log(stack.max_position_embeddings / original) / math.log(original))
         self._device_tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._prefix_tables: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._device_tables:  # filled on the first (eager) call, so CUDA graphs can reuse it
@@ -65,12 +118,30 @@ class LongRoPE:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scale, emb.sin() * self.scale
 
+    def prefix(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [length, head_dim] of positions 0..length-1, computed once per (length, device): the local
+        stacks' positions always restart at 0, so every patch (and every CUDA graph replay) shares one table."""
+        key = (length, device)
+        if key not in self._prefix_tables:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+                self._prefix_tables[key] = self(torch.arange(length, device=device))
+        return self._prefix_tables[key]
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE in fp32. x [..., L, heads, d]; cos/sin [..., L, d] (broadcast over heads)."""
+    """Rotate-half RoPE in fp32. x [..., L, heads, d]; cos/sin [L, d] (broadcast over heads and leading dims).
+    CUDA: one Triton kernel, in place on x (x may be the q|k heads of a fused qkv output)."""
+    if x.is_cuda and cos.dim() == 2 and _power_of_two(x.shape[-1]):
+        from engine.kernels import rope_
+
+        return rope_(x, cos, sin)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos.unsqueeze(-2) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(-2)).to(x.dtype)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 1 and not n & (n - 1)
 
 
 class FSQ(nn.Module):

@@ -27,7 +27,7 @@ class LocEnc(nn.Module):
     def forward(self, patches: Tensor) -> Tensor:
         x = self.in_proj(patches)
         x = torch.cat((self.special_token[0].expand(x.shape[0], 1, -1), x), dim=1)
-        return self.encoder.forward_dense(x, torch.arange(x.shape[1], device=x.device))[:, 0]
+        return self.encoder.forward_dense(x)[:, 0]
 
 
 class LocDiT(nn.Module):
@@ -59,7 +59,7 @@ class LocDiT(nn.Module):
         else:
             prefix = torch.cat((mu, t_emb[:, None]), dim=1)
         tokens = torch.cat((prefix, cond, x), dim=1)
-        hidden = self.decoder.forward_dense(tokens, torch.arange(tokens.shape[1], device=x.device))
+        hidden = self.decoder.forward_dense(tokens)
         return self.out_proj(hidden[:, -x.shape[1]:])
 
 
@@ -84,6 +84,21 @@ def zero_velocity_steps(timesteps: int) -> int:
     return max(1, int((timesteps + 1) * 0.04))
 
 
+def cfg_zero_euler(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tensor:
+    """x - dt * CFG-Zero*(v): x [B, P, D] fp32, v [2B, P, D] (conditional rows, then unconditional), cfg_value [B]
+    fp32. Per item s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s). CUDA: one Triton kernel, in place."""
+    if x.is_cuda:
+        from engine.kernels import cfg_zero_euler_
+
+        return cfg_zero_euler_(x, v, cfg_value, dt)
+    v = v.float()
+    b = x.shape[0]
+    v_cond, v_uncond = v[:b], v[b:]
+    scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
+    v = v_uncond * scale + cfg_value.view(b, 1, 1) * (v_cond - v_uncond * scale)
+    return x - dt * v
+
+
 class CFM(nn.Module):
     """Conditional flow matching sampler around the LocDiT (named `feat_decoder` with an `estimator`, as released)."""
 
@@ -91,6 +106,19 @@ class CFM(nn.Module):
         super().__init__()
         self.estimator = estimator
         self.mean_mode = mean_mode
+        self._time_tables: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def _times(self, timesteps: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(t, dt) [K] fp32 of the K evaluated Euler steps (dt 0 unless mean mode), made once per (timesteps,
+        device) on the first, eager call: a host->device copy cannot be captured in a CUDA graph."""
+        key = (timesteps, device)
+        if key not in self._time_tables:
+            steps = euler_schedule(timesteps)[zero_velocity_steps(timesteps):]
+            with torch.inference_mode(False), torch.no_grad():
+                self._time_tables[key] = (torch.tensor([t for t, _ in steps], device=device),
+                                          torch.tensor([dt if self.mean_mode else 0.0 for _, dt in steps],
+                                                       device=device))
+        return self._time_tables[key]
 
     def solve(self, noise: Tensor, mu: Tensor, cond: Tensor, timesteps: int, cfg_value: Tensor) -> Tensor:
         """Euler solve from t=1 to 0 with CFG-Zero*. noise, cond [B, P, D]; mu [B, mu_tokens, H]; cfg_value [B].
@@ -102,19 +130,14 @@ class CFM(nn.Module):
         dit = self.estimator
         dtype = dit.in_proj.weight.dtype
         b = noise.shape[0]
-        x = noise.float()
+        x = noise.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place on CUDA
         mu2 = torch.cat((mu, torch.zeros_like(mu)), dim=0).to(dtype)
         cond2 = torch.cat((cond, cond), dim=0).to(dtype)
-        w = cfg_value.to(x.device, torch.float32).view(b, 1, 1)
-        skip = zero_velocity_steps(timesteps)
-        for step, (t, dt) in enumerate(euler_schedule(timesteps), start=1):
-            if step <= skip:
-                continue  # v = 0 leaves x unchanged
-            t_emb = dit.time_embedding(torch.full((1,), t, device=x.device),
-                                       torch.full((1,), dt if self.mean_mode else 0.0, device=x.device))
-            v = dit(torch.cat((x, x), dim=0).to(dtype), mu2, t_emb.expand(2 * b, -1), cond2).float()
-            v_cond, v_uncond = v[:b], v[b:]
-            scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
-            v = v_uncond * scale + w * (v_cond - v_uncond * scale)
-            x = x - dt * v
+        w = cfg_value.to(x.device, torch.float32)
+        steps = euler_schedule(timesteps)[zero_velocity_steps(timesteps):]  # the skipped steps' v = 0 keeps x
+        # every evaluation's time embedding in one batched MLP call (the schedule is known up front)
+        t_embs = dit.time_embedding(*self._times(timesteps, x.device))
+        for i, (_, dt) in enumerate(steps):
+            v = dit(torch.cat((x, x), dim=0).to(dtype), mu2, t_embs[i].expand(2 * b, -1), cond2)
+            x = cfg_zero_euler(x, v, w, dt)
         return x

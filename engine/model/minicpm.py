@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
-from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope
+from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_weight
 
 # attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -27,14 +28,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(stack.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(stack.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, stack.hidden_size, bias=False)
+        self.qkv: Tensor | None = None  # from `fuse`
+
+    def fuse(self) -> None:
+        """Run q/k/v as one GEMM (and rotate q and k together) from now on, when they are plain linears."""
+        self.qkv = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = fused_weight(self.qkv, (self.q_proj, self.k_proj, self.v_proj))
+        if qkv is None:
+            q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
+            k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
+            v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        else:
+            heads = self.heads + self.kv_heads
+            qkv_out = F.linear(x, qkv).view(*shape, heads + self.kv_heads, self.head_dim)
+            qk, v = qkv_out[..., :heads, :], qkv_out[..., heads:, :]
+            if rope is not None:
+                qk = apply_rope(qk, *rope)
+            q, k = qk[..., :self.heads, :], qk[..., self.heads:, :]
         return self.o_proj(attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
 
 
@@ -66,8 +81,14 @@ class MiniCPM(nn.Module):
         self.norm = RMSNorm(stack.hidden_size, stack.rms_norm_eps)
         self.rope = None if stack.no_rope else LongRoPE(stack)
 
-    def run(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
-        rope = None if self.rope is None else self.rope(positions)
+    def fuse_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up in every layer whose linears are plain (see `fuse_linears`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend) -> Tensor:
+        """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE)."""
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, attend, i)
         return self.norm(x)
@@ -75,8 +96,10 @@ class MiniCPM(nn.Module):
     def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
                       backend: AttentionBackend) -> Tensor:
         """Causal flat batch: x [N, H], positions [N] absolute; writes this step's K/V into `cache`."""
-        return self.run(x, positions, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
+        rope = None if self.rope is None else self.rope(positions)
+        return self.run(x, rope, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
 
-    def forward_dense(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Bidirectional, no cache: x [B, L, H], positions [L]."""
-        return self.run(x, positions, lambda i, q, k, v: dense_attention(q, k, v))
+    def forward_dense(self, x: Tensor) -> Tensor:
+        """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L)."""
+        rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
+        return self.run(x, rope, lambda i, q, k, v: dense_attention(q, k, v))

@@ -46,6 +46,12 @@ class VoxCPMModel(nn.Module):
         self.stop_head = nn.Linear(hidden, 2, bias=False)
         self.lora: LoRAState | None = None  # batched adapter slots, from engine.model.lora.attach_lora
 
+    def fuse_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up in every stack, wherever those linears are plain (not LoRA- or
+        TP-wrapped). Call after loading weights, before CUDA graph capture; memory and state_dict are unchanged."""
+        for stack in (self.base_lm, self.residual_lm, self.feat_encoder.encoder, self.feat_decoder.estimator.decoder):
+            stack.fuse_projections()
+
     def set_lora_indices(self, tokens: Tensor | None = None, seqs: Tensor | None = None) -> None:
         """Adapter slot (0: none) of each flat LM position [N] and each sampled sequence [B] for the coming
         `forward_lms` / `sample_patches`; only the given ones change. No-op without LoRA slots."""
