@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
-# The one script for the H200 (< 9 minutes): carried wheels, real-size random checkpoints, the GPU tests, the kernel
-# and engine benchmarks (VoxCPM2 sweep + closed loop + Poisson, VoxCPM1.5 at c=1 and 64), the per-module profile.
-# JSON and logs go to $OUT; a short table is printed last. QUICK=1: tests + a short sweep (c=1,64,256) only.
+# The one script for the H200 (one device call, < 10 minutes): carried wheels, the real-size random checkpoint, a
+# smoke run that picks a working configuration, then, most valuable first and each only while time is left: the
+# VoxCPM2 sweep (+ closed loop + Poisson), the per-module profile, the GPU tests, LoRA, VoxCPM1.5, the kernel bench.
+# JSON and logs go to $OUT (at most 8 files come back); a short table is printed last.
 #
-#   bash bench/gpu_run.sh            (device run with carry [".whl"])
+#   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
+#   BUDGET=560 QUICK=1 bash bench/gpu_run.sh   (tests + a short sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 T0=$SECONDS
+BUDGET=${BUDGET:-570}  # seconds for the whole script
 step() { echo "=== [+$((SECONDS - T0)) s] $*" >&2; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+# run a stage only when `need` seconds are left; its timeout is what is left, at most `max`
+stage() {  # stage NEED MAX NAME CMD...
+    local need=$1 max=$2 name=$3; shift 3
+    local l; l=$(left)
+    if [ "$l" -lt "$need" ]; then step "skip $name ($l s left)"; return 1; fi
+    step "$name"
+    timeout $((l < max ? l : max)) "$@"
+}
 
-step "install carried wheels"
 if compgen -G ".whl/*.whl" >/dev/null; then
+    step "install carried wheels"
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || echo "wheel install failed" >&2
 fi
 export PYTHONPATH=/tmp/site:.
-export VOXGATE_LOG=${VOXGATE_LOG:-INFO} NCCL_NVLS_ENABLE=0
+export TRITON_INTERPRET=0 VOXGATE_LOG=${VOXGATE_LOG:-INFO} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)
-echo "$GPU"  # $OUT keeps at most 8 files: the logs and JSONs below
-# The device copy may have no git history: the caller can pass the commit as VOXGATE_COMMIT.
+echo "$GPU"
 COMMIT=${VOXGATE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null)} || true
 COMMIT=${COMMIT:-unknown}
 
@@ -31,34 +42,43 @@ V15=$TMP/voxgate-bench-voxcpm1.5-stop-never
 step "write the real-size random VoxCPM2 checkpoint (stop head never fires) to $V2"
 [ -f "$V2/config.json" ] || $PY -m engine.random_checkpoint "$V2" --size voxcpm2 --stop-never --device cuda
 export VOXGATE_VOXCPM2_DIR=$V2
-
-step "GPU tests"
-TESTS=$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.py tests/test_kernels_gpu.py 2>/dev/null)
-[ "${QUICK:-0}" = 1 ] && TESTS=tests/gpu/test_engine_gpu.py
-timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu -p no:cacheprovider -s $TESTS 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
-
 BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10"
+
+# Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
+smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }
+step "smoke run (fused kernels + CUDA graphs)"
+if ! smoke; then
+    export VOXGATE_FUSED_KERNELS=0; step "smoke failed: again without the fused kernels"
+    if ! smoke; then export VOXGATE_CUDA_GRAPHS=0; step "smoke failed: again without CUDA graphs"; smoke; fi
+fi
+echo "configuration: VOXGATE_FUSED_KERNELS=${VOXGATE_FUSED_KERNELS:-1} VOXGATE_CUDA_GRAPHS=${VOXGATE_CUDA_GRAPHS:-1}" \
+    | tee -a "$OUT/smoke.log"
+
 if [ "${QUICK:-0}" = 1 ]; then
-    step "short VoxCPM2 sweep"
-    timeout 150 $BENCH --concurrency 1,64,256 --requests-factor 1 --max-num-seqs 256 --out "$OUT/engine_voxcpm2.json" \
-        2>"$OUT/engine_voxcpm2.log" | tail -8
-    step "per-module profile"
-    timeout 60 $PY bench/engine_bench.py --model $V2 --profile --out "$OUT/profile.json" 2>>"$OUT/profile.log" | tail -6
+    stage 60 150 "short VoxCPM2 sweep" $BENCH --concurrency 1,64,256 --requests-factor 1 --max-num-seqs 256 \
+        --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null
 else
-    if [ -f bench/kernels_bench.py ]; then
-        step "kernel benchmark"
-        timeout 60 $PY bench/kernels_bench.py 2>&1 | tail -30 | tee "$OUT/kernels_bench.log"
+    stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
+        --requests-factor 2 --max-requests 512 --max-num-seqs 512 --extra closed:64,poisson:16 --duration 15 \
+        --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null
+fi
+stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile --out "$OUT/profile.json" \
+    2>>"$OUT/smoke.log" >/dev/null
+TESTS=$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.py 2>/dev/null)
+stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s -x --timeout 120 $TESTS \
+    >"$OUT/gpu_tests.log" 2>&1
+tail -25 "$OUT/gpu_tests.log"
+if [ "${QUICK:-0}" != 1 ]; then
+    stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
+        --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>>"$OUT/engine_voxcpm2.log" >/dev/null
+    if [ "$(left)" -gt 80 ]; then
+        [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never --device cuda
+        stage 40 90 "VoxCPM1.5 at c=1 and 64" $PY bench/engine_bench.py --model "$V15" --patches 60 --timesteps 10 \
+            --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 --out "$OUT/engine_voxcpm15.json" \
+            2>"$OUT/engine_voxcpm15.log" >/dev/null
     fi
-    step "per-module profile"
-    timeout 90 $PY bench/engine_bench.py --model $V2 --profile --out "$OUT/profile.json" 2>"$OUT/profile.log"
-    step "VoxCPM2 sweep, closed loop, Poisson"
-    timeout 240 $BENCH --concurrency 1,8,32,64,128,256,512 --requests-factor 2 --max-requests 512 --max-num-seqs 512 \
-        --extra closed:64,poisson:16 --duration 15 --requests 0 --out "$OUT/engine_voxcpm2.json" \
-        2>"$OUT/engine_voxcpm2.log" >/dev/null
-    step "VoxCPM1.5 at c=1 and 64"
-    [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never --device cuda
-    timeout 90 $PY bench/engine_bench.py --model "$V15" --patches 60 --timesteps 10 --concurrency 1,64 \
-        --requests-factor 2 --max-num-seqs 256 --out "$OUT/engine_voxcpm15.json" 2>"$OUT/engine_voxcpm15.log" >/dev/null
+    [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 | tail -30 \
+        >>"$OUT/smoke.log"
 fi
 grep -h "GPU memory" "$OUT"/*.log | tail -2 >&2
 
@@ -70,7 +90,7 @@ sys.path.insert(0, "bench")
 from engine_bench import profile_table, table
 out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
-for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm15.json"):
+for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm15.json"):
     path = out / name
     if not path.exists():
         print(f"{name}: missing (see the logs in {out})")

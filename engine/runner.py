@@ -27,6 +27,7 @@ import torch
 
 from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeResult, bucket_for, buckets_for
 from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
+from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.scheduler import ScheduledSeq
 
@@ -79,7 +80,8 @@ class Runner:
         cuda = self.device.type == "cuda"
         if cuda:
             self.model.attention = make_attention_backend(self.device, cfg.block_size)
-            self.model.fuse_projections()  # before the graphs capture the step
+            if FUSED_KERNELS:
+                self.model.fuse_projections()  # before the graphs capture the step
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
         # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).

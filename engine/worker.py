@@ -43,7 +43,8 @@ class WorkerConfig:
     inference_timesteps: int
     sit_out_ms: float = 2000.0
     threads: int = 1
-    cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
+    # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
+    cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     max_lora_rank: int = 32
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import AudioVAEConfig
+from engine.model.layers import fused
 
 # Every stateful layer reads and writes its own entry of this list (its `slot`); None means offline (zero history).
 States = list[Tensor] | None
@@ -33,7 +34,7 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
-        if x.is_cuda:  # one fused pass instead of five kernels; triton comes with CUDA torch
+        if fused(x):  # one fused pass instead of five kernels; triton comes with CUDA torch
             from engine.kernels import snake
 
             return snake(x, self.alpha)

@@ -8,6 +8,7 @@ fused Triton kernels of engine.kernels (same formulas), and `fuse_linears` lets 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
+
+# Off (VOXGATE_FUSED_KERNELS=0): plain torch ops on CUDA too, for A/B timing and as a fallback.
+FUSED_KERNELS = os.environ.get("VOXGATE_FUSED_KERNELS", "1") != "0"
+
+
+def fused(x: Tensor) -> bool:
+    """Whether x's op runs as one of engine.kernels' Triton kernels (CUDA, unless switched off)."""
+    return x.is_cuda and FUSED_KERNELS
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +33,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda:
+        if fused(x):
             from engine.kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -83,7 +92,7 @@ class SwiGLU(nn.Module):
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of a [..., 2F] gate | up tensor: one Triton kernel on CUDA."""
-    if gate_up.is_cuda:
+    if fused(gate_up):
         from engine import kernels
 
         return kernels.silu_mul(gate_up)
@@ -131,7 +140,7 @@ class LongRoPE:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32. x [..., L, heads, d]; cos/sin [L, d] (broadcast over heads and leading dims).
     CUDA: one Triton kernel, in place on x (x may be the q|k heads of a fused qkv output)."""
-    if x.is_cuda and cos.dim() == 2 and _power_of_two(x.shape[-1]):
+    if fused(x) and cos.dim() == 2 and _power_of_two(x.shape[-1]):
         from engine.kernels import rope_
 
         return rope_(x, cos, sin)

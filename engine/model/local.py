@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import StackConfig
-from engine.model.layers import TimestepMLP, sinusoidal_embedding
+from engine.model.layers import TimestepMLP, fused, sinusoidal_embedding
 from engine.model.minicpm import MiniCPM
 
 
@@ -87,7 +87,7 @@ def zero_velocity_steps(timesteps: int) -> int:
 def cfg_zero_euler(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tensor:
     """x - dt * CFG-Zero*(v): x [B, P, D] fp32, v [2B, P, D] (conditional rows, then unconditional), cfg_value [B]
     fp32. Per item s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s). CUDA: one Triton kernel, in place."""
-    if x.is_cuda:
+    if fused(x):
         from engine.kernels import cfg_zero_euler_
 
         return cfg_zero_euler_(x, v, cfg_value, dt)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from engine.model.layers import fused
+
 LM_STACKS = ("base_lm", "residual_lm")
 DIT_STACK = "feat_decoder.estimator.decoder"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -96,7 +98,7 @@ def lora_delta_add(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: 
     """y + per-row LoRA of x: x [R, ..., in], y [R, ..., out], row r uses slot index[r] of A [S, r, in] and
     B [S, out, r]. CUDA: the Triton kernels, in place on y; elsewhere gather + bmm."""
     rows = index.shape[0]
-    if y.is_cuda:
+    if fused(y):
         from engine.model.lora_triton import lora_add_
 
         x2 = x.reshape(-1, x.shape[-1])
