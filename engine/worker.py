@@ -117,6 +117,8 @@ class Worker:
         from engine.scheduler import Scheduler
 
         self.cfg, self.commands, self.results, self.ring = cfg, commands, results, ring
+        if torch.device(cfg.device).type == "cuda":  # Triton launches on the current device, not the tensors'
+            torch.cuda.set_device(torch.device(cfg.device))
         self.tp = None
         if len(cfg.tp_devices) > 1:  # start the follower ranks first: every rank loads, shards and sizes in step
             from engine.distributed import TensorParallelLeader
