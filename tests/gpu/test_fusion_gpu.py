@@ -11,10 +11,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import kernels
 from engine.checkpoint import load_model
+from engine.model import layers
 from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
 from engine.model.layers import LongRoPE, apply_rope
-
-BF16_TOLERANCE = 2e-2
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,10 +84,17 @@ def test_fused_step_matches_unfused_and_launches_fewer_kernels(cuda, voxcpm2_dir
     assert all(e < 1e-4 for e in errors)
     assert fused_kernels < unfused_kernels
 
-    model.to(torch.bfloat16)  # new weight storage: the fused views are stale, so fuse again
+    model.to(torch.bfloat16)  # new weight storage: the fused views are stale, the unfused path runs
+    layers.FUSED_KERNELS = False
+    try:
+        plain = step_outputs(model, 4, cuda)
+    finally:
+        layers.FUSED_KERNELS = True
     model.fuse_projections()
     bf16 = step_outputs(model, 4, cuda)
+    plain_errors = [relative_error(o.float(), r) for o, r in zip(plain, ref, strict=True)]
     errors = [relative_error(o.float(), r) for o, r in zip(bf16, ref, strict=True)]
-    print(f"fused bf16 vs unfused fp32 relative errors: {errors}")
-    assert all(e < BF16_TOLERANCE for e in errors[:3])
-    assert errors[3] < 0.1  # 9 bf16 DiT evaluations through the Euler solve
+    print(f"bf16 vs fp32 relative errors, plain torch: {plain_errors}; fused: {errors}")
+    # Random weights amplify bf16 rounding through 28 layers, so the bound is relative to plain bf16's own error:
+    # fusing must not make bf16 meaningfully worse.
+    assert all(e <= 1.5 * p + 1e-3 for e, p in zip(errors, plain_errors, strict=True))
