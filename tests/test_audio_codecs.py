@@ -328,6 +328,8 @@ def test_output_format_defaults():
     ({"frame_ms": 25}, "output.frame_ms"),
     ({"format": "pcm_s16le", "sample_rate": 22050, "frame_ms": 10}, "output.frame_ms"),
     ({"codec": "opus"}, "output.codec"),
+    ({"complexity": 11}, "output.complexity"),
+    ({"complexity": 5.0}, "output.complexity"),
 ])
 def test_output_format_rejects_bad_values_naming_the_field(d, field):
     with pytest.raises(ValueError, match=field):
@@ -341,3 +343,15 @@ def test_missing_libopus_gives_an_install_hint(monkeypatch):
         opus_available()
     with pytest.raises(RuntimeError, match="libopus0"):
         Encoder(OutputFormat(), 48000)
+
+
+@pytest.mark.parametrize("complexity", [0, 10])
+def test_opus_complexity_is_applied_and_decodes(complexity):
+    fmt = OutputFormat(complexity=complexity)
+    encoder = Encoder(fmt, 48000)
+    signal = speech_like(48000, 0.5)
+    packets = encoder.encode(signal) + encoder.finish()
+    decoder = opuslib.Decoder(48000, 1)
+    pcm = np.concatenate([np.frombuffer(decoder.decode(p, fmt.frame_samples), dtype="<i2") for p in packets])
+    assert len(pcm) >= len(signal)
+    assert np.abs(pcm).max() > 1000  # audible audio came back at either effort
