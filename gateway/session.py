@@ -441,7 +441,9 @@ class Session:
                 if chunk.latents is not None:
                     latents.append(np.asarray(chunk.latents))
                 turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
-                for payload in turn.encoder.encode(chunk.audio):
+                # Opus costs ~5 ms of CPU per second of audio: off the event loop (libopus runs without the GIL),
+                # so one gateway process spreads hundreds of streams over all cores.
+                for payload in await asyncio.to_thread(turn.encoder.encode, chunk.audio):
                     await self._queue_packet(turn, payload)
         except engine_errors.InvalidRequest as e:
             code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
