@@ -61,11 +61,45 @@ async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -
             "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times)}
 
 
+def step_snapshot(engine: Engine) -> list[dict]:
+    """Every worker's step histograms, prefill tokens and compile count (`engine.worker.StepStats`) right now."""
+    return [w["stats"] for w in engine.health()["workers"]]
+
+
+def step_summary(before: list[dict], after: list[dict]) -> dict:
+    """Per step kind between two snapshots: steps, p50/p99 wall and GPU ms; plus prefill tokens and the Triton
+    compiles seen (non-zero means some step waited for the compiler)."""
+    from engine.worker import hist_percentile
+
+    hists: dict[str, dict[int, int]] = {}
+    for b, a in zip(before, after, strict=False):
+        for name, counts in a.get("step_hist", {}).items():
+            old = b.get("step_hist", {}).get(name, {})
+            diff = hists.setdefault(name, {})
+            for bucket, c in counts.items():
+                if c - old.get(bucket, 0):
+                    diff[bucket] = diff.get(bucket, 0) + c - old.get(bucket, 0)
+    kinds: dict[str, dict] = {}
+    for name, counts in sorted(hists.items()):
+        kind, what = name.rsplit("_", 1)
+        entry = kinds.setdefault(kind, {})
+        if what == "wall":
+            entry["steps"] = sum(counts.values())
+        entry[f"{what}_ms_p50"] = round(hist_percentile(counts, 50) or 0.0, 2)
+        entry[f"{what}_ms_p99"] = round(hist_percentile(counts, 99) or 0.0, 2)
+
+    def delta(key: str) -> int:
+        return sum(a.get(key, 0) - b.get(key, 0) for b, a in zip(before, after, strict=False))
+
+    return {"by_kind": kinds, "prefill_tokens": delta("prefill_tokens"), "triton_compiles": delta("triton_compiles"),
+            "compiles_total": sum(a.get("triton_compiles", 0) for a in after)}
+
+
 async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode: str = "batch") -> dict:
     """mode: "batch" (N requests, at most `concurrency` at once), "closed" (closed-loop users), "poisson" (open
     loop at `level` requests/s); `level` is the concurrency, or the rate."""
     concurrency = int(level)
-    steps0, t0 = engine.stats().steps, time.perf_counter()
+    steps0, t0, snap0 = engine.stats().steps, time.perf_counter(), step_snapshot(engine)
     results: list[dict] = []
     seeds = iter(range(10**9))
 
@@ -112,6 +146,7 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
         "steps_per_s": (engine.stats().steps - steps0) / elapsed,
         "audio_s_per_s": sum(r["audio_s"] for r in results) / elapsed,
+        "steps": step_summary(snap0, step_snapshot(engine)),
     }
 
 
@@ -191,6 +226,15 @@ def table(result: dict) -> str:
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
                     f"{lv['rtf_mean']:.3f} | {g['p50']:.1f} / {g['p99']:.1f} | {lv['steps_per_s']:.1f} | "
                     f"{lv['audio_s_per_s']:.1f} |")
+    for lv in result["levels"]:
+        st = lv.get("steps")
+        if not st:
+            continue
+        kinds = "; ".join(f"{k} x{v.get('steps', 0)}: wall {v.get('wall_ms_p50')} / {v.get('wall_ms_p99')}, gpu "
+                          f"{v.get('gpu_ms_p50')} / {v.get('gpu_ms_p99')}" for k, v in st["by_kind"].items())
+        rows.append(f"steps at {lv.get('mode', 'batch')} {lv['concurrency']} (ms p50 / p99): {kinds}; prefill "
+                    f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
+                    f"{st['compiles_total']})")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:

@@ -5,7 +5,7 @@
 # JSON and logs go to $OUT (at most 8 files come back); a short table is printed last.
 #
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
-#   BUDGET=560 QUICK=1 bash bench/gpu_run.sh   (tests + a short sweep)
+#   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -68,9 +68,9 @@ TESTS=$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.p
 stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s -x --timeout 120 $TESTS \
     >"$OUT/gpu_tests.log" 2>&1
 tail -25 "$OUT/gpu_tests.log"
+stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
+    --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>>"$OUT/engine_voxcpm2.log" >/dev/null
 if [ "${QUICK:-0}" != 1 ]; then
-    stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
-        --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>>"$OUT/engine_voxcpm2.log" >/dev/null
     if [ "$(left)" -gt 80 ]; then
         [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never --device cuda
         stage 40 90 "VoxCPM1.5 at c=1 and 64" $PY bench/engine_bench.py --model "$V15" --patches 60 --timesteps 10 \

@@ -19,6 +19,7 @@ measured peak of a largest eager step and the graphs' memory pool (estimated by 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,34 @@ class PendingStep:
     result: DecodeResult | None = None  # CPU outputs, or pinned host copies on CUDA
     event: torch.cuda.Event | None = None
     emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
+    kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
+
+
+@dataclass
+class StepTiming:
+    """What the last collected step was and what it cost: the worker reports it and the bench summarises it."""
+
+    kind: str
+    prefill_tokens: int  # positions fed by chunks of more than one position, or a first patch's prompt
+    decode_rows: int
+    gpu_ms: float | None  # CUDA events around the step's device work (None on CPU)
+
+
+def triton_compiles() -> int:
+    """Triton kernels compiled so far in this process, over every specialization of every engine kernel: a new
+    one inside a serving step stalls it for 100s of ms, so after the runner's warm-up this should stay flat."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine") and module is not None:
+            for obj in list(vars(module).values()):
+                if isinstance(obj, JITFunction):
+                    total += sum(len(cache[0]) for cache in obj.device_caches.values())
+    return total
 
 
 class Runner:
@@ -129,7 +158,9 @@ class Runner:
                 self.sample_graphs = DecodeGraphs(self._sample_body, self.buckets or [], self._pad_all, pool)
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
+            self.warm_up()
             self._log_memory(cfg, weights)
+        self.last_step: StepTiming | None = None
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -199,6 +230,49 @@ class Runner:
                  m.get("graph_estimate_gib", 0.0), m.get("eager_peak_gib", 0.0), m["kv_gib"], self.num_blocks,
                  self.block_size, streams, m["reserved_gib"], m.get("total_gib", 0.0), cfg.gpu_memory_utilization)
 
+    # Flat-batch shapes of the eager steps, (positions per sequence, block-table width): Triton specializes integer
+    # arguments on == 1 and divisibility by 16 (token counts in RoPE and LoRA, the block-table stride in attention),
+    # so these cover every class a serving step can hit; each new class would otherwise compile inside a step.
+    WARM_SHAPES = ((1, 1), (16, 1), (17, 2), (16, 16), (5, 17), (16, 33))
+    WARM_SEQS = (1, 2, 3)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile every kernel specialization the eager paths can reach, at engine start: both LMs over flat
+        batches of each shape class (into the scratch KV block), and sampling + VAE at each row-count class (into
+        the scratch VAE row). Costs a few seconds once; a serving step then never waits for the compiler."""
+        before = triton_compiles()
+        dev, p, d = self.device, self.config.patch_size, self.config.feat_dim
+        bs = self.block_size
+        for q, width in self.WARM_SHAPES:
+            if width * bs > self.max_positions:
+                continue
+            for seqs in self.WARM_SEQS:
+                n = q * seqs
+                tables = [[self.scratch_block] * width] * seqs
+                meta = AttentionMetadata.build([q] * seqs, [width * bs - q] * seqs, tables, bs, dev)
+                if self.lora:
+                    self.model.set_lora_indices(tokens=torch.zeros(n, dtype=torch.long, device=dev))
+                mask = torch.arange(n, device=dev) % 2  # text and audio rows
+                self.model.forward_lms(torch.ones(n, dtype=torch.long, device=dev),
+                                       torch.zeros(n, p, d, device=dev, dtype=self.dtype), mask,
+                                       meta.positions().long(), meta, self.caches,
+                                       torch.arange(q - 1, n, q, device=dev))
+        for rows in (1, 2, 16, 17):
+            h = torch.zeros(rows, self.config.lm.hidden_size, device=dev, dtype=self.dtype)
+            if self.lora:
+                self.model.set_lora_indices(seqs=torch.zeros(rows, dtype=torch.long, device=dev))
+            sampled = self.model.sample_patches(h, h, torch.zeros(rows, p, d, device=dev, dtype=self.dtype),
+                                                torch.randn(rows, d, p, device=dev, dtype=self.dtype),
+                                                self.timesteps, torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
+            self.model.stop_flags(h)
+            slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
+            self._vae_decode(slots, sampled)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
+                 triton_compiles())
+
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """Run one step to completion."""
@@ -207,6 +281,18 @@ class Runner:
     @torch.inference_mode()
     def launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
         """Start a step; on the graph paths the device works on it after this returns."""
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        pending = self._launch(seqs)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            pending.events = (start, end)
+        return pending
+
+    def _launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
         if self._decode_only(seqs):
             n = len(seqs)
             rows = self._stage_rows([s.request for s in seqs], [s.request.generated[-1] for s in seqs])
@@ -216,13 +302,16 @@ class Runner:
                 result = self.graphs.replay(rows)
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n))
-            return self._download(seqs, result, n, None)
+            pending = self._download(seqs, result, n, None)
+            pending.kind = "graph" if self.graphs is not None else "decode"
+            return pending
         if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
-            return PendingStep(seqs, done=self._eager_step(seqs))
+            return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
         lm_h, res_h = self._forward_lms(seqs)
         emit = [k for k, s in enumerate(seqs) if s.emit]
         if not emit:
-            return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)))
+            return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)),
+                               kind="mixed")
         reqs = [seqs[k].request for k in emit]
         rows = self._stage_rows(reqs, [r.cond for r in reqs])
         self._upload(rows)
@@ -233,10 +322,23 @@ class Runner:
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
         result = self.sample_graphs.replay(rows) if self.sample_graphs is not None else self._sample_body(rows)
-        return self._download(seqs, result, n, emit)
+        pending = self._download(seqs, result, n, emit)
+        pending.kind = "mixed"
+        return pending
 
     def collect(self, pending: PendingStep) -> StepOutput:
-        """Wait for a launched step's outputs."""
+        """Wait for a launched step's outputs (and note its timing in `last_step`)."""
+        out = self._collect(pending)
+        gpu_ms = None
+        if pending.events is not None:
+            pending.events[1].synchronize()
+            gpu_ms = pending.events[0].elapsed_time(pending.events[1])
+        prefill = sum(s.num_tokens for s in pending.seqs if s.num_tokens > 1 or not s.request.generated)
+        decode = sum(1 for s in pending.seqs if s.num_tokens == 1 and s.request.generated)
+        self.last_step = StepTiming(pending.kind, prefill, decode, gpu_ms)
+        return out
+
+    def _collect(self, pending: PendingStep) -> StepOutput:
         if pending.done is not None:
             return pending.done
         assert pending.result is not None

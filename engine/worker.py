@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -48,6 +49,54 @@ class WorkerConfig:
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     max_lora_rank: int = 32
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
+
+
+STEP_MS_EDGES = tuple(0.25 * 10 ** (i / 20) for i in range(100))  # 0.25 ms .. 22 s, 12% apart
+
+
+def ms_bucket(ms: float) -> int:
+    """Histogram bucket of a step time: the first edge at or above it."""
+    return next((i for i, edge in enumerate(STEP_MS_EDGES) if ms <= edge), len(STEP_MS_EDGES))
+
+
+def hist_percentile(hist: dict[int, int], q: float) -> float | None:
+    """The q-th percentile (0..100) of a `ms_bucket` histogram, as its bucket's upper edge in ms."""
+    total = sum(hist.values())
+    if not total:
+        return None
+    seen = 0
+    for bucket in sorted(hist):
+        seen += hist[bucket]
+        if seen >= q / 100 * total:
+            return STEP_MS_EDGES[min(bucket, len(STEP_MS_EDGES) - 1)]
+    return STEP_MS_EDGES[-1]
+
+
+class StepStats:
+    """Per-step timing that travels in the worker's stats: the last step, and cumulative histograms by step kind
+    (sparse {bucket: count}) that a reader subtracts between two snapshots to get the percentiles of an interval."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Any] = {}
+        self.hist: dict[str, dict[int, int]] = {}  # "<kind>_wall" / "<kind>_gpu" -> counts
+        self.prefill_tokens = 0
+        self.compiles = 0
+
+    def record(self, kind: str, wall_ms: float, gpu_ms: float | None, prefill_tokens: int, decode_rows: int,
+               compiles: int) -> None:
+        self.last = {"kind": kind, "wall_ms": round(wall_ms, 3), "gpu_ms": None if gpu_ms is None else
+                     round(gpu_ms, 3), "prefill_tokens": prefill_tokens, "decode_rows": decode_rows}
+        for name, ms in ((f"{kind}_wall", wall_ms), (f"{kind}_gpu", gpu_ms)):
+            if ms is not None:
+                counts = self.hist.setdefault(name, {})
+                b = ms_bucket(ms)
+                counts[b] = counts.get(b, 0) + 1
+        self.prefill_tokens += prefill_tokens
+        self.compiles = compiles
+
+    def stats(self) -> dict[str, Any]:
+        return {"last_step": dict(self.last), "step_hist": {k: dict(v) for k, v in self.hist.items()},
+                "prefill_tokens": self.prefill_tokens, "triton_compiles": self.compiles}
 
 
 class AudioRing:
@@ -144,6 +193,7 @@ class Worker:
             sit_out_ms=cfg.sit_out_ms, loras=self.loras)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
         self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
+        self.step_stats = StepStats()
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
                                 "pid": os.getpid(), "memory": self.runner.memory}))
@@ -167,7 +217,7 @@ class Worker:
             if self.scheduler.has_work:
                 self.step()
             elif changed:
-                self.results.send(("stats", self.scheduler.stats()))
+                self.results.send(("stats", self.stats()))
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -223,9 +273,11 @@ class Worker:
         try:
             if self.tp is not None:
                 self.tp.send_step(seqs, sched)
+            t0 = time.perf_counter()
             pending = self.runner.launch(seqs)
             self.publish()
             out = self.runner.collect(pending)
+            self._note_step(1000 * (time.perf_counter() - t0))
         except Exception as e:  # a failed step fails its requests, not the worker
             log.error("step failed:\n%s", traceback.format_exc())
             if self.tp is not None:  # the ranks are out of step now: end the group, the pool restarts it
@@ -251,6 +303,22 @@ class Worker:
             offset += audio.shape[0]
         self.unpublished = (chunks, audio_parts, finished)
 
+    def _note_step(self, wall_ms: float) -> None:
+        from engine.runner import triton_compiles
+
+        t = self.runner.last_step
+        if t is None:
+            return
+        self.step_stats.record(t.kind, wall_ms, t.gpu_ms, t.prefill_tokens, t.decode_rows, triton_compiles())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d %s: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles",
+                      self.scheduler.num_steps, t.kind, wall_ms, "-" if t.gpu_ms is None else f"{t.gpu_ms:.2f}",
+                      t.prefill_tokens, t.decode_rows, self.step_stats.compiles)
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's stats and the step timing (`StepStats`)."""
+        return {**self.scheduler.stats(), **self.step_stats.stats()}
+
     def publish(self) -> None:
         """Send the last collected step's chunks (audio through the ring) and the replies it completed."""
         if self.unpublished is None:
@@ -260,9 +328,9 @@ class Worker:
         if chunks:
             audio = np.concatenate(audio_parts)
             span = self.ring.write(audio)
-            self.results.send(("step", chunks, span if span is not None else audio, self.scheduler.stats()))
+            self.results.send(("step", chunks, span if span is not None else audio, self.stats()))
         else:
-            self.results.send(("stats", self.scheduler.stats()))
+            self.results.send(("stats", self.stats()))
         for req in finished:  # after the stats, so a caller woken by the reply sees the voice's blocks
             call = self.voice_calls.pop(req.request_id, None)
             if call is not None:
