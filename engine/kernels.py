@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "length"])  # sizes vary with batch: no recompiles
 def _snake_kernel(x_ptr, alpha_ptr, y_ptr, numel, channels, length, BLOCK: tl.constexpr):
     # Flat over B*C*T so short streaming chunks (a few samples per channel) still fill whole blocks.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -68,7 +68,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return y.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "numel"])  # the batch varies step to step
 def _cfg_zero_euler_kernel(x_ptr, v_ptr, cfg_ptr, batch, numel, dt, BLOCK: tl.constexpr):
     item = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
@@ -126,7 +126,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return y.view(*gate_up.shape[:-1], ffn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["positions"])  # token counts vary step to step
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, heads, positions,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)

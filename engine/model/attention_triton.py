@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies step to step
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -96,7 +96,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + q_rows * stride_ln + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
     num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
