@@ -161,6 +161,46 @@ def test_three_adapters_and_base_in_one_batch_equal_each_alone() -> None:
                 slots.release(n)
 
 
+def test_fused_qkv_keeps_one_gemm_with_lora_and_equals_unfused() -> None:
+    from engine.model.layers import fused_weight
+
+    ours, slots, _ = setup("voxcpm2")
+    fused = VoxCPMModel(ours.config).eval()
+    fused.load_state_dict(ours.state_dict())
+    state = attach_lora(fused, num_adapters=3, max_rank=MAX_RANK)
+    names = ["a", None, "b", "c"]
+    held = [slots.acquire(n) if n else 0 for n in names]
+    try:
+        for name, slot in zip(names, held, strict=True):
+            if name:
+                state.load_slot(slot, slots.host[name])
+        fused.fuse_projections()
+        attn = fused.base_lm.layers[0].self_attn
+        assert fused_weight(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)) is not None
+        specs = [("zero-shot", 0, 2.0), ("continuation", 1, 3.0), ("reference", 2, 1.5), ("zero-shot", 4, 2.0)]
+        make = lambda: spread([new_seq(*prompt("voxcpm2", mode, seed), first_block=0) for mode, seed, _ in specs])
+        noises = [noise_list("voxcpm2", seed) for _, seed, _ in specs]
+        outs = []
+        for model in (ours, fused):
+            batch = make()
+            generate(model, batch, held, noises, 2, [c for *_, c in specs])
+            outs.append(torch.stack([torch.stack(seq.patches) for seq in batch]))
+        assert_close(outs[1], outs[0])
+        state.bypass = True  # the adapter-free step: every row as slot 0, whatever the indices say
+        bypassed = make()
+        generate(fused, bypassed, held, noises, 2, [c for *_, c in specs])
+        state.bypass = False
+        base = make()
+        generate(fused, base, [0] * len(specs), noises, 2, [c for *_, c in specs])
+        assert_close(torch.stack([torch.stack(s.patches) for s in bypassed]),
+                     torch.stack([torch.stack(s.patches) for s in base]))
+        assert not torch.allclose(outs[1][0], torch.stack(base[0].patches))  # and adapter "a" did change its row
+    finally:
+        for n in names:
+            if n:
+                slots.release(n)
+
+
 # ---- bad adapters ------------------------------------------------------------------------------------------------
 @cache
 def layout() -> dict[str, tuple[int, int]]:

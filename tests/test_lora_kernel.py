@@ -66,3 +66,62 @@ def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype) -> None:
     base = torch.tensor([s == 0 for s in slots]).repeat_interleave(per)
     assert torch.equal(out[base], y[base])  # slot 0 rows are the linear's output, bit for bit
     assert (out[~base].double() - y[~base].double()).abs().max() > 1e-2  # and adapters do change the others
+
+
+@pytest.fixture(scope="module")
+def kernels(lora_add_):
+    return sys.modules["engine.model.lora_triton"]
+
+
+FUSED = {  # name: (slot of each row, in, outs of the linears sharing x, rank)
+    "qkv_decode_mixed": ([1, 0, 2, 2, 1, 3], 24, (40, 24, 24), 4),
+    "qkv_prefill_blocks": ([2] * 17 + [1] * 3, 32, (64, 16, 16), 8),
+    "gate_up": ([3, 1, 0, 1], 16, (70, 70), 4),
+}
+
+
+@pytest.mark.parametrize("case", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torch.dtype) -> None:
+    """One shrink over stacked A's + one expand into the fused output == each linear's LoRA on its own columns."""
+    slots, fan_in, outs, rank = FUSED[case]
+    gen = torch.Generator().manual_seed(len(slots) + fan_in)
+    index = torch.tensor(slots)
+    a = torch.randn(4, rank * len(outs), fan_in, generator=gen) / fan_in ** 0.5
+    b = torch.randn(4, sum(outs), rank, generator=gen) / rank ** 0.5
+    a[0], b[0] = 0, 0
+    x = torch.randn(len(slots), fan_in, generator=gen)
+    y = torch.randn(len(slots), sum(outs), generator=gen)
+    x, y, a, b = (t.to(dtype) for t in (x, y, a, b))
+    parts, start = [], 0
+    for j, n in enumerate(outs):
+        alone = lora_delta_add(y[:, start:start + n].double(), x.double(), a[:, j * rank:(j + 1) * rank].double(),
+                               b[:, start:start + n].double(), index)
+        parts.append(alone)
+        start += n
+    ref = torch.cat(parts, dim=1)
+    out = y.clone()
+    lora_add_(out, x, a, b, index, 1, outs)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(lora_delta_add(y.double(), x.double(), a.double(), b.double(), index, outs), ref)
+
+
+def test_no_adapter_rows_leave_y_untouched(lora_add_) -> None:
+    x, y = torch.randn(37, 24), torch.randn(37, 40)
+    a, b = torch.randn(3, 8, 24), torch.randn(3, 40, 8)
+    out = y.clone()
+    lora_add_(out, x, a, b, torch.zeros(37, dtype=torch.long), 1)
+    assert torch.equal(out, y)
+
+
+def test_segments_group_rows_by_slot(kernels) -> None:
+    index = torch.tensor([2, 0, 1, 2, 2, 1, 0])
+    seg = kernels.segment_rows(index, 3, 4)
+    slots = index.repeat_interleave(3)
+    assert seg.order.tolist() == sorted(range(21), key=lambda m: (slots[m].item(), m))
+    counts = [int((slots == s).sum()) for s in range(4)]
+    assert seg.starts.tolist() == [sum(counts[:s]) for s in range(5)]
+    tiles = [0] + [-(-c // kernels.BLOCK_M) for c in counts[1:]]  # slot 0 rows get no tile
+    assert seg.tiles.tolist() == [sum(tiles[:s]) for s in range(5)]
+    assert seg.grid >= seg.tiles[-1].item()

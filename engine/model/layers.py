@@ -44,9 +44,9 @@ class RMSNorm(nn.Module):
 def fuse_linears(linears: Sequence[nn.Module]) -> Tensor | None:
     """One [sum(out), in] weight whose row blocks become the linears' weights (their parameters turn into views of
     it: no extra memory, state_dict names unchanged), so one GEMM can replace len(linears). None, and nothing
-    changed, unless all are plain bias-free nn.Linear without hooks (a LoRA hook or a TP wrapper keeps them apart)."""
-    if not all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-               for m in linears):
+    changed, unless all are plain bias-free nn.Linear (a TP wrapper keeps them apart) without hooks other than one
+    shared LoRA (see `fused_linear`)."""
+    if not _fusable(linears):
         return None
     fused = torch.cat([m.weight.detach() for m in linears])
     start = 0
@@ -57,16 +57,32 @@ def fuse_linears(linears: Sequence[nn.Module]) -> Tensor | None:
 
 
 def fused_weight(fused: Tensor | None, linears: Sequence[nn.Module]) -> Tensor | None:
-    """`fused` while the linears still are its plain views; None once a hook was attached (LoRA), a weight was
-    replaced (TP sharding, `.to()`) since `fuse_linears`: the caller then runs them one by one."""
-    if fused is None:
+    """`fused` while the linears still are its plain views; None once a hook other than a shared LoRA was attached,
+    a weight was replaced (TP sharding, `.to()`) since `fuse_linears`: the caller then runs them one by one."""
+    if fused is None or not _fusable(linears):
         return None
     row_bytes, start = fused.stride(0) * fused.element_size(), 0
     for m in linears:
-        if m._forward_hooks or m.weight.data_ptr() != fused.data_ptr() + start * row_bytes:
+        if m.weight.data_ptr() != fused.data_ptr() + start * row_bytes:
             return None
         start += m.out_features
     return fused if start == fused.shape[0] else None
+
+
+def _fusable(linears: Sequence[nn.Module]) -> bool:
+    # a LoRA hook is fine when the linears share one FusedLoRA (engine.model.lora), intact: `fused_linear` adds it
+    lora = getattr(linears[0], "fused_lora", None)
+    shared = lora is not None and all(getattr(m, "fused_lora", None) is lora for m in linears) and lora.intact()
+    return all(type(m) is nn.Linear and m.bias is None and not m._forward_pre_hooks
+               and len(m._forward_hooks) <= (1 if shared else 0) for m in linears)
+
+
+def fused_linear(x: Tensor, weight: Tensor, linears: Sequence[nn.Module]) -> Tensor:
+    """The linears' outputs side by side from one GEMM with their fused weight, plus their shared LoRA's deltas
+    (one shrink and one expand) when they carry one."""
+    y = F.linear(x, weight)
+    lora = getattr(linears[0], "fused_lora", None)
+    return y if lora is None else lora(x, y)
 
 
 class SwiGLU(nn.Module):
@@ -87,7 +103,7 @@ class SwiGLU(nn.Module):
         gate_up = fused_weight(self.gate_up, (self.gate_proj, self.up_proj))
         if gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, gate_up)))
+        return self.down_proj(silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj))))
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

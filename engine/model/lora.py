@@ -13,13 +13,18 @@ Which slot a row uses comes from index tensors set once per step with `VoxCPMMod
   `sample_patches` so a CUDA graph captures it.
 The hooks read whatever tensors are set, so a graph that captured static index buffers replays with new slots.
 
+Linears sharing their input (q/k/v, gate/up) get one `FusedLoRA` whose stacked A/B their slot buffers are views of:
+the model keeps running them as one fused GEMM (`fused_linear`) and adds all their deltas with one shrink and one
+expand. On CUDA the Triton kernels group rows by slot once per step (`LoRAState.segments`) and skip slot-0 rows;
+`LoRAState.bypass` skips all LoRA work for a step the host knows to be adapter-free.
+
 Targets follow the official `_apply_lora`: q/k/v/o (configurable names) of base_lm + residual_lm ("lm") and of the
 LocDiT ("dit"), and the projections ("proj"); never the LocEnc.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,23 +34,45 @@ from engine.model.layers import fused
 LM_STACKS = ("base_lm", "residual_lm")
 DIT_STACK = "feat_decoder.estimator.decoder"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# linears sharing their input, which the model may run as one GEMM (engine.model.layers.fused_linear)
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 PROJ_TARGETS = {"enc_to_lm_proj": "tokens", "fusion_concat_proj": "tokens",
                 "lm_to_dit_proj": "seqs", "res_to_dit_proj": "seqs"}
 
 
-@dataclass
 class LoRAState:
     """Shared by every LoRA layer of one model: the slot layers by module path and this step's row slots."""
 
-    num_slots: int  # including slot 0 (no adapter)
-    max_rank: int
-    layers: dict[str, LoRALayer] = field(default_factory=dict)
-    tokens: Tensor | None = None
-    seqs: Tensor | None = None
-    dit: Tensor | None = None
+    def __init__(self, num_slots: int, max_rank: int):
+        self.num_slots = num_slots  # including slot 0 (no adapter)
+        self.max_rank = max_rank
+        self.layers: dict[str, LoRALayer] = {}
+        # True: every LoRA layer passes its linear's output through untouched, for a step whose rows all use slot
+        # 0 (the host knows; a runner with CUDA graphs captures one set per value and replays the matching one)
+        self.bypass = False
+        self._rows: dict[str, Tensor | None] = {"tokens": None, "seqs": None, "dit": None}
+        self._segments: dict[tuple[str, int], Any] = {}
+
+    def _set(self, group: str, index: Tensor | None) -> None:
+        self._rows[group] = index
+        self._segments = {key: seg for key, seg in self._segments.items() if key[0] != group}
+
+    tokens = property(lambda self: self._rows["tokens"], lambda self, index: self._set("tokens", index))
+    seqs = property(lambda self: self._rows["seqs"], lambda self, index: self._set("seqs", index))
+    dit = property(lambda self: self._rows["dit"], lambda self, index: self._set("dit", index))
 
     def rows(self, group: str) -> Tensor | None:
-        return self.tokens if group == "tokens" else self.seqs if group == "seqs" else self.dit
+        return self._rows[group]
+
+    def segments(self, group: str, rows_per_index: int) -> Any:
+        """The group's rows sorted into slot segments for the Triton kernels: once per step, shared by its linears
+        (recomputed after the group's indices are set again, also inside a CUDA graph capture)."""
+        key = (group, rows_per_index)
+        if key not in self._segments:
+            from engine.model.lora_triton import segment_rows
+
+            self._segments[key] = segment_rows(self._rows[group], rows_per_index, self.num_slots)
+        return self._segments[key]
 
     def begin_sampling(self) -> None:
         """The LocDiT's row slots for this step's 2B CFG rows."""
@@ -76,38 +103,84 @@ class LoRALayer(nn.Module):
     """The slot weights of one linear and the batched delta it adds to the linear's output."""
 
     def __init__(self, in_features: int, out_features: int, state: LoRAState, group: str,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, views: tuple[Tensor, Tensor] | None = None):
         super().__init__()
         self.state, self.group = state, group
-        self.register_buffer("lora_A", torch.zeros(state.num_slots, state.max_rank, in_features, device=device,
-                                                   dtype=dtype), persistent=False)
-        self.register_buffer("lora_B", torch.zeros(state.num_slots, out_features, state.max_rank, device=device,
-                                                   dtype=dtype), persistent=False)
+        r, s = state.max_rank, state.num_slots
+        a, b = views or (torch.zeros(s, r, in_features, device=device, dtype=dtype),
+                         torch.zeros(s, out_features, r, device=device, dtype=dtype))
+        self.register_buffer("lora_A", a, persistent=False)
+        self.register_buffer("lora_B", b, persistent=False)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        index = self.state.rows(self.group)
-        if index is None:  # no indices set: the base model
-            return y
-        rows = index.shape[0]
-        if x.shape[0] != rows:
-            raise ValueError(f"LoRA {self.group} indices cover {rows} rows, the input has {x.shape[0]}")
-        return lora_delta_add(y, x, self.lora_A, self.lora_B, index)
+        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B)
 
 
-def lora_delta_add(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor) -> Tensor:
-    """y + per-row LoRA of x: x [R, ..., in], y [R, ..., out], row r uses slot index[r] of A [S, r, in] and
-    B [S, out, r]. CUDA: the Triton kernels, in place on y; elsewhere gather + bmm."""
-    rows = index.shape[0]
-    if fused(y):
-        from engine.model.lora_triton import lora_add_
+class FusedLoRA:
+    """The LoRAs of linears sharing their input (q/k/v, gate/up) as one: A's stacked [S, n * r, in], B's
+    [S, sum(out), r]. The members' slot buffers are views of these (so `load_slot` fills both) and their hooks still
+    serve the unfused path; the fused GEMM's output gets all deltas from one shrink and one expand."""
 
-        x2 = x.reshape(-1, x.shape[-1])
-        lora_add_(y.view(-1, y.shape[-1]), x2 if x2.stride(-1) == 1 else x2.contiguous(), lora_a, lora_b, index,
-                  x2.shape[0] // max(rows, 1))
+    def __init__(self, linears: list[nn.Module], state: LoRAState, group: str, device: torch.device,
+                 dtype: torch.dtype):
+        self.state, self.group = state, group
+        self.outs = tuple(m.out_features for m in linears)
+        r, s = state.max_rank, state.num_slots
+        self.lora_A = torch.zeros(s, r * len(linears), linears[0].in_features, device=device, dtype=dtype)
+        self.lora_B = torch.zeros(s, sum(self.outs), r, device=device, dtype=dtype)
+        self.members: list[LoRALayer] = []
+        start = 0
+        for i, m in enumerate(linears):
+            views = (self.lora_A[:, i * r:(i + 1) * r], self.lora_B[:, start:start + m.out_features])
+            self.members.append(LoRALayer(m.in_features, m.out_features, state, group, device, dtype, views))
+            start += m.out_features
+
+    def intact(self) -> bool:
+        """Whether the members' buffers still are the views (a `.to()` after `attach_lora` copies them apart)."""
+        r, start = self.state.max_rank, 0
+        for i, layer in enumerate(self.members):
+            if (layer.lora_A.data_ptr() != self.lora_A[:, i * r].data_ptr()
+                    or layer.lora_B.data_ptr() != self.lora_B[:, start].data_ptr()):
+                return False
+            start += layer.lora_B.shape[1]
+        return True
+
+    def __call__(self, x: Tensor, y: Tensor) -> Tensor:
+        """y (the fused GEMM's output, members' columns in order) plus every member's LoRA of x."""
+        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B, self.outs)
+
+
+def apply_lora(state: LoRAState, group: str, x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor,
+               outs: tuple[int, ...] | None = None) -> Tensor:
+    """y plus the row group's per-row LoRA of x (see `lora_delta_add`). CUDA: the Triton kernels, in place on y."""
+    index = state.rows(group)
+    if index is None or state.bypass:  # the base model
         return y
-    x3 = x.reshape(rows, -1, x.shape[-1])
-    t = torch.bmm(x3, lora_a[index].transpose(1, 2))
-    return y + torch.bmm(t, lora_b[index].transpose(1, 2)).view_as(y)
+    rows = index.shape[0]
+    if x.shape[0] != rows:
+        raise ValueError(f"LoRA {group} indices cover {rows} rows, the input has {x.shape[0]}")
+    if not fused(y):
+        return lora_delta_add(y, x, lora_a, lora_b, index, outs)
+    from engine.model.lora_triton import lora_add_
+
+    x2 = x.reshape(-1, x.shape[-1])
+    per = x2.shape[0] // max(rows, 1)
+    lora_add_(y.view(-1, y.shape[-1]), x2 if x2.stride(-1) == 1 else x2.contiguous(), lora_a, lora_b, index, per,
+              outs, state.segments(group, per))
+    return y
+
+
+def lora_delta_add(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor,
+                   outs: tuple[int, ...] | None = None) -> Tensor:
+    """y + per-row LoRA of x with torch gather + bmm (the CPU path and the kernels' reference): x [R, ..., in],
+    y [R, ..., out]; row r uses slot index[r] of A [S, parts * r, in] and B [S, out, r], where `outs` (default
+    (out,)) splits y's columns and B's rows among the parts, part j using A's rank block j."""
+    rows, rank = index.shape[0], lora_b.shape[-1]
+    t = torch.bmm(x.reshape(rows, -1, x.shape[-1]), lora_a[index].transpose(1, 2))
+    parts = lora_b[index].split(outs or (lora_b.shape[1],), dim=1)
+    delta = torch.cat([torch.bmm(t[..., j * rank:(j + 1) * rank], b.transpose(1, 2)) for j, b in enumerate(parts)],
+                      dim=-1)
+    return y + delta.view_as(y)
 
 
 def _add_lora(linear: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
@@ -140,8 +213,20 @@ def attach_lora(model: nn.Module, num_adapters: int, max_rank: int, lm: tuple[st
         raise ValueError("this model already has LoRA slots")
     param = next(model.parameters())
     state = LoRAState(num_slots=num_adapters + 1, max_rank=max_rank)
-    for path, (linear, group) in lora_target_modules(model, lm, dit, proj).items():
-        layer = LoRALayer(linear.in_features, linear.out_features, state, group, param.device, param.dtype)
+    targets = lora_target_modules(model, lm, dit, proj)
+    layers: dict[str, LoRALayer] = {}
+    for path, (_, group) in targets.items():  # siblings sharing their input first: one FusedLoRA
+        parent, _, name = path.rpartition(".")
+        for names in FUSED_GROUPS:
+            paths = [f"{parent}.{n}" for n in names]
+            if name == names[0] and all(p in targets and targets[p][1] == group for p in paths):
+                linears = [targets[p][0] for p in paths]
+                fused_lora = FusedLoRA(linears, state, group, param.device, param.dtype)
+                for p, m, layer in zip(paths, linears, fused_lora.members, strict=True):
+                    m.fused_lora, layers[p] = fused_lora, layer
+    for path, (linear, group) in targets.items():
+        layer = layers.get(path) or LoRALayer(linear.in_features, linear.out_features, state, group, param.device,
+                                              param.dtype)
         linear.lora = layer
         linear.register_forward_hook(_add_lora)
         state.layers[path] = layer

@@ -1,13 +1,19 @@
-"""Triton batched-LoRA kernels: y[m] += (x[m] @ A[slot(m)]^T) @ B[slot(m)]^T for a flat batch of rows.
+"""Triton batched-LoRA kernels, Punica/S-LoRA shrink/expand: y[m] += (x[m] @ A[slot(m)]^T) @ B[slot(m)]^T.
 
-Two kernels, Punica-style: `shrink` (x -> rank space, fp32) and `expand` (rank space -> out, added in place). The
-slot of row m is `index[m // rows_per_index]` (LocDiT rows repeat a sequence's slot over its tokens). A block of
-BLOCK_M rows whose slots agree (prefill chunks: one sequence's tokens) runs as one `tl.dot`; a mixed block (decode
-rows of different sequences) gathers each row's adapter on its own. Shapes come from host ints and the slot table is
-read in-kernel, so a fixed batch shape replays under a CUDA graph with new slots.
+Rows are grouped by slot on the device (`segment_rows`: a stable sort of the row slots and each slot's segment,
+cut into tiles of BLOCK_M rows); a program handles one tile, so the adapter's weights are read once per tile, not
+once per row. A full tile (>= BLOCK_M rows of one slot: prefill chunks, crowded adapters) runs as `tl.dot`, a partial
+one as a per-row matvec. Slot 0 (no adapter) gets no tiles: programs beyond the last tile exit at once, so a step
+without adapters costs two empty launches per linear. The grid is a bound from host ints (rows, slots) and every
+offset is read in-kernel, so a fixed batch shape replays under a CUDA graph with new slots.
+
+`shrink` maps x to rank space (fp32) over the stacked A's of linears sharing x (q/k/v: [S, 3r, in]); `expand` adds
+each linear's part into its own column block of one fused output (B's stacked [S, q+k+v, r]).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,6 +25,30 @@ BLOCK_K = 32
 BLOCK_N = 64
 
 
+class Segments(NamedTuple):
+    """Rows grouped by slot: `order` [M] row ids sorted by slot, `starts` [S+1] each slot's first position in
+    `order`, `tiles` [S+1] each slot's first tile (slot 0 has none); `grid` bounds the tile count from shapes."""
+
+    order: Tensor
+    starts: Tensor
+    tiles: Tensor
+    grid: int
+
+
+def segment_rows(index: Tensor, rows_per_index: int, num_slots: int) -> Segments:
+    """Group the rows (slot of row m = index[m // rows_per_index]) by slot with device ops only (no host sync, so
+    a CUDA graph can capture it); computed once per step and row group, shared by every linear."""
+    slots = index[:, None].expand(-1, rows_per_index).reshape(-1)  # repeat_interleave would sync
+    rows = slots.shape[0]
+    ordered, order = torch.sort(slots, stable=True)
+    starts = torch.searchsorted(ordered, torch.arange(num_slots + 1, device=index.device, dtype=ordered.dtype))
+    tiles = (starts.diff() + BLOCK_M - 1) // BLOCK_M
+    tiles[0] = 0  # slot 0: the linear's output as it is
+    tiles = torch.cat((tiles.new_zeros(1), tiles.cumsum(0)))
+    grid = max(1, min(rows, triton.cdiv(rows, BLOCK_M) + num_slots - 1))
+    return Segments(order.to(torch.int32), starts.to(torch.int32), tiles.to(torch.int32), grid)
+
+
 @triton.jit
 def _add(a, b):
     # tl.sum / tl.zeros are @jit library functions, which the interpreter cannot call when triton was imported
@@ -27,98 +57,123 @@ def _add(a, b):
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, idx_ptr, t_ptr, M, K, rows_per_index,
-                        stride_xm, stride_as, stride_ar, stride_tm,
-                        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    first = tl.load(idx_ptr + (tl.program_id(0) * BLOCK_M) // rows_per_index).to(tl.int64)
-    slots = tl.load(idx_ptr + rows // rows_per_index, mask=row_ok, other=0).to(tl.int64)
-    others = tl.reduce(tl.where(row_ok & (slots != first), 1, 0), 0, _add)
-    ranks = tl.arange(0, BLOCK_R)
-    rank_ok = ranks < RANK
-    if others == 0:  # one adapter for the whole block
-        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
-        a_base = a_ptr + first * stride_as
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_base + ranks[None, :] * stride_ar + ks[:, None],
-                        mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(x, a, acc, input_precision=PRECISION)
-        tl.store(t_ptr + rows[:, None] * stride_tm + ranks[None, :], acc, mask=row_ok[:, None])
-    else:
-        for m in tl.static_range(BLOCK_M):
-            row = tl.program_id(0) * BLOCK_M + m
-            if row < M:
-                slot = tl.load(idx_ptr + row // rows_per_index).to(tl.int64)
-                acc_r = tl.full((BLOCK_R,), 0.0, tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = ks < K
-                    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    a = tl.load(a_ptr + slot * stride_as + ranks[:, None] * stride_ar + ks[None, :],
-                                mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                    acc_r += tl.reduce(a * x[None, :], 1, _add)
-                tl.store(t_ptr + row * stride_tm + ranks, acc_r)
+def _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(slot, first position in `order`, rows left in the slot) of this program's tile; slot == NUM_SLOTS: none."""
+    tile = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    ends = tl.load(tiles_ptr + 1 + s, mask=s < NUM_SLOTS, other=2 ** 30)
+    slot = tl.reduce(tl.where(ends <= tile, 1, 0), 0, _add)
+    safe = tl.minimum(slot, NUM_SLOTS - 1)
+    first = tl.load(starts_ptr + safe) + (tile - tl.load(tiles_ptr + safe)) * BLOCK_M
+    return slot, first, tl.load(starts_ptr + safe + 1) - first
 
 
 @triton.jit
-def _lora_expand_kernel(t_ptr, b_ptr, idx_ptr, y_ptr, M, N, rows_per_index,
-                        stride_tm, stride_bs, stride_bn, stride_ym,
-                        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    first = tl.load(idx_ptr + (tl.program_id(0) * BLOCK_M) // rows_per_index).to(tl.int64)
-    slots = tl.load(idx_ptr + rows // rows_per_index, mask=row_ok, other=0).to(tl.int64)
-    others = tl.reduce(tl.where(row_ok & (slots != first), 1, 0), 0, _add)
-    ranks = tl.arange(0, BLOCK_R)
-    rank_ok = ranks < RANK
-    if others == 0:
-        t = tl.load(t_ptr + rows[:, None] * stride_tm + ranks[None, :], mask=row_ok[:, None], other=0.0)
-        b = tl.load(b_ptr + first * stride_bs + cols[None, :].to(tl.int64) * stride_bn + ranks[:, None],
-                    mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
-        delta = tl.dot(t.to(b.dtype), b, input_precision=PRECISION)
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
-    else:
-        for m in tl.static_range(BLOCK_M):
-            row = tl.program_id(0) * BLOCK_M + m
-            if row < M:
-                slot = tl.load(idx_ptr + row // rows_per_index).to(tl.int64)
-                t = tl.load(t_ptr + row * stride_tm + ranks)
-                b = tl.load(b_ptr + slot * stride_bs + cols[:, None].to(tl.int64) * stride_bn + ranks[None, :],
-                            mask=col_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
-                delta = tl.reduce(b * t.to(b.dtype).to(tl.float32)[None, :], 1, _add)
-                y_ptrs = y_ptr + row.to(tl.int64) * stride_ym + cols
-                y = tl.load(y_ptrs, mask=col_ok, other=0.0)
-                tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok)
+def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, tiles_ptr, t_ptr, K, NUM_SLOTS,
+                   stride_xm, stride_as, stride_ar, stride_tm,
+                   RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    slot, first, count = _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
+    if slot < NUM_SLOTS:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_ok = ranks < RANK
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+        if count >= BLOCK_M:  # a full tile of one adapter: tensor cores
+            rows = tl.load(order_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
+            acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=k_ok[None, :], other=0.0)
+                a = tl.load(a_base + ranks[None, :] * stride_ar + ks[:, None],
+                            mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(x, a, acc, input_precision=PRECISION)
+            tl.store(t_ptr + rows[:, None] * stride_tm + ranks[None, :], acc)
+        else:  # a few rows: one matvec each (the adapter's tiles stay in cache between them)
+            for m in range(0, BLOCK_M):
+                if m < count:
+                    row = tl.load(order_ptr + first + m).to(tl.int64)
+                    acc_r = tl.full((BLOCK_R,), 0.0, tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        ks = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = ks < K
+                        x = tl.load(x_ptr + row * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+                        a = tl.load(a_base + ranks[:, None] * stride_ar + ks[None, :],
+                                    mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                        acc_r += tl.reduce(a * x[None, :], 1, _add)
+                    tl.store(t_ptr + row * stride_tm + ranks, acc_r)
 
 
-def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int) -> None:
-    """y [M, N] += per-row LoRA of x [M, K]: A [S, R, K], B [S, N, R] (scaling folded in), slot of row m =
-    index[m // rows_per_index]. x and y row-major with unit column stride; the rank intermediate is fp32."""
+@triton.jit
+def _expand_kernel(t_ptr, b_ptr, order_ptr, starts_ptr, tiles_ptr, y_ptr, N0, N1, N2, NUM_SLOTS,
+                   stride_tm, stride_bs, stride_bn, stride_ym,
+                   RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    slot, first, count = _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
+    if slot < NUM_SLOTS:
+        # column tile -> part j (q, k or v) of the fused output: its columns and its rank block of t
+        tile = tl.program_id(1)
+        tiles0 = (N0 + BLOCK_N - 1) // BLOCK_N
+        tiles01 = tiles0 + (N1 + BLOCK_N - 1) // BLOCK_N
+        part = (tile >= tiles0).to(tl.int32) + (tile >= tiles01).to(tl.int32)
+        part_tile = tile - tl.where(part == 0, 0, tl.where(part == 1, tiles0, tiles01))
+        part_cols = tl.where(part == 0, N0, tl.where(part == 1, N1, N2))
+        local = part_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = local < part_cols
+        cols = (tl.where(part == 0, 0, tl.where(part == 1, N0, N0 + N1)) + local).to(tl.int64)
+        ranks = tl.arange(0, BLOCK_R)
+        rank_ok = ranks < RANK
+        t_cols = part * RANK + ranks
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs
+        if count >= BLOCK_M:
+            rows = tl.load(order_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
+            t = tl.load(t_ptr + rows[:, None] * stride_tm + t_cols[None, :], mask=rank_ok[None, :], other=0.0)
+            b = tl.load(b_base + cols[None, :] * stride_bn + ranks[:, None],
+                        mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
+            delta = tl.dot(t.to(b.dtype), b, input_precision=PRECISION)
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+            y = tl.load(y_ptrs, mask=col_ok[None, :], other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok[None, :])
+        else:
+            b = tl.load(b_base + cols[:, None] * stride_bn + ranks[None, :],
+                        mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+            bf = b.to(tl.float32)
+            for m in range(0, BLOCK_M):
+                if m < count:
+                    row = tl.load(order_ptr + first + m).to(tl.int64)
+                    t = tl.load(t_ptr + row * stride_tm + t_cols, mask=rank_ok, other=0.0)
+                    delta = tl.reduce(bf * t.to(b.dtype).to(tl.float32)[None, :], 1, _add)
+                    y_ptrs = y_ptr + row * stride_ym + cols
+                    y = tl.load(y_ptrs, mask=col_ok, other=0.0)
+                    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok)
+
+
+def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
+              outs: tuple[int, ...] | None = None, segments: Segments | None = None) -> None:
+    """y [M, N] += per-row LoRA of x [M, K]; slot of row m = index[m // rows_per_index]. A [S, parts * r, K] and
+    B [S, N, r] (scaling folded in) stack the LoRAs of up to three linears sharing x, whose outputs `outs` (default
+    (N,)) are y's column blocks in order. x and y have unit column stride; the rank intermediate is fp32.
+    `segments` (from `segment_rows`) can be shared by every linear of a step."""
     m, k = x.shape
-    n, rank = lora_b.shape[1], lora_a.shape[1]
+    outs = outs or (lora_b.shape[1],)
+    rank, slots = lora_b.shape[2], lora_a.shape[0]
+    if len(outs) > 3 or sum(outs) != lora_b.shape[1] or lora_a.shape[1] != rank * len(outs):
+        raise ValueError(f"LoRA shapes disagree: A {list(lora_a.shape)}, B {list(lora_b.shape)}, outs {outs}")
     if m == 0:
         return
-    block_r = max(16, triton.next_power_of_2(rank))
-    t = torch.empty((m, block_r), device=x.device, dtype=torch.float32)
+    seg = segments or segment_rows(index, rows_per_index, slots)
+    block_s = triton.next_power_of_2(slots)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact; half types use tensor cores
-    grid_m = triton.cdiv(m, BLOCK_M)
-    _lora_shrink_kernel[(grid_m,)](x, lora_a, index, t, m, k, rows_per_index,
-                                   x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-                                   RANK=rank, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K,
-                                   PRECISION=precision)
-    _lora_expand_kernel[(grid_m, triton.cdiv(n, BLOCK_N))](t, lora_b, index, y, m, n, rows_per_index,
-                                                          t.stride(0), lora_b.stride(0), lora_b.stride(1),
-                                                          y.stride(0), RANK=rank, BLOCK_M=BLOCK_M,
-                                                          BLOCK_R=block_r, BLOCK_N=BLOCK_N, PRECISION=precision)
+    shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
+    t = torch.empty((m, shrink_r), device=x.device, dtype=torch.float32)
+    _shrink_kernel[(seg.grid,)](x, lora_a, seg.order, seg.starts, seg.tiles, t, k, slots,
+                                x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
+                                RANK=rank * len(outs), BLOCK_S=block_s, BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
+                                BLOCK_K=BLOCK_K, PRECISION=precision)
+    n0, n1, n2 = (*outs, 0, 0)[:3]
+    col_tiles = sum(triton.cdiv(n, BLOCK_N) for n in outs)
+    _expand_kernel[(seg.grid, col_tiles)](t, lora_b, seg.order, seg.starts, seg.tiles, y, n0, n1, n2, slots,
+                                          t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+                                          RANK=rank, BLOCK_S=block_s, BLOCK_M=BLOCK_M,
+                                          BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
+                                          PRECISION=precision)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
-from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_weight
+from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
 # attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -45,7 +44,8 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:
             heads = self.heads + self.kv_heads
-            qkv_out = F.linear(x, qkv).view(*shape, heads + self.kv_heads, self.head_dim)
+            qkv_out = fused_linear(x, qkv, (self.q_proj, self.k_proj, self.v_proj))
+            qkv_out = qkv_out.view(*shape, heads + self.kv_heads, self.head_dim)
             qk, v = qkv_out[..., :heads, :], qkv_out[..., heads:, :]
             if rope is not None:
                 qk = apply_rope(qk, *rope)

@@ -1,5 +1,6 @@
-"""LoRA on the GPU: the Triton kernels == the torch gather/bmm path at real VoxCPM2 shapes (bf16 and fp32), a CUDA
-graph replays with new slots, and the tiny model's LoRA step on CUDA equals the CPU one."""
+"""LoRA on the GPU: the Triton shrink/expand kernels == the torch gather/bmm path at real VoxCPM2 shapes (bf16 and
+fp32; one linear and the fused q/k/v), a CUDA graph (row grouping included) replays with new slots and with none, and
+the tiny model's LoRA step on CUDA (fused q/k/v GEMM kept) equals the CPU one."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def test_triton_matches_torch(cuda, dtype, rows, per, fan_in, fan_out, pattern) 
     assert (out.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_qkv_matches_torch(cuda, dtype) -> None:
+    outs, rank = (2048, 512, 512), 32  # VoxCPM2 base LM q/k/v
+    slots = [(i * 7) % 33 for i in range(64)] + [5] * 40  # decode rows, then a prefill chunk of one adapter
+    (x, y, a, b), index = case(len(slots), 1, 2048, sum(outs), rank, dtype, slots)
+    a = torch.randn(a.shape[0], 3 * rank, 2048, device="cuda", dtype=dtype) / 2048 ** 0.5
+    a[0] = 0
+    ref = lora_delta_add(y.float(), x.float(), a.float(), b.float(), index, outs)
+    out = y.clone()
+    lora_add_(out, x, a, b, index, 1, outs)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
 def test_graph_replays_with_new_slots(cuda) -> None:
     (x, y, a, b), index = case(64, 1, 512, 512, 16, torch.bfloat16, [i % 5 for i in range(64)])
     out = torch.empty_like(y)
@@ -60,10 +75,14 @@ def test_graph_replays_with_new_slots(cuda) -> None:
         expected = y.clone()
         lora_add_(expected, x, a, b, index, 1)
         torch.testing.assert_close(out, expected)
+    index.zero_()  # a step without adapters: the programs exit, y stays the linear's output
+    graph.replay()
+    assert torch.equal(out, y)
 
 
 def test_tiny_model_step_on_cuda_equals_cpu(cuda) -> None:
     from engine.config import ModelConfig
+    from engine.model.layers import fused_weight
     from engine.model.lora import attach_lora
     from engine.model.voxcpm import VoxCPMModel
     from engine.model_configs import tiny
@@ -78,6 +97,9 @@ def test_tiny_model_step_on_cuda_equals_cpu(cuda) -> None:
     gpu = VoxCPMModel(cpu.config).eval()
     gpu.load_state_dict(cpu.state_dict())
     gpu_state = attach_lora(gpu.to("cuda"), 3, 8)
+    gpu.fuse_projections()
+    attn = gpu.feat_decoder.estimator.decoder.layers[0].self_attn
+    assert fused_weight(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)) is not None  # LoRA keeps one GEMM
     for path, layer in gpu_state.layers.items():
         layer.lora_A.copy_(state.layers[path].lora_A)
         layer.lora_B.copy_(state.layers[path].lora_B)
