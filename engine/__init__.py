@@ -1,5 +1,6 @@
 """voxgate engine: streaming VoxCPM inference with continuous batching, one worker process per device."""
 
+from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import (
     EmptyText,
     EngineError,
@@ -14,7 +15,9 @@ from engine.errors import (
     UnknownVoice,
     WorkerCrashed,
 )
-from engine.pool import AudioChunk, Engine, EngineStats, Generation, LoRAInfo, ModelInfo, SyncEngine, VoiceInfo
+from engine.generation import Generation
+from engine.pool import Engine
+from engine.sync import SyncEngine
 
 __all__ = [
     "AudioChunk", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats", "EngineStopped",

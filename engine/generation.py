@@ -1,0 +1,78 @@
+"""One request in flight as the caller sees it: a queue of chunks the pool fills, and the iterator that drains it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.api import AudioChunk
+from engine.request import RequestSpec
+
+if TYPE_CHECKING:
+    from engine.pool import Engine, LoRAEntry
+    from engine.worker_handle import WorkerHandle
+
+
+@dataclass
+class Stream:
+    """The pool's side of a request: its worker, its adapter and the queue its chunks (or its error) go to;
+    `None` on the queue means cancelled."""
+
+    request_id: str
+    worker: WorkerHandle
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+    lora: LoRAEntry | None = None
+
+
+class Generation(AsyncIterator[AudioChunk]):
+    """The async iterator `Engine.generate` returns: submits on first use; closing it (or dropping it) cancels."""
+
+    def __init__(self, engine: Engine, stream: Stream, spec: RequestSpec | None, args: dict | None,
+                 audio: tuple[Any, Any, int | None]):
+        self._engine, self._stream, self._spec, self._args, self._audio = engine, stream, spec, args, audio
+        self._submitted = False
+        self._finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            if not self._submitted:
+                self._submitted = True
+                await self._engine._submit(self._stream, self._spec, self._args, self._audio)
+            item = await self._stream.queue.get()
+        except BaseException:
+            self._close()
+            raise
+        if item is None:  # cancelled
+            self._finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        if item.is_last:
+            self._finished = True
+        return item
+
+    async def aclose(self) -> None:
+        """Cancel the request unless it already finished."""
+        self._close()
+
+    def _close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._cancel_nowait(self._stream.request_id)
+
+    def __del__(self) -> None:
+        if not self._finished and not self._engine.loop.is_closed():
+            self._engine.loop.call_soon_threadsafe(self._engine._cancel_nowait, self._stream.request_id)

@@ -1,0 +1,131 @@
+"""Checks of the caller's arguments, each failing with a typed `InvalidRequest` before anything is queued.
+
+They run in the caller's process (no weights there), so a bad request never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import EmptyText, InvalidAudio, InvalidParameter
+from engine.request import SamplingParams
+from engine.text import normalize_text
+
+MAX_TIMESTEPS = 100
+MAX_CFG = 20.0
+MAX_TEMPERATURE = 5.0
+
+
+def check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
+    """`value` is an int (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidParameter(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
+
+
+def check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    """`value` is a finite real number (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
+
+
+def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, inference_timesteps: int,
+                      max_loras: int, max_lora_rank: int, gpu_memory_utilization: float) -> None:
+    """The `Engine` sizes that need no model config."""
+    check_int("max_num_seqs", max_num_seqs, 1)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    check_int("block_size", block_size, 1)
+    check_int("inference_timesteps", inference_timesteps, 1, MAX_TIMESTEPS)
+    check_int("max_loras", max_loras, 0, 4096)
+    check_int("max_lora_rank", max_lora_rank, 1, 1024)
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise InvalidParameter(f"gpu_memory_utilization must be in (0, 1] (got {gpu_memory_utilization})")
+
+
+def sampling_params(*, text: Any, cfg_value: Any, temperature: Any, timesteps: Any, min_length: Any,
+                    max_length: Any, priority: Any, seed: Any) -> SamplingParams:
+    """The text to speak is a non-empty string and the sampling parameters are in range; `seed=None` draws one.
+    `max_length` is 0 when not given: the spec builder caps it."""
+    if not isinstance(text, str):
+        raise InvalidParameter(f"text must be a string (got {type(text).__name__})")
+    if not normalize_text(text):
+        raise EmptyText("text is empty")
+    check_float("cfg_value", cfg_value, 0.0, MAX_CFG)
+    check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)
+    check_int("timesteps", timesteps, 1, MAX_TIMESTEPS)
+    check_int("min_length", min_length, 0)
+    if max_length is not None:
+        check_int("max_length", max_length, 1)
+    check_int("priority", priority, -1000, 1000)
+    if seed is None:
+        seed = random.getrandbits(63)
+    check_int("seed", seed, 0, 2**63 - 1)
+    return SamplingParams(cfg_value=float(cfg_value), temperature=float(temperature), seed=seed,
+                          max_length=max_length or 0, min_length=min_length, timesteps=timesteps, priority=priority)
+
+
+def request_id_or_new(request_id: Any, in_flight: dict[str, Any]) -> str:
+    """The caller's request id (non-empty, not in flight) or a fresh one."""
+    request_id = request_id if request_id is not None else uuid.uuid4().hex
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidParameter("request_id must be a non-empty string")
+    if request_id in in_flight:
+        raise InvalidParameter(f"request_id {request_id!r} is already in flight")
+    return request_id
+
+
+def check_prompt_sources(config: ModelConfig, *, voice: bool, prompt_audio: Any, prompt_latents: Any,
+                         prompt_text: str | None, reference_audio: Any, reference_latents: Any) -> None:
+    """At most one source for each of the prompt and the reference, the prompt with its transcript, and reference
+    audio only on VoxCPM2; a stored `voice` replaces both."""
+    if voice and (prompt_audio is not None or prompt_latents is not None or reference_audio is not None
+                  or reference_latents is not None):
+        raise InvalidParameter("give either a stored voice or prompt/reference audio, not both")
+    if (prompt_audio is not None) + (prompt_latents is not None) > 1 or \
+            (reference_audio is not None) + (reference_latents is not None) > 1:
+        raise InvalidParameter("give audio or latents, not both")
+    if (prompt_audio is not None or prompt_latents is not None) and not prompt_text:
+        raise InvalidParameter("prompt audio needs its transcript (prompt_text)")
+    if prompt_text and prompt_audio is None and prompt_latents is None:
+        raise InvalidParameter("prompt_text needs prompt audio (prompt_audio or prompt_latents)")
+    if (reference_audio is not None or reference_latents is not None) and not config.is_v2:
+        raise InvalidParameter(f"reference audio needs a VoxCPM2 model ({config.architecture} has none)")
+
+
+def check_latents(config: ModelConfig, latents: Any, name: str) -> torch.Tensor:
+    """Caller-given patches as a float32 [T, P, D] tensor, T >= 1, all finite."""
+    shape = (config.patch_size, config.feat_dim)
+    try:
+        t = torch.as_tensor(np.asarray(latents), dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise InvalidAudio(f"{name}: not an array of numbers ({e})") from None
+    if t.ndim != 3 or tuple(t.shape[1:]) != shape or t.shape[0] == 0:
+        raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {tuple(t.shape)})")
+    if not torch.isfinite(t).all():
+        raise InvalidAudio(f"{name} holds NaN or infinite values")
+    return t
+
+
+def check_voice_source(config: ModelConfig, *, audio: Any, latents: Any, text: str | None) -> None:
+    """A stored voice is audio or latents (exactly one); a pre-v2 voice is a prompt and needs its transcript."""
+    if (audio is None) == (latents is None):
+        raise InvalidParameter("give the voice as audio or as latents (exactly one)")
+    if text is not None and not normalize_text(text):
+        raise InvalidParameter("text is empty")
+    if not config.is_v2 and text is None:
+        raise InvalidParameter(f"a {config.architecture} voice is a prompt: give its transcript (text)")
+
+
+def voice_id_or_new(voice_id: Any) -> str:
+    """The caller's voice id or a fresh short one."""
+    voice_id = voice_id or uuid.uuid4().hex[:12]
+    if not isinstance(voice_id, str):
+        raise InvalidParameter("voice_id must be a string")
+    return voice_id

@@ -1,0 +1,57 @@
+"""A checked request turned into the `RequestSpec` a worker runs: the prompt built here, its length capped to fit."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import EngineError, InvalidRequest, TextTooLong
+from engine.prompt import build_prompt, length_cap
+from engine.request import RequestSpec, SamplingParams
+from engine.text import Tokenizer
+
+
+def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
+                 prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
+                 params: SamplingParams, request_id: str, voice_id: str | None,
+                 lora: str | None = None) -> RequestSpec:
+    """The prompt of one request; `params.max_length` becomes the official cap, bounded by the model's positions
+    and the `kv_positions` a worker's KV cache holds."""
+    try:
+        prompt = build_prompt(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
+                              reference_patches=ref_patches)
+    except EngineError:
+        raise
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    n = len(prompt.token_ids)
+    cap = length_cap(prompt.n_target_tokens, params.max_length or config.max_length)
+    cap = min(cap, config.max_length - n, kv_positions - n)
+    if cap < 1:
+        raise TextTooLong(f"the prompt takes {n} positions; the model has {config.max_length} and the KV "
+                          f"cache {kv_positions}: no room left to speak")
+    params.max_length = cap
+    return RequestSpec(
+        request_id=request_id, token_ids=[int(t) for t in prompt.token_ids],
+        patches=torch.as_tensor(prompt.patches, dtype=torch.float32),
+        audio_mask=[int(m) for m in prompt.audio_mask], cond=torch.as_tensor(prompt.cond, dtype=torch.float32),
+        context_patches=None if prompt.context_patches is None else
+        torch.as_tensor(prompt.context_patches, dtype=torch.float32),
+        params=params, voice_id=voice_id, lora=lora)
+
+
+def voice_prefix_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, voice_id: str,
+                      ref: torch.Tensor, lora: str | None = None) -> RequestSpec:
+    """`[103, ref..., 104]`: the first positions of every prompt of this voice, as a prefix-only request."""
+    prompt = build_prompt(config, tokenizer, "a", reference_patches=ref)
+    n = ref.shape[0] + 2
+    if n > kv_positions:
+        raise TextTooLong(f"the voice takes {n} positions, more than the KV cache holds")
+    return RequestSpec(
+        request_id=f"voice:{voice_id}:{uuid.uuid4().hex[:8]}", token_ids=[int(t) for t in prompt.token_ids[:n]],
+        patches=torch.as_tensor(prompt.patches[:n], dtype=torch.float32),
+        audio_mask=[int(m) for m in prompt.audio_mask[:n]],
+        cond=torch.zeros(config.patch_size, config.feat_dim), context_patches=None,
+        params=SamplingParams(), voice_id=voice_id, prefix_only=True, lora=lora)

@@ -1,0 +1,179 @@
+"""One worker process seen from the pool: spawn it, talk to it over two pipes, read its audio ring, notice its end.
+
+Two threads per worker: a sender, so the event loop never blocks on a full pipe, and a reader, which turns each step
+into `AudioChunk`s (one copy out of the shared audio ring) and also watches the process sentinel, so a crash wakes it
+at once. What the reader receives is handled on the event loop: the handle keeps the worker's readiness and latest
+stats and answers its own calls; steps, request failures, fatal errors and the process's end go to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+from engine.api import AudioChunk
+from engine.config import ModelConfig
+from engine.errors import InvalidAudio, WorkerCrashed
+from engine.worker import AudioRing, WorkerConfig, run_worker
+
+RING_SECONDS = 20.0  # shared-memory audio ring per worker, in seconds of audio at the model's rate
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS_PER_WINDOW = 5
+
+
+class WorkerHandle:
+    """One worker process and the two threads that talk to it.
+
+    `on_event(handle, msg)` gets the worker's "step" (chunks unpacked), "failed" and "fatal" messages;
+    `on_exit(handle, error)` is called once when the process ends unless `close` ended it."""
+
+    def __init__(self, index: int, cfg: WorkerConfig, config: ModelConfig, loop: asyncio.AbstractEventLoop,
+                 on_event: Callable[[WorkerHandle, tuple[Any, ...]], None],
+                 on_exit: Callable[[WorkerHandle, WorkerCrashed], None]):
+        self.index, self.cfg = index, cfg
+        self._sample_rate = config.sample_rate
+        self._loop, self._on_event, self._on_exit = loop, on_event, on_exit
+        ring_floats = int(RING_SECONDS * config.sample_rate) + cfg.max_num_seqs * config.samples_per_patch
+        ctx = mp.get_context("spawn")
+        self.shm = SharedMemory(create=True, size=4 * ring_floats)
+        read_pos = ctx.Value("q", 0, lock=False)
+        self.ring = AudioRing(self.shm, read_pos, owner=True)
+        cmd_recv, self.cmd_send = ctx.Pipe(duplex=False)
+        self.results, res_send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_worker, args=(cfg, cmd_recv, res_send, self.shm.name, read_pos),
+                                   daemon=True, name=f"voxgate-worker-{index}")
+        self.process.start()
+        cmd_recv.close()
+        res_send.close()
+        self.info: dict[str, Any] = {}
+        self.stats: dict[str, int] = {}
+        self.ready = asyncio.Event()
+        self.alive = True
+        self.in_flight: set[str] = set()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready_flag = threading.Event()
+        threading.Thread(target=self._send_loop, daemon=True, name=f"voxgate-send-{index}").start()
+        threading.Thread(target=self._read_loop, daemon=True, name=f"voxgate-read-{index}").start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Queue a message for the worker (sent once it is ready)."""
+        self._outbox.put(msg)
+
+    def call(self, kind: str, *args: Any) -> asyncio.Future:
+        """Send a message the worker replies to; the future gets the reply (an error string as `InvalidAudio`)."""
+        call = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._calls[call] = fut
+        self.send((kind, call, *args))
+        return fut
+
+    def tell(self, kind: str, *args: Any) -> None:
+        """Send a message the worker replies to, without waiting for the reply."""
+        self.send((kind, next(self._call_ids), *args))
+
+    def fail_calls(self, error: BaseException) -> None:
+        """Fail every call still waiting for its reply."""
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker (killed if it takes longer than `timeout`) and free its ring."""
+        self.alive = False
+        self.send(("stop",))
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(1.0)
+        self._outbox.put(None)
+        self.ring.close()
+
+    # ---- threads -----------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        self._ready_flag.wait()
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self.cmd_send.send(msg)
+            except (OSError, ValueError):  # the process died; the reader reports it
+                return
+
+    def _read_loop(self) -> None:
+        while True:
+            ready = wait([self.results, self.process.sentinel])
+            if self.results in ready:
+                try:
+                    msg = self.results.recv()
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "ready":
+                    self._ready_flag.set()
+                if msg[0] == "step":
+                    msg = self._unpack_step(msg)
+                self._loop.call_soon_threadsafe(self._on_message, msg)
+            elif self.process.sentinel in ready:
+                break
+        self._outbox.put(None)
+        self._loop.call_soon_threadsafe(self._ended)
+
+    def _unpack_step(self, msg: tuple[Any, ...]) -> tuple[Any, ...]:
+        _, chunks, audio, stats = msg
+        if isinstance(audio, tuple):  # a span of the shared ring: one copy out, then the slot is free again
+            audio = self.ring.read(*audio)
+        out = [AudioChunk(audio[a:b], self._sample_rate, index, latents, last, reason, rid)
+               for rid, index, latents, a, b, last, reason in chunks]
+        return ("step", out, stats)
+
+    # ---- on the event loop -------------------------------------------------------------------------------
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self.info = msg[1]
+            self.ready.set()
+        elif kind == "stats":
+            self.stats = msg[1]
+        elif kind == "reply":
+            _, call, ok, value = msg
+            fut = self._calls.pop(call, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(InvalidAudio(value))
+        else:
+            if kind == "step":
+                self.stats = msg[2]
+            self._on_event(self, msg)
+
+    def _ended(self) -> None:
+        if not self.alive:  # closed on purpose
+            return
+        self.alive = False
+        error = WorkerCrashed(f"worker {self.index} ({self.cfg.device}) exited with code {self.process.exitcode}")
+        self.fail_calls(error)
+        self.ring.close()
+        self._on_exit(self, error)
+
+
+class CrashWindow:
+    """Counts worker crashes over the last `RESTART_WINDOW_S`: more than `MAX_RESTARTS_PER_WINDOW` there and a
+    worker that keeps dying is broken, not unlucky."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+
+    def add(self) -> int:
+        """Record a crash now; the number of crashes in the window, this one included."""
+        now = time.monotonic()
+        self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
+        return len(self._times)
