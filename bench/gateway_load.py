@@ -119,9 +119,12 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
-def _summary(n: int, turns: list[TurnResult], wall_s: float) -> dict:
+def _summary(n: int, turns: list[TurnResult], wall_s: float, cpu_s: float) -> dict:
     ok = [t for t in turns if t.error is None and t.ttfb_ms is not None]
     ttfb = [t.ttfb_ms for t in ok]
+    # what the gateway adds to first audio: client-side TTFB minus the engine's own (request -> first chunk)
+    overhead = [t.ttfb_ms - t.server_metrics["engine_ttfb_ms"] for t in ok
+                if t.server_metrics.get("engine_ttfb_ms") is not None]
     gaps = [g for t in ok for g in t.gaps_ms]
     later = [t.server_metrics.get("later_segment_engine_ttfb_ms") for t in ok]
     later = [x for x in later if x is not None]
@@ -130,6 +133,7 @@ def _summary(n: int, turns: list[TurnResult], wall_s: float) -> dict:
         "sessions": n, "turns": len(turns), "errors": len(turns) - len(ok),
         "error_examples": sorted({t.error for t in turns if t.error})[:3],
         "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
+        "gateway_overhead_ms_p50": _pct(overhead, 0.5), "gateway_overhead_ms_p90": _pct(overhead, 0.9),
         "gap_ms_p50": _pct(gaps, 0.5), "gap_ms_p99": _pct(gaps, 0.99), "gap_ms_max": _pct(gaps, 1.0),
         "underrun_turns": sum(t.underruns > 0 for t in ok), "underrun_ms_total": round(sum(t.underrun_ms for t in ok)),
         "server_rtf_mean": round(statistics.mean(t.server_metrics["rtf"] for t in ok if t.server_metrics.get("rtf")),
@@ -137,6 +141,8 @@ def _summary(n: int, turns: list[TurnResult], wall_s: float) -> dict:
         "later_segment_engine_ttfb_ms_mean": round(statistics.mean(later), 1) if later else None,
         "audio_s": round(audio_s, 2), "wall_s": round(wall_s, 2),
         "audio_s_per_s": round(audio_s / wall_s, 2) if wall_s else None,
+        # this process's CPU (the in-process gateway and the load clients together) per second of audio delivered
+        "process_cpu_ms_per_audio_s": round(1000.0 * cpu_s / audio_s, 2) if audio_s else None,
     }
 
 
@@ -157,10 +163,10 @@ async def _run(args: argparse.Namespace) -> list[dict]:
     results = []
     try:
         for n in args.sessions:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             per_session = await asyncio.gather(*(_session(url, i, args) for i in range(n)))
-            wall = time.perf_counter() - t0
-            results.append(_summary(n, [t for s in per_session for t in s], wall))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            results.append(_summary(n, [t for s in per_session for t in s], wall, cpu))
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -170,7 +176,9 @@ async def _run(args: argparse.Namespace) -> list[dict]:
 
 
 def _table(results: list[dict]) -> str:
-    cols = [("sessions", "N"), ("ttfb_ms_p50", "TTFB p50"), ("ttfb_ms_p90", "p90"), ("gap_ms_p99", "gap p99"),
+    cols = [("sessions", "N"), ("ttfb_ms_p50", "TTFB p50"), ("ttfb_ms_p90", "p90"),
+            ("gateway_overhead_ms_p50", "gateway +ms p50"), ("process_cpu_ms_per_audio_s", "CPU ms/audio s"),
+            ("gap_ms_p99", "gap p99"),
             ("gap_ms_max", "gap max"), ("underrun_turns", "underrun turns"), ("errors", "errors"),
             ("server_rtf_mean", "RTF"), ("later_segment_engine_ttfb_ms_mean", "later seg TTFB"),
             ("audio_s_per_s", "audio s/s")]
