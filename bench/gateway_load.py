@@ -103,8 +103,10 @@ async def _session(url: str, index: int, args: argparse.Namespace) -> list[TurnR
         return [TurnResult(error=f"connect: {e}")]
     async with client:
         try:
-            await client.start(output={"format": args.format},
-                               generation={"continuation": not args.no_continuation, "seed": index})
+            generation = {"continuation": not args.no_continuation, "seed": index}
+            if args.max_length:
+                generation["max_length"] = args.max_length
+            await client.start(output={"format": args.format}, generation=generation)
         except ServerError as e:
             return [TurnResult(error=str(e))]
         for turn in range(args.turns):
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="opus", choices=("opus", "pcm_s16le", "mulaw", "alaw"))
     ap.add_argument("--cushion-ms", type=float, default=100.0, help="client playout start-up cushion")
     ap.add_argument("--no-continuation", action="store_true", help="no previous-segment prompt (TTFB cost)")
+    ap.add_argument("--max-length", type=int, help="patches per segment at most (random checkpoints whose stop head "
+                    "never fires would otherwise speak to the length cap)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     results = asyncio.run(_run(args))
