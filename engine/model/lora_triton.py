@@ -135,14 +135,15 @@ def _expand_kernel(t_ptr, b_ptr, order_ptr, starts_ptr, tiles_ptr, y_ptr, N0, N1
             y = tl.load(y_ptrs, mask=col_ok[None, :], other=0.0)
             tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok[None, :])
         else:
-            b = tl.load(b_base + cols[:, None] * stride_bn + ranks[None, :],
-                        mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
-            bf = b.to(tl.float32)
+            # its own name: Triton merges a variable set in both branches, and this tile is [N, R], not [R, N]
+            b_rows = tl.load(b_base + cols[:, None] * stride_bn + ranks[None, :],
+                             mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+            bf = b_rows.to(tl.float32)
             for m in range(0, BLOCK_M):
                 if m < count:
                     row = tl.load(order_ptr + first + m).to(tl.int64)
                     t = tl.load(t_ptr + row * stride_tm + t_cols, mask=rank_ok, other=0.0)
-                    delta = tl.reduce(bf * t.to(b.dtype).to(tl.float32)[None, :], 1, _add)
+                    delta = tl.reduce(bf * t.to(b_rows.dtype).to(tl.float32)[None, :], 1, _add)
                     y_ptrs = y_ptr + row * stride_ym + cols
                     y = tl.load(y_ptrs, mask=col_ok, other=0.0)
                     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok)
