@@ -47,12 +47,28 @@ def percentile(values: list[float], q: float) -> float:
 LORAS: list[str] = []  # --lora: registered adapters; request `seed` uses LORAS[seed % len(LORAS)]
 
 
+def prompt_text(model: str, positions: int | None) -> tuple[str, int]:
+    """TEXT, or its longest word prefix that fills at most `positions` prefill positions (text tokens + the
+    audio-start token) under the checkpoint's tokenizer: random checkpoints' tokenizers split English into ~3x more
+    tokens than the release one, so comparisons with other systems fix the prefill length instead of the words."""
+    from engine.text import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model)
+    words = TEXT.split(" ")
+    text = TEXT
+    if positions is not None:
+        n = max(1, next((k for k in range(len(words), 0, -1)
+                         if len(tokenizer.encode(" ".join(words[:k]))) + 1 <= positions), 1))
+        text = " ".join(words[:n])
+    return text, len(tokenizer.encode(text)) + 1
+
+
 async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -> dict:
     start = time.perf_counter()
     times, samples = [], 0
     lora = LORAS[seed % len(LORAS)] if LORAS else None
-    async for chunk in engine.generate(TEXT, seed=seed, max_length=patches, min_length=patches, timesteps=timesteps,
-                                       lora=lora):
+    async for chunk in engine.generate(PROMPT[0], seed=seed, max_length=patches, min_length=patches,
+                                       timesteps=timesteps, lora=lora):
         times.append(time.perf_counter())
         samples += chunk.audio.shape[0]
     audio_s = samples / engine.model_info().sample_rate
@@ -165,8 +181,13 @@ def model_dir(args: argparse.Namespace) -> str:
     return str(out)
 
 
+PROMPT = [TEXT]  # the text every request speaks (set by main from --prompt-positions)
+
+
 async def main(args: argparse.Namespace) -> dict:
     model = model_dir(args)
+    PROMPT[0], positions = prompt_text(model, args.prompt_positions)
+    print(f"prompt: {positions} prefill positions ({len(PROMPT[0].split())} words)", file=sys.stderr)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_waiting=args.max_num_seqs * 4,
                     inference_timesteps=args.timesteps, dtype=args.dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization,
@@ -196,6 +217,7 @@ async def main(args: argparse.Namespace) -> dict:
     return {"command": " ".join(sys.argv), "git_commit": commit, "device": device,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
+            "prompt_positions": positions,
             "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
             "lora_rank": args.lora_rank if args.lora else None, "levels": levels}
 
@@ -346,6 +368,8 @@ def parse_args() -> argparse.Namespace:
     src.add_argument("--random-size", choices=["tiny", "voxcpm2", "voxcpm1.5"], default="tiny")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--patches", type=int, default=20, help="patches per request (fixed length)")
+    p.add_argument("--prompt-positions", type=int, help="fix the prefill length (text tokens + 1) instead of the "
+                   "words: the Nano-vLLM-VoxCPM H200 numbers used ~114")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per level (default: requests-factor x concurrency, at most max-requests)")
     p.add_argument("--requests-factor", type=int, default=1)

@@ -42,7 +42,7 @@ V15=$TMP/voxgate-bench-voxcpm1.5-stop-never
 step "write the real-size random VoxCPM2 checkpoint (stop head never fires) to $V2"
 [ -f "$V2/config.json" ] || $PY -m engine.random_checkpoint "$V2" --size voxcpm2 --stop-never --device cuda
 export VOXGATE_VOXCPM2_DIR=$V2
-BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10"
+BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --prompt-positions 114"  # as the anchor
 
 # Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
 smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }
