@@ -1,0 +1,245 @@
+"""Compile every Triton kernel of engine/ for the H200 (sm_90) on a machine without a GPU; prints a JSON report.
+
+The CPU suite runs the kernels in Triton's interpreter, which never runs the compiler frontend (type checks, branch
+merging, layouts): a kernel can pass every interpreter test and still fail to compile on the GPU. This script runs
+the real launchers (engine.kernels, TritonAttention, lora_add_) on small CPU tensors with the widths of the released
+models, in bf16 and fp32, and replaces each launch by what Triton would compile for sm_90: the argument types and
+specializations its binder derives, the constexprs and the launch options (num_warps). So the cases follow the
+launchers when they change. Every @triton.jit function found in engine/ must be launched here or called from a
+launched kernel.
+
+Run it with TRITON_INTERPRET=0 (tests/test_kernels_compile.py does, in a subprocess). Output, one JSON object:
+{"kernels": [...], "uncovered": [...], "results": [{"kernel", "case", "error" (None when it compiled)}]}.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import multiprocessing
+import os
+import pkgutil
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("kernel_compile_cases.py compiles kernels: run it with TRITON_INTERPRET=0")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import engine  # noqa: E402
+from engine.config import ModelConfig, StackConfig  # noqa: E402
+from engine.model import lora_triton  # noqa: E402
+from engine.model.attention import AttentionMetadata  # noqa: E402
+from engine.model.attention_triton import TritonAttention  # noqa: E402
+from engine.model_configs import voxcpm05b, voxcpm2, voxcpm15  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200
+DTYPES = (torch.bfloat16, torch.float32)
+MODELS = {"VoxCPM2": voxcpm2, "VoxCPM1.5": voxcpm15, "VoxCPM-0.5B": voxcpm05b}
+BLOCK_SIZE = 16  # the engine's default KV page (Engine(block_size=16))
+LORA_SLOTS = 5  # max_loras=4 plus slot 0
+LORA_RANKS = (32, 8)  # the default max_lora_rank, and the official fine-tunes' default rank
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What Triton would compile for one launch: kernel (module, name), the case that launched it, and the
+    compile inputs as JITFunction.run builds them (constexprs and attrs keyed by argument path)."""
+
+    module: str
+    name: str
+    case: str
+    signature: dict[str, str]
+    constexprs: dict[Any, Any]
+    attrs: dict[Any, Any]
+    options: dict[str, Any]
+
+    def named_constexprs(self) -> dict[str, Any]:
+        names = getattr(importlib.import_module(self.module), self.name).arg_names
+        return {names[path[0]]: value for path, value in self.constexprs.items()}
+
+    def key(self) -> str:
+        return repr((self.module, self.name, self.signature, sorted(self.constexprs.items(), key=str),
+                     sorted(self.attrs.items(), key=str), sorted(self.options.items())))
+
+
+class Recorder:
+    """Stands in for JITFunction.run: binds the launch's arguments as Triton would for sm_90, records, launches
+    nothing (returns None, which the launchers ignore)."""
+
+    def __init__(self) -> None:
+        self.backend = make_backend(TARGET)
+        self.launches: list[Launch] = []
+        self.case = ""
+        self._binders: dict[int, Callable] = {}
+
+    def run(self, fn: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug  # as JITFunction.run does
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        binder = self._binders.setdefault(id(fn), create_function_from_signature(fn.signature, fn.params,
+                                                                                 self.backend))
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
+        self.launches.append(Launch(fn.fn.__module__, fn.fn.__name__, self.case, signature, constexprs, attrs,
+                                    dict(options.__dict__)))
+
+
+# ---- discovery --------------------------------------------------------------------------------------------------
+
+def all_kernels() -> dict[tuple[str, str], JITFunction]:
+    """Every @triton.jit function defined in the engine package, by (module, name)."""
+    found = {}
+    for info in pkgutil.walk_packages(engine.__path__, "engine."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and value.fn.__module__ == info.name:
+                found[(info.name, name)] = value
+    return found
+
+
+def callees(fn: JITFunction) -> set[tuple[str, str]]:
+    """The @triton.jit functions fn's body calls by name (helpers compile as part of their caller)."""
+    # every name, not only calls: a helper can be passed as a combine function (tl.reduce(x, 0, _add))
+    names = {node.id for node in ast.walk(ast.parse(fn.src)) if isinstance(node, ast.Name)}
+    return {(v.fn.__module__, v.fn.__name__) for n in names
+            if isinstance(v := fn.fn.__globals__.get(n), JITFunction) and v is not fn}
+
+
+def covered(launched: set[tuple[str, str]], kernels: dict[tuple[str, str], JITFunction]) -> set[tuple[str, str]]:
+    seen, todo = set(), list(launched)
+    while todo:
+        key = todo.pop()
+        if key not in seen:
+            seen.add(key)
+            todo.extend(callees(kernels[key]))
+    return seen
+
+
+# ---- launch cases: the real launchers on small CPU tensors of real widths ----------------------------------------
+
+def lm_stacks(cfg: ModelConfig) -> dict[str, StackConfig]:
+    return {"base LM": cfg.lm, "residual LM": cfg.residual_lm, "LocEnc": cfg.encoder_lm, "LocDiT": cfg.dit_lm}
+
+
+def launch_norm_mlp_rope(stack: StackConfig, dtype: torch.dtype) -> None:
+    from engine import kernels
+
+    heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
+    kernels.rms_norm(torch.randn(3, stack.hidden_size, dtype=dtype), torch.ones(stack.hidden_size, dtype=dtype),
+                     stack.rms_norm_eps)
+    kernels.silu_mul(torch.randn(3, 2 * stack.intermediate_size, dtype=dtype))
+    cos, sin = torch.randn(5, d), torch.randn(5, d)
+    qkv = torch.randn(2, 5, heads + 2 * kv, d, dtype=dtype)  # fused qkv output: q|k heads rotated at once
+    kernels.rope_(qkv[..., :heads + kv, :], cos, sin)
+    kernels.rope_(torch.randn(5, heads, d, dtype=dtype), cos, sin)  # unfused q and k
+    kernels.rope_(torch.randn(5, kv, d, dtype=dtype), cos, sin)
+
+
+def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
+    heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
+    k_cache, v_cache = (torch.zeros(8, BLOCK_SIZE, kv, d, dtype=dtype) for _ in range(2))
+    tables = [[0, 1], [2, 3]]
+    for backend, query_lens, cached_lens in ((TritonAttention(), [20, 3], [0, 5]),  # prefill chunks
+                                             (TritonAttention(), [1, 1], [20, 9]),  # decode, one KV split
+                                             (TritonAttention(num_splits=4), [1, 1], [20, 9])):  # flash-decoding
+        meta = AttentionMetadata.build(query_lens, cached_lens, tables, BLOCK_SIZE, "cpu")
+        n = sum(query_lens)
+        qkv = torch.randn(n, heads + 2 * kv, d, dtype=dtype)  # q, k, v are views of the fused qkv output
+        backend(qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:], k_cache, v_cache, meta)
+
+
+def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) -> None:
+    rows = 20  # one full tile of a slot and partial ones
+    index = torch.tensor([1] * 17 + [3, 0, 3])
+    lora_a = torch.randn(LORA_SLOTS, rank * len(outs), k, dtype=dtype)
+    lora_b = torch.randn(LORA_SLOTS, sum(outs), rank, dtype=dtype)
+    y = torch.zeros(rows, sum(outs), dtype=dtype)
+    lora_triton.lora_add_(y, torch.randn(rows, k, dtype=dtype), lora_a, lora_b, index, 1,
+                          outs if len(outs) > 1 else None)
+
+
+def launch_cases(recorder: Recorder) -> None:
+    from engine import kernels
+
+    for model, make in MODELS.items():
+        cfg = ModelConfig.from_dict(make())
+        recorder.case = f"{model} snake fp32 (the VAE always runs in fp32)"
+        kernels.snake(torch.randn(1, cfg.audio_vae.decoder_dim, 7), torch.ones(1, cfg.audio_vae.decoder_dim, 1))
+        for dtype in DTYPES:
+            dt = str(dtype).removeprefix("torch.")
+            recorder.case = f"{model} CFG-Zero* Euler, LocDiT output {dt}"
+            x = torch.randn(3, cfg.patch_size, cfg.feat_dim)
+            kernels.cfg_zero_euler_(x, torch.randn(6, cfg.patch_size, cfg.feat_dim, dtype=dtype), torch.ones(3), 0.1)
+            for stack_name, stack in lm_stacks(cfg).items():
+                recorder.case = f"{model} {stack_name} norm/MLP/RoPE {dt}"
+                launch_norm_mlp_rope(stack, dtype)
+                heads, kv, d, hidden = (stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim,
+                                        stack.hidden_size)
+                for rank in LORA_RANKS:
+                    recorder.case = f"{model} {stack_name} LoRA q|k|v and o, rank {rank}, {dt}"
+                    launch_lora(hidden, (heads * d, kv * d, kv * d), rank, dtype)
+                    launch_lora(heads * d, (hidden,), rank, dtype)
+            for stack_name, stack in (("base LM", cfg.lm), ("residual LM", cfg.residual_lm)):
+                recorder.case = f"{model} {stack_name} paged attention {dt} (head dim {stack.head_dim})"
+                launch_attention(stack, dtype)
+
+
+# ---- compile ----------------------------------------------------------------------------------------------------
+
+_JOBS: list[Launch] = []
+
+
+def compile_one(i: int) -> str | None:
+    """None when _JOBS[i] compiles for sm_90, else the error (the end of its message)."""
+    launch = _JOBS[i]
+    fn = getattr(importlib.import_module(launch.module), launch.name)
+    try:
+        triton.compile(ASTSource(fn, launch.signature, launch.constexprs, launch.attrs), target=TARGET,
+                       options=launch.options)
+    except Exception as e:  # a report per kernel, whatever the compiler raised
+        text = "".join(traceback.format_exception_only(e)).strip()
+        return text[-3000:]
+    return None
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    kernels = all_kernels()
+    recorder = Recorder()
+    JITFunction.run = lambda fn, *args, grid, warmup, **kw: recorder.run(fn, *args, grid=grid, warmup=warmup, **kw)
+    with torch.no_grad():
+        launch_cases(recorder)
+    unique: dict[str, Launch] = {}
+    for launch in recorder.launches:  # the first case that needs each distinct compile names it
+        unique.setdefault(launch.key(), launch)
+    _JOBS.extend(unique.values())
+    workers = int(os.environ.get("KERNEL_COMPILE_WORKERS", "2"))
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        errors = pool.map(compile_one, range(len(_JOBS)), chunksize=1)
+    launched = {(launch.module, launch.name) for launch in _JOBS}
+    uncovered = sorted(kernels.keys() - covered(launched, kernels))
+    print(json.dumps({
+        "kernels": [f"{m}.{n}" for m, n in sorted(kernels)],
+        "uncovered": [f"{m}.{n}" for m, n in uncovered],
+        "results": [{"kernel": f"{j.module}.{j.name}", "case": j.case,
+                     "constexprs": j.named_constexprs(), "error": err}
+                    for j, err in zip(_JOBS, errors, strict=True)],
+    }))
+
+
+if __name__ == "__main__":
+    main()
