@@ -136,6 +136,10 @@ def _summary(n: int, turns: list[TurnResult], wall_s: float, cpu_s: float) -> di
         "error_examples": sorted({t.error for t in turns if t.error})[:3],
         "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
         "gateway_overhead_ms_p50": _pct(overhead, 0.5), "gateway_overhead_ms_p90": _pct(overhead, 0.9),
+        # the server's own view (text in -> first audio sent), to split the overhead into server and delivery
+        "server_ttfb_ms_p50": _pct([t.server_metrics["ttfb_ms"] for t in ok if t.server_metrics.get("ttfb_ms")], 0.5),
+        "engine_ttfb_ms_p50": _pct([t.server_metrics["engine_ttfb_ms"] for t in ok
+                                    if t.server_metrics.get("engine_ttfb_ms")], 0.5),
         "gap_ms_p50": _pct(gaps, 0.5), "gap_ms_p99": _pct(gaps, 0.99), "gap_ms_max": _pct(gaps, 1.0),
         "underrun_turns": sum(t.underruns > 0 for t in ok), "underrun_ms_total": round(sum(t.underrun_ms for t in ok)),
         "server_rtf_mean": round(statistics.mean(t.server_metrics["rtf"] for t in ok if t.server_metrics.get("rtf")),
