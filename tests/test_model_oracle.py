@@ -240,6 +240,25 @@ def test_chunked_prefill_equals_one_shot() -> None:
     assert_close(results[1][1], results[0][1])
 
 
+@pytest.mark.parametrize("arch", ["voxcpm2", "voxcpm"])
+def test_locenc_on_audio_rows_only_is_the_same(arch: str) -> None:
+    """forward_lms with `audio_rows` (LocEnc on the audio positions alone, as eager prefill steps run it) gives the
+    same hidden states as LocEnc over every position, for a prompt mixing text and prompt audio."""
+    _, model = models(arch)
+    mode = "reference+continuation" if arch == "voxcpm2" else "continuation"
+    tokens, feats, audio = prompt(arch, mode, 3)
+    meta = AttentionMetadata.build([len(tokens)], [0], [list(range(16))], BLOCK, "cpu")
+    inputs = (torch.tensor(tokens), feats, torch.tensor(audio), torch.arange(len(tokens)))
+    last = torch.tensor([len(tokens) - 1])
+    rows = torch.tensor([i for i, a in enumerate(audio) if a])
+    assert 0 < len(rows) < len(tokens)
+    with torch.inference_mode():
+        every = model.forward_lms(*inputs, meta, caches(model), last)
+        only_audio = model.forward_lms(*inputs, meta, caches(model), last, audio_rows=rows)
+    for ours, ref in zip(only_audio, every, strict=True):
+        assert_close(ours, ref)
+
+
 def test_bad_shapes_raise_value_errors() -> None:
     _, model = models("voxcpm2")
     kv = caches(model)

@@ -66,16 +66,17 @@ class VoxCPMModel(nn.Module):
         return self.enc_to_lm_proj(self.feat_encoder(patches.to(self.enc_to_lm_proj.weight.dtype)))
 
     def forward_lms(self, token_ids: Tensor, patches: Tensor, audio_mask: Tensor, positions: Tensor,
-                    meta: AttentionMetadata, caches: tuple[KVCache, KVCache], last_index: Tensor
-                    ) -> tuple[Tensor, Tensor]:
+                    meta: AttentionMetadata, caches: tuple[KVCache, KVCache], last_index: Tensor,
+                    audio_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run both LMs over a flat batch of N positions (any mix of prefill chunks and 1-token decodes).
 
         token_ids [N] (ignored where audio), patches [N, P, D] (ignored where text), audio_mask [N] (bool or 0/1),
         positions [N] absolute within each sequence. Writes both KV caches. Returns (lm_h, res_h) [B, H] at the
         positions `last_index` [B]: the hidden states each sequence predicts its next patch from.
 
-        LocEnc runs on every position (text rows are discarded): one static shape, no host sync, CUDA-graph safe;
-        text rows are a small share of all LocEnc work (once per prompt token vs. once per generated patch)."""
+        LocEnc runs on every position (text rows are discarded): one static shape, no host sync, CUDA-graph safe.
+        Callers that know the audio positions on the host (eager prefill steps, mostly text) pass them as
+        `audio_rows` [A] and LocEnc runs on those rows only: the same result for a fraction of the work."""
         n = meta.slot_mapping.shape[0]
         if not (token_ids.shape[0] == patches.shape[0] == audio_mask.shape[0] == positions.shape[0] == n):
             raise ValueError(f"forward_lms: token_ids {tuple(token_ids.shape)}, patches {tuple(patches.shape)}, "
@@ -85,8 +86,13 @@ class VoxCPMModel(nn.Module):
             raise ValueError(f"forward_lms: patches must be [N, {self.config.patch_size}, {self.config.feat_dim}] "
                              f"(got {tuple(patches.shape)})")
         audio = audio_mask.to(torch.bool)[:, None]
-        enc = self.encode_patches(patches)
         text = self.base_lm.embed_tokens(token_ids.long())
+        if audio_rows is None:
+            enc = self.encode_patches(patches)
+        else:
+            enc = text.new_zeros(text.shape)
+            if audio_rows.numel():
+                enc[audio_rows] = self.encode_patches(patches[audio_rows]).to(enc.dtype)
         if self.text_scale != 1.0:
             text = text * self.text_scale
         h = self.base_lm.forward_paged(torch.where(audio, enc, text), positions, meta, caches[0], self.attention)
