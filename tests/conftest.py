@@ -54,3 +54,12 @@ async def engine(tiny_v2_dir):
     await eng.wait_for_ready()
     yield eng
     await eng.stop()
+
+
+@pytest.fixture(scope="session")
+def synth(tiny_v2_dir):
+    """The single-request reference path on the tiny VoxCPM2: what batched engine output must equal."""
+    from engine.checkpoint import load_model
+    from engine.offline import Synthesizer
+
+    return Synthesizer(load_model(tiny_v2_dir))

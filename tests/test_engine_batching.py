@@ -15,8 +15,6 @@ import pytest
 import pytest_asyncio
 
 from engine import Engine, EngineOverloaded, WorkerCrashed
-from engine.checkpoint import load_model
-from engine.offline import Synthesizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 STEPS = 4  # CFM timesteps: enough to exercise CFG-Zero*, cheap on CPU
@@ -30,11 +28,6 @@ async def engine(tiny_v2_dir):
     await eng.wait_for_ready()
     yield eng
     await eng.stop()
-
-
-@pytest.fixture(scope="module")
-def synth(tiny_v2_dir):
-    return Synthesizer(load_model(tiny_v2_dir))
 
 
 def noise_audio(seconds: float, seed: int) -> tuple[np.ndarray, int]:

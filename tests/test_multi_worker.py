@@ -13,8 +13,6 @@ import pytest
 import pytest_asyncio
 
 from engine import Engine, InvalidParameter, WorkerCrashed
-from engine.checkpoint import load_model
-from engine.offline import Synthesizer
 from engine.pool import _device_groups, headroom
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,11 +28,6 @@ async def engine(tiny_v2_dir):
     await eng.wait_for_ready()
     yield eng
     await eng.stop()
-
-
-@pytest.fixture(scope="module")
-def synth(tiny_v2_dir):
-    return Synthesizer(load_model(tiny_v2_dir))
 
 
 async def collect(gen) -> np.ndarray:

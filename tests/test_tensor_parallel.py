@@ -16,7 +16,6 @@ import pytest_asyncio
 from engine import Engine, InvalidParameter, WorkerCrashed
 from engine.checkpoint import load_model
 from engine.model.parallel import check_tensor_parallel, shard_model
-from engine.offline import Synthesizer
 
 pytestmark = pytest.mark.timeout(120)
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -31,11 +30,6 @@ async def engine(tiny_v2_dir):
     await eng.wait_for_ready()
     yield eng
     await eng.stop()
-
-
-@pytest.fixture(scope="module")
-def synth(tiny_v2_dir):
-    return Synthesizer(load_model(tiny_v2_dir))
 
 
 async def collect(gen) -> np.ndarray:
