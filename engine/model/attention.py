@@ -89,6 +89,15 @@ class AttentionBackend(Protocol):
         ...
 
 
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    """Write the new tokens' K/V [N, Hkv, D] at their paged-cache slots; the caches as flat [slots, Hkv, D] views."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return flat_k, flat_v
+
+
 def _token_coords(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
     """(sequence index, index within the sequence's new tokens) of each flat query token."""
     cu = meta.cu_seqlens_q.long()
@@ -104,9 +113,7 @@ class TorchAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> Tensor:
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta)
 
         b, max_q, max_k = meta.block_tables.shape[0], meta.max_seqlen_q, meta.max_seqlen_k
         key_pos = torch.arange(max_k, device=q.device)
@@ -146,9 +153,7 @@ class FlashAttention:
                  meta: AttentionMetadata) -> Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        kv_heads, head_dim = k_cache.shape[2:]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        store_kv(k, v, k_cache, v_cache, meta)
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q,
                                       meta.max_seqlen_k, causal=True, block_table=meta.block_tables)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, store_kv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
@@ -149,9 +149,7 @@ class TritonAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> Tensor:
         num_blocks, page, kv_heads, head_dim = k_cache.shape
-        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        store_kv(k, v, k_cache, v_cache, meta)
 
         n, q_heads, _ = q.shape
         if q.stride(-1) != 1:
