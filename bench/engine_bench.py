@@ -348,8 +348,92 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     for b in batches:
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
         print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
+    out["prefill"] = _profile_prefill(runner, (1, 8, 64), PREFILL_POSITIONS)
+    out["vae_dtypes"] = _profile_vae_dtypes(runner, loaded.vae, (1, 64, 256))
+    out["top_kernels"] = {
+        "decode_256": top_kernels(lambda: runner._decode_body(max(batches), runner.max_positions)),
+        "prefill_64": top_kernels(lambda: _prefill(runner, 64, PREFILL_POSITIONS)),
+    }
     out["memory"] = runner.memory
     return out
+
+
+PREFILL_POSITIONS = 114  # the anchor's prompt length
+
+
+def _prefill(runner, seqs: int, length: int) -> None:
+    """Both LMs over `seqs` text-only prompts of `length` positions, as one eager flat batch (a burst's prefill)."""
+    from engine.model.attention import AttentionMetadata
+
+    dev = runner.device
+    blocks = -(-length // runner.block_size)
+    tables = [list(range(j * blocks, (j + 1) * blocks)) for j in range(seqs)]
+    meta = AttentionMetadata.build([length] * seqs, [0] * seqs, tables, runner.block_size, dev)
+    n = seqs * length
+    p, d = runner.config.patch_size, runner.config.feat_dim
+    ids = torch.randint(0, runner.config.lm.vocab_size, (n,), device=dev)
+    runner.model.forward_lms(ids, torch.zeros(n, p, d, device=dev, dtype=runner.dtype),
+                             torch.zeros(n, dtype=torch.long, device=dev), meta.positions().long(), meta,
+                             runner.caches, torch.arange(length - 1, n, length, device=dev),
+                             audio_rows=torch.zeros(0, dtype=torch.long, device=dev))
+
+
+def _profile_prefill(runner, seqs_list: tuple[int, ...], length: int) -> dict:
+    """Wall time (eager, synchronized) of a text-only prefill of `seqs` x `length` positions, and positions/s."""
+    out = {}
+    for seqs in seqs_list:
+        _prefill(runner, seqs, length)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            _prefill(runner, seqs, length)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 5 * 1e3
+        out[seqs] = {"positions": seqs * length, "ms": round(ms, 2), "positions_per_s": round(seqs * length / ms * 1e3)}
+        print(f"prefill {seqs} x {length}: {ms:.1f} ms", file=sys.stderr)
+    return out
+
+
+def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:
+    """Streaming VAE decode of one patch in fp32 (as served) vs a bf16 copy: GPU ms and the bf16 audio's relative
+    error over three consecutive patches (random weights: a bound on rounding, not a listening test)."""
+    import copy
+
+    vae16 = copy.deepcopy(vae).to(torch.bfloat16)
+    c = runner.config
+    out = {}
+    for b in batches:
+        latents = [torch.randn(b, c.feat_dim, c.patch_size, device="cuda") * 0.5 for _ in range(3)]
+        s32, s16 = vae.stream_state(b), vae16.stream_state(b)
+        ref = torch.cat([vae.decode_stream(x, s32) for x in latents], -1)
+        low = torch.cat([vae16.decode_stream(x.bfloat16(), s16) for x in latents], -1).float()
+        err = ((low - ref).norm() / ref.norm()).item()
+        x32, x16 = latents[0], latents[0].bfloat16()
+        t32 = gpu_ms(lambda x=x32, s=s32: vae.decode_stream(x, s))
+        t16 = gpu_ms(lambda x=x16, s=s16, m=vae16: m.decode_stream(x, s))
+        out[b] = {"fp32_ms": round(t32, 3), "bf16_ms": round(t16, 3), "bf16_rel_err": round(err, 5)}
+        print(f"vae batch {b}: fp32 {t32:.2f} ms, bf16 {t16:.2f} ms, rel err {err:.4f}", file=sys.stderr)
+    return out
+
+
+def top_kernels(fn, top: int = 15) -> list[dict]:
+    """The `top` GPU kernels of one eager call of `fn` by total time (torch.profiler): name, calls, total ms."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(e.name[:90], [0, 0.0])
+            t[0] += 1
+            t[1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "calls": int(v[0]), "ms": round(v[1], 3)} for k, v in ranked]
 
 
 def profile_table(result: dict) -> str:
@@ -358,6 +442,13 @@ def profile_table(result: dict) -> str:
     for b, times in result["batches"].items():
         rows.append(f"| {b} | " + " | ".join(f"{times[n]:.0f}" if "kernels" in n else f"{times[n]:.2f}"
                                              for n in names) + " |")
+    for seqs, p in result.get("prefill", {}).items():
+        rows.append(f"prefill {seqs} seqs, {p['positions']} positions: {p['ms']} ms ({p['positions_per_s']}/s)")
+    for b, v in result.get("vae_dtypes", {}).items():
+        rows.append(f"VAE batch {b}: fp32 {v['fp32_ms']} ms, bf16 {v['bf16_ms']} ms, bf16 rel err {v['bf16_rel_err']}")
+    for name, kernels in result.get("top_kernels", {}).items():
+        rows.append(f"top kernels, {name}: " + "; ".join(f"{k['kernel'][:40]} x{k['calls']} {k['ms']}"
+                                                         for k in kernels[:6]))
     return "\n".join(rows)
 
 
