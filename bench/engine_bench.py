@@ -349,6 +349,7 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
         print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
     out["prefill"] = _profile_prefill(runner, (1, 8, 64), PREFILL_POSITIONS)
+    out["mixed_steps"] = _profile_mixed(runner, loaded.config, PREFILL_POSITIONS)
     out["vae_dtypes"] = _profile_vae_dtypes(runner, loaded.vae, (1, 64, 256))
     out["top_kernels"] = {
         "decode_256": top_kernels(lambda: runner._decode_body(max(batches), runner.max_positions)),
@@ -392,6 +393,69 @@ def _profile_prefill(runner, seqs_list: tuple[int, ...], length: int) -> dict:
         out[seqs] = {"positions": seqs * length, "ms": round(ms, 2), "positions_per_s": round(seqs * length / ms * 1e3)}
         print(f"prefill {seqs} x {length}: {ms:.1f} ms", file=sys.stderr)
     return out
+
+
+def _profile_mixed(runner, config, length: int) -> dict:
+    """Host-side cost of real mixed steps through Scheduler + Runner: a burst of 64 new prompts in one step, then 16
+    new prompts joining 64 decoding streams. Wall ms (synchronized) and the top Python functions by own time."""
+    import cProfile
+    import pstats
+
+    from engine.request import RequestSpec, SamplingParams
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=length * 64 + 64,
+                      num_blocks=runner.num_blocks, block_size=runner.block_size, patch_ms=config.patch_ms)
+    p, d = config.patch_size, config.feat_dim
+    vocab = config.lm.vocab_size
+
+    def add(count: int, tag: str) -> None:
+        for i in range(count):
+            ids = [(7 * i + k) % (vocab - 1) + 1 for k in range(length)]
+            sched.add(RequestSpec(f"{tag}{i}", ids, torch.zeros(length, p, d), [0] * length, torch.zeros(p, d), None,
+                                  SamplingParams(seed=i, max_length=40, min_length=40, timesteps=runner.timesteps)))
+
+    def step() -> None:
+        seqs = sched.schedule()
+        out = runner.step(seqs)
+        sched.postprocess(seqs, out.patches, out.stops)
+
+    def sync() -> None:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed_step(label: str) -> dict:
+        seqs = sched.schedule()
+        prof = cProfile.Profile()
+        sync()
+        t0 = time.perf_counter()
+        prof.enable()
+        out = runner.step(seqs)
+        prof.disable()
+        sync()
+        ms = (time.perf_counter() - t0) * 1e3
+        sched.postprocess(seqs, out.patches, out.stops)
+        stats = pstats.Stats(prof)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # by own (total) time
+        top = [{"function": f"{Path(f).name}:{line}:{name}", "calls": cc, "own_ms": round(tt * 1e3, 2),
+                "cum_ms": round(ct * 1e3, 2)} for (f, line, name), (cc, nc, tt, ct, _) in rows]
+        print(f"mixed step {label}: {ms:.1f} ms, {len(seqs)} seqs, kind {runner.last_step.kind}; top: "
+              + "; ".join(f"{t['function']} {t['own_ms']}" for t in top[:8]), file=sys.stderr)
+        return {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "kind": runner.last_step.kind,
+                "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top}
+
+    result = {}
+    add(64, "warm")
+    timed_step("warm-up burst")
+    while sched.has_work:
+        step()
+    add(64, "burst")
+    result["burst_64"] = timed_step("burst of 64")
+    for _ in range(3):
+        step()
+    add(16, "join")
+    result["join_16_of_80"] = timed_step("16 joining 64")
+    return result
 
 
 def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:

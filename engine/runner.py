@@ -370,9 +370,8 @@ class Runner:
         bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream)."""
         d, p = self.config.feat_dim, self.config.patch_size
         h = self.host_np
+        self._prime([r for r in reqs if not r.vae_primed])
         for j, (req, cond) in enumerate(zip(reqs, conds, strict=True)):
-            if not req.vae_primed:
-                self._prime(req)
             params = req.spec.params
             self.host.patches[j].copy_(cond)
             noise = self.host.noise[j]
@@ -526,9 +525,7 @@ class Runner:
 
     def decode_audio(self, reqs: list, patches: torch.Tensor) -> np.ndarray:
         """One patch of audio per request, through each request's row of the streaming VAE state."""
-        for req in reqs:
-            if not req.vae_primed:
-                self._prime(req)
+        self._prime([r for r in reqs if not r.vae_primed])
         slots = torch.tensor([r.vae_slot for r in reqs], device=self.vae_state.buffers[0].device)
         return self._vae_decode(slots, patches).cpu().numpy()
 
@@ -540,17 +537,23 @@ class Runner:
         self.vae_state.scatter_(slots, part)
         return audio.reshape(patches.shape[0], -1).float()
 
-    def _prime(self, req) -> None:
-        """Start the request's VAE row from silence, or from its prompt's last patches (seamless continuation)."""
-        slot = torch.tensor([req.vae_slot], device=self.vae_state.buffers[0].device)
-        self.vae_state.reset_(slot)
-        context = req.spec.context_patches
-        if context is not None and len(context):
-            part = self.vae_state.gather(slot)
-            latents = context.to(self.device, self.vae_dtype).reshape(1, -1, self.config.feat_dim).transpose(1, 2)
-            self.vae.decode_stream(latents, part)
-            self.vae_state.scatter_(slot, part)
-        req.vae_primed = True
+    def _prime(self, reqs: list) -> None:
+        """Start the requests' VAE rows from silence (one reset for all of them: a burst of new requests costs one
+        launch per state buffer, not one per request), then replay each continuation's prompt tail into its row."""
+        if not reqs:
+            return
+        dev = self.vae_state.buffers[0].device
+        slots = torch.tensor([r.vae_slot for r in reqs])
+        self.vae_state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
+        for req in reqs:
+            context = req.spec.context_patches
+            if context is not None and len(context):
+                slot = torch.tensor([req.vae_slot], device=dev)
+                part = self.vae_state.gather(slot)
+                latents = context.to(self.device, self.vae_dtype).reshape(1, -1, self.config.feat_dim).transpose(1, 2)
+                self.vae.decode_stream(latents, part)
+                self.vae_state.scatter_(slot, part)
+            req.vae_primed = True
 
     @torch.inference_mode()
     def encode_audio(self, audio: np.ndarray, sample_rate: int, pad: str) -> torch.Tensor:

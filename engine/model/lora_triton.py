@@ -43,7 +43,8 @@ def segment_rows(index: Tensor, rows_per_index: int, num_slots: int) -> Segments
     ordered, order = torch.sort(slots, stable=True)
     starts = torch.searchsorted(ordered, torch.arange(num_slots + 1, device=index.device, dtype=ordered.dtype))
     tiles = (starts.diff() + BLOCK_M - 1) // BLOCK_M
-    tiles[0] = 0  # slot 0: the linear's output as it is
+    # slot 0: the linear's output as it is; zero_() because `tiles[0] = 0` copies a CPU scalar (refused in capture)
+    tiles[:1].zero_()
     tiles = torch.cat((tiles.new_zeros(1), tiles.cumsum(0)))
     grid = max(1, min(rows, triton.cdiv(rows, BLOCK_M) + num_slots - 1))
     return Segments(order.to(torch.int32), starts.to(torch.int32), tiles.to(torch.int32), grid)
