@@ -65,7 +65,7 @@ fi
 stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile --out "$OUT/profile.json" \
     2>>"$OUT/smoke.log" >/dev/null
 TESTS=$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.py 2>/dev/null)
-stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s -x --timeout 120 $TESTS \
+stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
     >"$OUT/gpu_tests.log" 2>&1
 tail -25 "$OUT/gpu_tests.log"
 stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
