@@ -3,6 +3,7 @@
 Each replaces a chain of eager torch kernels with one pass over memory, with the same formula:
 - `snake`: the AudioVAE's Snake activation (five eager kernels over its largest activations).
 - `rms_norm`: MiniCPM's RMSNorm (variance in fp32, normalise, round to x's dtype, scale by the weight).
+- `add_rms_norm`: a residual add (with muP's branch scale) and the RMSNorm after it (two or three kernels -> one).
 - `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
 - `silu_mul`: SwiGLU's act silu(gate) * up from one fused gate|up GEMM output (three kernels -> one).
 - `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one).
@@ -41,16 +42,23 @@ def snake(x: Tensor, alpha: Tensor) -> Tensor:
 
 
 @triton.jit
+def _rms_norm_row(x, weight_ptr, cols, mask, dim, eps):
+    """One row's RMSNorm in fp32 (masked columns of x must be 0), shared by both norm kernels."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # rounded to x's dtype before the weight, as in eager
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return normed * weight
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, stride_x, stride_y, dim, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)  # rounded to x's dtype before the weight, as in eager
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (normed * weight).to(y_ptr.dtype.element_ty), mask=mask)
+    y = _rms_norm_row(x, weight_ptr, cols, mask, dim, eps)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -66,6 +74,52 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), y, rows.stride(0), y.stride(0), rows.shape[1],
                                            eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return y.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, h_ptr, weight_ptr, out_ptr, y_ptr, stride_x, stride_h, stride_out, stride_y, dim,
+                         eps, scale, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    if HAS_SCALE:  # eager's h * scale is its own kernel: the product is rounded to h's dtype before the add
+        h = (h.to(tl.float32) * scale).to(h.dtype)
+    x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)  # the residual, in x's dtype like eager's x + h
+    tl.store(out_ptr + row * stride_out + cols, x, mask=mask)
+    y = _rms_norm_row(x, weight_ptr, cols, mask, dim, eps)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float,
+                 scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """(x_new, rms_norm(x_new, weight, eps)) with x_new = x + h (or x + h * scale), in one pass over memory.
+
+    x, h [..., H] (rows may be strided; h's dtype must promote into x's), weight [H]. x_new is new memory of x's
+    shape and dtype (x is not written: it may be a caller's or a CUDA graph's input); every rounding is eager's."""
+    if x.shape != h.shape or x.shape[-1:] != weight.shape:
+        raise ValueError(f"add_rms_norm needs x, h [..., H] and weight [H] "
+                         f"(got {tuple(x.shape)}, {tuple(h.shape)}, {tuple(weight.shape)})")
+    if torch.promote_types(x.dtype, h.dtype) != x.dtype:
+        raise ValueError(f"add_rms_norm: x + h would not stay {x.dtype} (h is {h.dtype})")
+    x_rows, h_rows = _rows(x), _rows(h)
+    out = torch.empty(x_rows.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x_rows.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    if y.numel():
+        block = triton.next_power_of_2(x_rows.shape[1])
+        # enable_fp_fusion=False: fp32 x + h * scale must not become one fma (eager rounds the product first)
+        _add_rms_norm_kernel[(x_rows.shape[0],)](
+            x_rows, h_rows, weight.contiguous(), out, y, x_rows.stride(0), h_rows.stride(0), out.stride(0),
+            y.stride(0), x_rows.shape[1], eps, 1.0 if scale is None else float(scale), HAS_SCALE=scale is not None,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+    return out.view(x.shape), y.view(x.shape)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x [..., H] as [rows, H] with unit column stride: a view when the leading dims flatten, else a copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 @triton.jit(do_not_specialize=["batch", "numel"])  # the batch varies step to step

@@ -1,12 +1,14 @@
 """The Triton kernels on CPU under TRITON_INTERPRET=1: paged attention == TorchAttention; fused Snake, RMSNorm,
-CFG-Zero* + Euler, SiLU*mul and RoPE == their eager torch formulas. Also on CPU: the fused q/k/v and gate/up
-projections (`fuse_projections`) change no output and no state_dict, and step aside for LoRA.
+residual add + RMSNorm, CFG-Zero* + Euler, SiLU*mul and RoPE == their eager torch formulas; a MiniCPM stack on the
+fused path == the eager path. Also on CPU: the fused q/k/v and gate/up projections (`fuse_projections`) change no
+output and no state_dict, and step aside for LoRA; the eager stack still runs the official op order bit for bit.
 
 Needs `triton` installed (the test extras pin it); without it these tests fail rather than skip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -15,10 +17,12 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model.attention import AttentionMetadata, TorchAttention, make_attention_backend
+from engine.model import layers
+from engine.model.attention import AttentionMetadata, TorchAttention, dense_attention, make_attention_backend
 from engine.model.audio_vae import Snake
 from engine.model.layers import LongRoPE, RMSNorm, apply_rope
 from engine.model.lora import attach_lora
+from engine.model.minicpm import MiniCPM
 from engine.model.voxcpm import VoxCPMModel
 from engine.model_configs import tiny
 
@@ -144,7 +148,6 @@ def test_fused_snake_matches_torch(kernels, dtype):
 
 
 
-
 @pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                      (torch.float16, torch.float32)])
 def test_fused_rms_norm_matches_torch(kernels, dtype, weight_dtype):
@@ -160,6 +163,41 @@ def test_fused_rms_norm_matches_torch(kernels, dtype, weight_dtype):
         ref = module(x)
     assert y.dtype == ref.dtype and y.shape == ref.shape
     assert relative_error(y, ref.double()) < (1e-6 if ref.dtype == torch.float32 else 1e-3)
+
+
+def eager_add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager ops add_rms_norm replaces, written out (RMSNorm.forward's eager branch, whatever the device)."""
+    x = x + (h if scale is None else h * scale)
+    variance = x.float().pow(2).mean(dim=-1, keepdim=True)
+    return x, (x * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                     (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("scale", [None, 0.2645751311])  # muP: scale_depth 1.4 / sqrt(28 layers)
+def test_fused_add_rms_norm_matches_torch(kernels, dtype, weight_dtype, scale):
+    """Strided rows (slices of wider tensors). The residual equals eager's bit for bit in fp32 and fp16; the
+    interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest even, as torch does), so bf16 is only close
+    here and checked exactly in tests/gpu/test_kernels_gpu.py."""
+    gen = torch.Generator().manual_seed(10)
+    weight = (torch.rand(48, generator=gen) + 0.5).to(weight_dtype)
+    x = (torch.randn(2, 5, 64, generator=gen) * 4).to(dtype)[..., :48]
+    h = (torch.randn(2, 5, 64, generator=gen) * 4).to(dtype)[..., 16:]
+    x_before = x.clone()
+
+    x_new, y = kernels[1].add_rms_norm(x, h, weight, 1e-5, scale)
+
+    ref_x, ref_y = eager_add_rms_norm(x, h, weight, 1e-5, scale)
+    assert torch.equal(x, x_before)  # the input residual is not written
+    assert x_new.dtype == dtype and x_new.shape == x.shape
+    assert y.dtype == ref_y.dtype and y.shape == ref_y.shape
+    if dtype == torch.bfloat16:
+        assert relative_error(x_new, ref_x.double()) < 1e-2
+        assert relative_error(y, ref_y.double()) < 1e-2
+    else:
+        assert torch.equal(x_new, ref_x)
+        assert relative_error(y, ref_y.double()) < (1e-6 if ref_y.dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.parametrize("v_dtype", [torch.float32, torch.float16])
@@ -185,6 +223,10 @@ def test_fused_kernels_reject_bad_shapes(kernels):
         fused.snake(torch.zeros(2, 3, 4), torch.ones(4))
     with pytest.raises(ValueError, match="rms_norm needs"):
         fused.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="add_rms_norm needs"):
+        fused.add_rms_norm(torch.zeros(2, 8), torch.zeros(1, 8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="would not stay"):
+        fused.add_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="cfg_zero_euler_ needs"):
         fused.cfg_zero_euler_(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2), 0.1)
     with pytest.raises(ValueError, match="fp32 state"):
@@ -293,3 +335,63 @@ def test_lora_after_fusing_takes_the_unfused_path():
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(ours[1], local_outputs(tiny_model(2))[1], atol=1e-3)  # the adapter did act
+
+
+def random_stack(mup: bool) -> MiniCPM:
+    """The tiny base LM's stack with 3 layers (so a branch crosses from layer to layer), random fp32 weights."""
+    stack = dataclasses.replace(ModelConfig.from_dict(tiny("voxcpm2")).lm, num_hidden_layers=3, use_mup=mup)
+    torch.manual_seed(11)
+    model = MiniCPM(stack).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))  # norm weights around 1
+    return model
+
+
+@pytest.mark.parametrize("mup", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_stack_keeps_the_official_op_order(mup, dtype):
+    """Off CUDA the restructured stack (branches handed to the next norm) runs exactly the ops it ran before."""
+    model = random_stack(mup).to(dtype)
+    x = torch.randn(2, 6, model.norm.weight.shape[0], generator=torch.Generator().manual_seed(12)).to(dtype)
+    rope = model.rope.prefix(6, x.device)
+
+    def attend(i, q, k, v):
+        return dense_attention(q, k, v)
+
+    with torch.no_grad():
+        ref = x
+        for i, layer in enumerate(model.layers):  # the official DecoderLayer.forward, inlined
+            s = layer.branch_scale
+            h = layer.self_attn(layer.input_layernorm(ref), rope, attend, i)
+            ref = ref + (h if s is None else h * s)
+            h = layer.mlp(layer.post_attention_layernorm(ref))
+            ref = ref + (h if s is None else h * s)
+        ref = model.norm(ref)
+        out = model.run(x, rope, attend)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mup", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_stack_matches_eager(kernels, monkeypatch, mup, dtype):
+    """The whole stack with every CUDA kernel on (interpreted), one add_rms_norm per residual add, against the eager
+    stack. Yardstick: the fp32 eager output; in 16 bits the fused stack may not be meaningfully less accurate than
+    the eager one (in bf16 it is a little, from the interpreter's truncating casts: see the add_rms_norm test)."""
+    model = random_stack(mup)
+    x = torch.randn(2, 6, model.norm.weight.shape[0], generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        ref = model.forward_dense(x).double()
+        model.to(dtype).fuse_projections()
+        eager = model.forward_dense(x.to(dtype))
+        calls = []
+        add_rms_norm = kernels[1].add_rms_norm
+        monkeypatch.setattr(kernels[1], "add_rms_norm", lambda *a: calls.append(a[4]) or add_rms_norm(*a))
+        monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
+        out = model.forward_dense(x.to(dtype))
+    assert calls == [model.layers[0].branch_scale] * (2 * len(model.layers))  # each add fused with the next norm
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert relative_error(out, ref) < 1e-5
+    else:
+        assert relative_error(out, ref) <= 1.5 * relative_error(eager, ref) + 1e-3

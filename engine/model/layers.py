@@ -2,7 +2,8 @@
 
 Numerics follow the official code operation by operation (fp32 norm variance, fp32 RoPE rotation, the same
 LongRoPE table arithmetic), so fp32 results agree with it to rounding. On CUDA the elementwise chains run as the
-fused Triton kernels of engine.kernels (same formulas), and `fuse_linears` lets q/k/v and gate/up run as one GEMM.
+fused Triton kernels of engine.kernels (same formulas; `RMSNorm.add_and_norm` also takes in the residual add before
+the norm), and `fuse_linears` lets q/k/v and gate/up run as one GEMM.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         variance = x.float().pow(2).mean(dim=-1, keepdim=True)
         return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+    def add_and_norm(self, x: Tensor, branch: Tensor | None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """A residual add and this norm after it: (x + branch [* scale], its norm); (x, norm(x)) without a branch.
+        CUDA: one Triton kernel instead of the add, the muP mul and the norm; elsewhere exactly those eager ops."""
+        if branch is None:
+            return x, self(x)
+        # the kernel would skip hooks on the norm, and eager's sum would broadcast or promote other branches
+        if (fused(x) and branch.dtype == x.dtype and branch.shape == x.shape
+                and not (self._forward_hooks or self._forward_pre_hooks)):
+            from engine.kernels import add_rms_norm
+
+            return add_rms_norm(x, branch, self.weight, self.eps, scale)
+        x = x + (branch if scale is None else branch * scale)
+        return x, self(x)
 
 
 def fuse_linears(linears: Sequence[nn.Module]) -> Tensor | None:

@@ -2,6 +2,8 @@
 
 Pre-RMSNorm, GQA attention with LongRoPE (optional), SwiGLU MLP, no biases, final norm, no LM head. How attention
 is done is the caller's: the LMs run a flat batch over the paged KV cache, the local stacks dense bidirectional.
+Every residual add runs together with the norm that follows it (the post-attention norm, the next layer's input
+norm or the final norm): one Triton kernel per add on CUDA; elsewhere the official code's eager ops, in its order.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ class DecoderLayer(nn.Module):
         # muP scales each residual branch by scale_depth / sqrt(this stack's own layer count)
         self.branch_scale = stack.scale_depth / math.sqrt(stack.num_hidden_layers) if stack.use_mup else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, attend, layer)
-        x = x + (h if self.branch_scale is None else h * self.branch_scale)
-        h = self.mlp(self.post_attention_layernorm(x))
-        return x + (h if self.branch_scale is None else h * self.branch_scale)
+    def forward(self, x: Tensor, branch: Tensor | None, rope: tuple[Tensor, Tensor] | None, attend: Attend,
+                layer: int) -> tuple[Tensor, Tensor]:
+        """The residual stream x, with the previous layer's MLP `branch` still to be added (None in the first layer),
+        through this layer -> (x, this layer's MLP branch, still to be added). Each add is done with the norm after
+        it (`RMSNorm.add_and_norm`: one kernel on CUDA); the stack adds the last branch with its final norm."""
+        x, normed = self.input_layernorm.add_and_norm(x, branch, self.branch_scale)
+        h = self.self_attn(normed, rope, attend, layer)
+        x, normed = self.post_attention_layernorm.add_and_norm(x, h, self.branch_scale)
+        return x, self.mlp(normed)
 
 
 class MiniCPM(nn.Module):
@@ -89,9 +95,10 @@ class MiniCPM(nn.Module):
 
     def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend) -> Tensor:
         """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE)."""
+        branch = None  # a layer's MLP output: the next layer adds it together with its input norm
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, attend, i)
-        return self.norm(x)
+            x, branch = layer(x, branch, rope, attend, i)
+        return self.norm.add_and_norm(x, branch, self.layers[-1].branch_scale)[1]
 
     def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
                       backend: AttentionBackend) -> Tensor:

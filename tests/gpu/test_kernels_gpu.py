@@ -11,7 +11,7 @@ import torch
 from engine.model.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend
 from engine.model.audio_vae import Snake
 from engine.model.layers import RMSNorm
-from tests.test_kernels_interpret import paged_case, relative_error
+from tests.test_kernels_interpret import eager_add_rms_norm, paged_case, relative_error
 
 pytestmark = pytest.mark.gpu
 BF16_TOLERANCE = 1e-2  # bf16 operands; fp32 accumulation on both sides
@@ -146,10 +146,30 @@ def test_fused_rms_norm_matches_torch(cuda, rows, dim):
     with torch.no_grad():
         module.weight.copy_(torch.rand(dim, generator=gen, device=cuda) + 0.5)
         x = (torch.randn(rows, dim, generator=gen, device=cuda) * 4).bfloat16()
-        ref = module(x)
+        # the eager formula written out: module(x) itself runs the kernel on CUDA
+        ref = (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * module.weight
     y = rms_norm(x, module.weight, 1e-5)
     assert y.dtype == torch.bfloat16
     assert relative_error(y, ref.double()) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 2048), (256, 2048), (256 * 2 * 11, 1024)])
+@pytest.mark.parametrize("scale", [None, 0.2645751311])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_rms_norm_matches_torch(cuda, rows, dim, scale, dtype):
+    """The residual bit for bit as eager CUDA ops round it (bf16 too, unlike the interpreter), the norm to rounding;
+    x's rows strided (a slice of a wider tensor)."""
+    from engine.kernels import add_rms_norm
+
+    gen = torch.Generator(cuda).manual_seed(rows + dim)
+    weight = (torch.rand(dim, generator=gen, device=cuda) + 0.5).to(dtype)
+    x = (torch.randn(rows, dim + 64, generator=gen, device=cuda) * 4).to(dtype)[:, 64:]
+    h = (torch.randn(rows, dim, generator=gen, device=cuda) * 4).to(dtype)
+    ref_x, ref_y = eager_add_rms_norm(x, h, weight, 1e-5, scale)
+    x_new, y = add_rms_norm(x, h, weight, 1e-5, scale)
+    assert x_new.dtype == dtype and torch.equal(x_new, ref_x)
+    assert y.dtype == dtype
+    assert relative_error(y, ref_y.double()) < (1e-6 if dtype == torch.float32 else BF16_TOLERANCE)
 
 
 @pytest.mark.parametrize("batch", [1, 256])
