@@ -64,7 +64,7 @@ def prompt_text(model: str, positions: int | None) -> tuple[str, int]:
 
 
 async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -> dict:
-    start = time.perf_counter()
+    start, start_wall = time.perf_counter(), time.time()
     times, samples = [], 0
     lora = LORAS[seed % len(LORAS)] if LORAS else None
     async for chunk in engine.generate(PROMPT[0], seed=seed, max_length=patches, min_length=patches,
@@ -74,7 +74,7 @@ async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -
     audio_s = samples / engine.model_info().sample_rate
     ttfb = times[0] - start
     return {"ttfb": ttfb, "rtf": (times[-1] - start - ttfb) / audio_s if audio_s else float("nan"),
-            "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times)}
+            "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times), "start_wall": start_wall}
 
 
 def step_snapshot(engine: Engine) -> list[dict]:
@@ -163,6 +163,9 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
         "steps_per_s": (engine.stats().steps - steps0) / elapsed,
         "audio_s_per_s": sum(r["audio_s"] for r in results) / elapsed,
         "steps": step_summary(snap0, step_snapshot(engine)),
+        # wall-clock start and TTFB of each request in start order: lines up with the worker's DEBUG step log
+        "timeline": [[round(r["start_wall"], 4), round(r["ttfb"] * 1000, 1)]
+                     for r in sorted(results, key=lambda r: r["start_wall"])] if args.timeline else None,
     }
 
 
@@ -543,6 +546,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
+                   "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args()
 

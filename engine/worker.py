@@ -223,6 +223,7 @@ class Worker:
         kind = msg[0]
         if kind == "add":
             spec = msg[1]
+            log.debug("add %s at %.4f", spec.request_id, time.time())
             if spec.lora is not None and (self.loras is None or spec.lora not in self.loras.host):
                 self.results.send(("failed", spec.request_id, f"LoRA adapter {spec.lora!r} is not loaded here"))
             else:
@@ -310,10 +311,11 @@ class Worker:
         if t is None:
             return
         self.step_stats.record(t.kind, wall_ms, t.gpu_ms, t.prefill_tokens, t.decode_rows, triton_compiles())
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d %s: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles",
-                      self.scheduler.num_steps, t.kind, wall_ms, "-" if t.gpu_ms is None else f"{t.gpu_ms:.2f}",
-                      t.prefill_tokens, t.decode_rows, self.step_stats.compiles)
+        if log.isEnabledFor(logging.DEBUG):  # wall-clock start, to line steps up with other processes' events
+            log.debug("step %d %s at %.4f: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles",
+                      self.scheduler.num_steps, t.kind, time.time() - wall_ms / 1e3, wall_ms,
+                      "-" if t.gpu_ms is None else f"{t.gpu_ms:.2f}", t.prefill_tokens, t.decode_rows,
+                      self.step_stats.compiles)
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's stats and the step timing (`StepStats`)."""
