@@ -1,4 +1,4 @@
-"""Decode steps as whole-step CUDA graphs, one per batch bucket.
+"""Decode steps as whole-step CUDA graphs, one per batch bucket; small mixed steps' LM part as graphs too.
 
 A decode-only step (one position per sequence, all at the default timesteps) always runs the same kernels: both
 LMs over B tokens, every CFG Euler step of the LocDiT, the stop head, and the streaming VAE on the B streams' rows.
@@ -8,17 +8,27 @@ sequences plus padding rows that write only to a scratch KV block and a scratch 
 
 The graphs never need recapture as sequences grow: the attention grid is sized by a fixed bound (the model's
 maximum positions) and the kernel loops only over each sequence's real length, read from the buffers.
+
+Steps with prefill chunks run both LMs over a flat batch of any shape. Large ones keep the GPU busy eagerly, but a
+small one (a single new prompt, or a few joining a small batch) spends far longer launching ~500 kernels than running
+them: those replay an LM graph keyed by (tokens, sequences) buckets (`FlatBuffers`, `lm_graph_key`). The padding
+tokens form one extra sequence whose K/V go to the scratch block; buckets' other sequences are empty.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# LM graphs of small mixed steps: flat tokens x sequences (counting the padding sequence). Beyond these the eager
+# launches hide behind the GPU work, and the attention grid (sequences x max tokens) would grow wasteful.
+LM_GRAPH_TOKENS = (64, 128, 256, 512)
+LM_GRAPH_SEQS = (2, 4, 8, 16, 32, 64)
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
@@ -67,6 +77,51 @@ class DecodeBuffers:
             dst[:rows].copy_(s[:rows], non_blocking=True)
 
 
+def lm_graph_keys(max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of every LM graph, smallest first; sequences count the padding one."""
+    cap = min(max_num_seqs + 1, LM_GRAPH_SEQS[-1])
+    seqs = [s for s in LM_GRAPH_SEQS if s < cap] + [cap]
+    return [(t, s) for t in LM_GRAPH_TOKENS for s in seqs if s <= t]
+
+
+def lm_graph_key(tokens: int, seqs: int, keys: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The smallest LM graph for a flat batch of `tokens` positions in `seqs` sequences (plus the padding one)."""
+    return next(((t, s) for t, s in keys if t >= tokens and s > seqs), None)
+
+
+@dataclass
+class FlatBuffers:
+    """Inputs of both LMs over a flat batch of up to T positions in up to S sequences (an LM graph's buffers)."""
+
+    ids: Tensor  # [T] i64 token ids (0 at audio positions)
+    patches: Tensor  # [T, P, D] f32 (zeros at text positions)
+    masks: Tensor  # [T] i64: 1 at audio positions
+    positions: Tensor  # [T] i64
+    slots: Tensor  # [T] i64 paged-cache slots
+    lora: Tensor  # [T] i64 adapter slot of each position
+    cu_seqlens: Tensor  # [S + 1] i32
+    seq_lens: Tensor  # [S] i32
+    block_tables: Tensor  # [S, W] i32
+    last_index: Tensor  # [S] i64: each sequence's last position in the flat batch
+
+    @classmethod
+    def allocate(cls, tokens: int, seqs: int, patch_size: int, feat_dim: int, table_width: int,
+                 device: torch.device, pin: bool = False) -> FlatBuffers:
+        def empty(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+        return cls(empty(tokens), empty(tokens, patch_size, feat_dim, dtype=torch.float32), empty(tokens),
+                   empty(tokens), empty(tokens), empty(tokens), empty(seqs + 1, dtype=torch.int32),
+                   empty(seqs, dtype=torch.int32), empty(seqs, table_width, dtype=torch.int32), empty(seqs))
+
+    def copy_(self, src: FlatBuffers, tokens: int, seqs: int) -> None:
+        """The first `tokens` positions and `seqs` sequences from `src` (asynchronous when src is pinned)."""
+        for f in fields(self):
+            n = seqs + 1 if f.name == "cu_seqlens" else seqs if f.name in ("seq_lens", "block_tables",
+                                                                          "last_index") else tokens
+            getattr(self, f.name)[:n].copy_(getattr(src, f.name)[:n], non_blocking=True)
+
+
 @dataclass
 class DecodeResult:
     patches: Tensor  # [B, P, D] f32
@@ -74,17 +129,15 @@ class DecodeResult:
     audio: Tensor  # [B, samples] f32
 
 
-Body = Callable[[int], DecodeResult]  # rows -> outputs of the first `rows` rows of the static buffers
+class StepGraphs:
+    """One captured graph of `body(key)` per bucket key (a row count, or (tokens, sequences)) over the same static
+    buffers. Every graph set of a runner shares one memory pool: captured largest first, replayed one at a time on
+    one stream, outputs copied out before the next replay can reuse them."""
 
-
-class DecodeGraphs:
-    """One captured graph of `body` per bucket over the same static buffers. Every graph set of a runner shares
-    one memory pool: captured largest first, replayed one at a time on one stream, outputs copied out before the
-    next replay can reuse them."""
-
-    def __init__(self, body: Body, buckets: list[int], before_capture: Callable[[int], None], pool: tuple):
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, DecodeResult] = {}
+    def __init__(self, body: Callable[[Any], Any], buckets: list, before_capture: Callable[[Any], None],
+                 pool: tuple):
+        self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Any, Any] = {}
         for bucket in sorted(buckets, reverse=True):
             before_capture(bucket)
             body(bucket)  # warm-up: Triton compiles, cuBLAS picks kernels, lazy tables fill
@@ -95,6 +148,6 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 
-    def replay(self, bucket: int) -> DecodeResult:
+    def replay(self, bucket: Any) -> Any:
         self.graphs[bucket].replay()
         return self.outputs[bucket]

@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeResult, bucket_for, buckets_for
+from engine.cuda_graphs import (
+    DecodeBuffers,
+    DecodeResult,
+    FlatBuffers,
+    StepGraphs,
+    bucket_for,
+    buckets_for,
+    lm_graph_key,
+    lm_graph_keys,
+)
 from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
@@ -147,15 +156,19 @@ class Runner:
         self.scratch_block = self.num_blocks  # one block past the scheduler's: padding rows write their KV here
         self.caches = tuple(KVCache.allocate(stack, self.num_blocks + 1, self.block_size, self.device, self.dtype)
                             for stack in self.kv_stacks)
-        self.graphs: DecodeGraphs | None = None
-        self.sample_graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
+        self.sample_graphs: StepGraphs | None = None
+        self.lm_graphs: StepGraphs | None = None
+        self.lm_keys: list[tuple[int, int]] = []
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
+            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs))
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(lambda rows: self._decode_body(rows, self.max_positions),
-                                           self.buckets or [], self._pad_all, pool)
-                self.sample_graphs = DecodeGraphs(self._sample_body, self.buckets or [], self._pad_all, pool)
+                self.graphs = StepGraphs(lambda rows: self._decode_body(rows, self.max_positions),
+                                         self.buckets or [], self._pad_all, pool)
+                self.sample_graphs = StepGraphs(self._sample_body, self.buckets or [], self._pad_all, pool)
+                self.lm_graphs = StepGraphs(self.lm_body, self.lm_keys, self._pad_flat, pool)
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
@@ -462,8 +475,87 @@ class Runner:
                             torch.empty(rows, dtype=torch.bool, pin_memory=True),
                             torch.empty(rows, c.samples_per_patch, pin_memory=True))
 
+    # ---- LM graphs of small mixed steps -------------------------------------------------------------------------
+    def allocate_flat(self, keys: list[tuple[int, int]]) -> None:
+        """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets."""
+        self.lm_keys = keys
+        tokens, seqs = max(t for t, _ in keys), max(s for _, s in keys)
+        p, d, width = self.config.patch_size, self.config.feat_dim, self.host.block_tables.shape[1]
+        self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device)
+        cuda = self.device.type == "cuda"
+        self.flat_host = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True) \
+            if cuda else self.flat
+        self.flat_np = {name: t.numpy() for name, t in vars(self.flat_host).items()}
+
+    def stage_flat(self, seqs: list[ScheduledSeq]) -> tuple[int, int] | None:
+        """Stage the scheduled chunks into the flat buffers, padded to the smallest LM graph bucket (the padding
+        positions form one extra sequence in the scratch KV block); the bucket, or None when none holds them."""
+        tokens = sum(s.num_tokens for s in seqs)
+        key = lm_graph_key(tokens, len(seqs), self.lm_keys)
+        if key is None:
+            return None
+        h, bs, pos = self.flat_np, self.block_size, 0
+        for j, seq in enumerate(seqs):
+            n, start, req = seq.num_tokens, seq.start, seq.request
+            ids, patches, masks = req.inputs(start, start + n)
+            at = np.arange(start, start + n)
+            table = np.asarray(req.block_table)
+            h["ids"][pos:pos + n], h["masks"][pos:pos + n], h["positions"][pos:pos + n] = ids, masks, at
+            h["slots"][pos:pos + n] = table[at // bs] * bs + at % bs
+            h["lora"][pos:pos + n] = req.lora_slot
+            self.flat_host.patches[pos:pos + n].copy_(patches)
+            h["cu_seqlens"][j], h["seq_lens"][j], h["last_index"][j] = pos, start + n, pos + n - 1
+            h["block_tables"][j, :len(table)] = table
+            pos += n
+        self._stage_flat_padding(pos, len(seqs), key)
+        return key
+
+    def _stage_flat_padding(self, tokens: int, seqs: int, key: tuple[int, int]) -> None:
+        """Positions [tokens, T) as sequence `seqs` (writing K/V only into the scratch block), empty sequences after."""
+        total, rows = key
+        h, q = self.flat_np, total - tokens
+        for name in ("ids", "masks", "lora"):
+            h[name][tokens:total] = 0
+        h["positions"][tokens:total] = np.arange(q)
+        h["slots"][tokens:total] = self.scratch_block * self.block_size
+        self.flat_host.patches[tokens:total].zero_()
+        h["cu_seqlens"][seqs:rows + 1] = total
+        h["cu_seqlens"][seqs] = tokens
+        h["seq_lens"][seqs:rows] = 0
+        h["seq_lens"][seqs] = q
+        h["block_tables"][seqs:rows, :-(-max(q, 1) // self.block_size)] = self.scratch_block
+        h["last_index"][seqs:rows] = 0
+
+    def _pad_flat(self, key: tuple[int, int]) -> None:
+        self._stage_flat_padding(0, 0, key)
+        self._upload_flat(key)
+
+    def _upload_flat(self, key: tuple[int, int]) -> None:
+        if self.flat_host is not self.flat:
+            self.flat.copy_(self.flat_host, *key)
+
+    def lm_body(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both LMs over the staged flat buffers of bucket `key` (what an LM graph captures); (lm_h, res_h) [S, H]
+        with row j the state of scheduled sequence j (rows past the real sequences are padding)."""
+        tokens, seqs = key
+        f = self.flat
+        if self.lora:
+            self.model.set_lora_indices(tokens=f.lora[:tokens])
+        max_k = self.max_positions if self.device.type == "cuda" else int(f.seq_lens[:seqs].max())
+        meta = AttentionMetadata(cu_seqlens_q=f.cu_seqlens[:seqs + 1], seq_lens=f.seq_lens[:seqs],
+                                 slot_mapping=f.slots[:tokens], block_tables=f.block_tables[:seqs],
+                                 max_seqlen_q=tokens, max_seqlen_k=max_k)
+        return self.model.forward_lms(f.ids[:tokens], f.patches[:tokens].to(self.dtype), f.masks[:tokens],
+                                      f.positions[:tokens], meta, self.caches, last_index=f.last_index[:seqs])
+
     def _forward_lms(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both LMs eagerly over the flat batch of every scheduled chunk; (lm_h, res_h) [len(seqs), H]."""
+        """Both LMs over the flat batch of every scheduled chunk: an LM graph replay when a bucket holds it, else
+        eagerly; (lm_h, res_h) with row j the state of seqs[j] (at least len(seqs) rows)."""
+        if self.lm_keys:  # CUDA with graphs; on CPU only when a test allocates the flat buffers
+            key = self.stage_flat(seqs)
+            if key is not None:
+                self._upload_flat(key)
+                return self.lm_graphs.replay(key) if self.lm_graphs is not None else self.lm_body(key)
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []
