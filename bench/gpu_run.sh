@@ -5,7 +5,7 @@
 # JSON and logs go to $OUT (at most 8 files come back); a short table is printed last.
 #
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
-#   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
+#   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -55,8 +55,10 @@ echo "configuration: VOXGATE_FUSED_KERNELS=${VOXGATE_FUSED_KERNELS:-1} VOXGATE_C
     | tee -a "$OUT/smoke.log"
 
 if [ "${QUICK:-0}" = 1 ]; then
-    stage 60 150 "short VoxCPM2 sweep" $BENCH --concurrency 1,64,256 --requests-factor 1 --max-num-seqs 256 \
-        --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null
+    # SWEEP_LOG=DEBUG: the worker logs every step's wall-clock start, to line up with the requests' --timeline
+    stage 60 150 "short VoxCPM2 sweep" env VOXGATE_LOG="${SWEEP_LOG:-$VOXGATE_LOG}" $BENCH --concurrency 1,8,64,256 \
+        --requests-factor 1 --max-num-seqs 256 --timeline --out "$OUT/engine_voxcpm2.json" \
+        2>"$OUT/engine_voxcpm2.log" >/dev/null
 else
     stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
         --requests-factor 2 --max-requests 512 --max-num-seqs 512 --extra closed:64,poisson:16 --duration 15 \
