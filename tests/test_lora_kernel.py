@@ -1,8 +1,9 @@
 """The Triton batched-LoRA kernels on CPU under TRITON_INTERPRET=1 == the torch gather/bmm path.
 
-Cases cover blocks where every row shares one adapter (the tl.dot path: prefill chunks), blocks mixing adapters and
-slot 0 (the per-row path: decode rows), LocDiT-style rows repeating one index over several tokens, ranks below the
-slot width (zero padding), and ragged sizes. Needs `triton` installed (the test extras pin it).
+Cases cover blocks where every row shares one adapter (full tiles: prefill chunks), blocks mixing adapters and
+slot 0 (partial tiles with masked rows: decode rows), LocDiT-style rows repeating one index over several tokens, ranks
+below the slot width (zero padding), ragged sizes, and K split over several programs (one decode row: 9 splits of two
+K blocks, the last one ragged). Needs `triton` installed (the test extras pin it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ CASES = {  # name: (slot of each index row, tokens per index row, in, out, slot 
     "decode_mixed": ([2, 0, 1, 3, 3, 1, 0, 2, 1], 1, 24, 33, 16, 5),
     "dit_rows": ([1, 3, 0, 1, 3, 0], 5, 16, 20, 8, 3),
     "one_row": ([3], 1, 64, 128, 4, 4),
+    "split_k_one_row": ([3], 1, 1100, 24, 8, 8),
+    "split_k_decode_mixed": ([2, 0, 1, 3, 3, 1, 0, 2, 1], 1, 200, 33, 8, 5),
 }
 
 
@@ -125,3 +128,33 @@ def test_segments_group_rows_by_slot(kernels) -> None:
     tiles = [0] + [-(-c // kernels.BLOCK_M) for c in counts[1:]]  # slot 0 rows get no tile
     assert seg.tiles.tolist() == [sum(tiles[:s]) for s in range(5)]
     assert seg.grid >= seg.tiles[-1].item()
+
+
+def test_k_splits_used_by_the_split_cases(kernels) -> None:
+    """The split_k cases really split K (else they test nothing new)."""
+    for case, splits in (("split_k_one_row", 9), ("split_k_decode_mixed", 4)):
+        slots, per, fan_in = CASES[case][:3]
+        seg = kernels.segment_rows(torch.tensor(slots), per, 4)
+        assert kernels.plan(fan_in, seg.grid, torch.device("cpu")).splits == splits
+
+
+@pytest.mark.parametrize("k", [16, 100, 1024, 2048, 4096])
+@pytest.mark.parametrize("grid", [1, 4, 36, 120, 300])
+def test_plan_covers_k_once_and_fills_the_gpu(kernels, k: int, grid: int) -> None:
+    splits, per = kernels.plan(k, grid, torch.device("cpu"))
+    assert per % kernels.BLOCK_K == 0 and 1 <= splits <= kernels.MAX_SPLITS
+    assert (splits - 1) * per < k <= splits * per  # every split has columns, together all of K
+    chunks = -(-k // kernels.BLOCK_K)
+    if splits < min(chunks, kernels.MAX_SPLITS):  # not capped: enough programs for the SMs
+        assert grid * splits >= kernels.PROGRAMS_PER_SM * kernels.CPU_SMS
+
+
+def test_segment_grid_bounds_the_tiles(kernels) -> None:
+    """The tile bound from host ints (rows, index entries, slots) is never below the tiles the device counts."""
+    gen = torch.Generator().manual_seed(0)
+    for entries, per, slots in ((2, 11, 33), (1, 1, 33), (64, 1, 33), (128, 11, 33), (300, 1, 5), (7, 3, 2)):
+        for _ in range(5):
+            index = torch.randint(0, slots, (entries,), generator=gen)
+            seg = kernels.segment_rows(index, per, slots)
+            assert seg.tiles[-1].item() <= seg.grid <= entries * per
+    assert kernels.segment_rows(torch.tensor([5, 5]), 11, 33).grid == 4  # a LocDiT step of one sequence

@@ -2,9 +2,15 @@
 
 Rows are grouped by slot on the device (`segment_rows`: a stable sort of the row slots and each slot's segment,
 cut into tiles of BLOCK_M rows); a program handles one tile, so the adapter's weights are read once per tile, not
-once per row. A full tile (>= BLOCK_M rows of one slot: prefill chunks, crowded adapters) runs as `tl.dot`, a partial
-one as a per-row matvec. Slot 0 (no adapter) gets no tiles: programs beyond the last tile exit at once, so a step
-without adapters costs two empty launches per linear. The grid is a bound from host ints (rows, slots) and every
+once per row. Every tile runs as `tl.dot`, a partial one (decode rows: a few rows per adapter) with its missing rows
+masked: on tensor cores a 16-row tile with one valid row costs what a matvec costs, without a serial row loop.
+
+The shrink is split over K: program (tile, split) reduces one K range and stores its fp32 partial in its own plane
+of t [splits, M, r]; the expand sums the planes while it loads t. So a decode step's few tiles still spread over the
+SMs (one tile alone would walk K=2048 serially on one SM), with no atomics (the result is bit-reproducible) and no
+memset of t (slot-0 rows are never written nor read): two launches per linear. The split count comes from host ints
+(rows, index entries, slots, K, SM count), so it is fixed per CUDA-graph bucket. Slot 0 (no adapter) gets no tiles:
+programs beyond the last tile exit at once, and a step without adapters costs two empty launches per linear. Every
 offset is read in-kernel, so a fixed batch shape replays under a CUDA graph with new slots.
 
 `shrink` maps x to rank space (fp32) over the stacked A's of linears sharing x (q/k/v: [S, 3r, in]); `expand` adds
@@ -13,6 +19,7 @@ each linear's part into its own column block of one fused output (B's stacked [S
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -21,8 +28,11 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_M = 16
-BLOCK_K = 32
+BLOCK_K = 64  # bf16 q|k|v shrink (A tile [64, 128]): ptxas sm_90 72 registers, no spills, 36 KB shared (2 stages)
 BLOCK_N = 64
+MAX_SPLITS = 16  # the expand unrolls this many (masked) loads of t's planes
+PROGRAMS_PER_SM = 2  # split K until tiles x splits reaches this many programs per SM
+CPU_SMS = 132  # an H200's SM count: CPU tensors (interpreter tests, compile cases) plan like the GPU the engine uses
 
 
 class Segments(NamedTuple):
@@ -33,6 +43,13 @@ class Segments(NamedTuple):
     starts: Tensor
     tiles: Tensor
     grid: int
+
+
+class Plan(NamedTuple):
+    """Launch shape of one linear's shrink: `splits` K ranges of `k_per_split` columns (a multiple of BLOCK_K)."""
+
+    splits: int
+    k_per_split: int
 
 
 def segment_rows(index: Tensor, rows_per_index: int, num_slots: int) -> Segments:
@@ -46,8 +63,28 @@ def segment_rows(index: Tensor, rows_per_index: int, num_slots: int) -> Segments
     # slot 0: the linear's output as it is; zero_() because `tiles[0] = 0` copies a CPU scalar (refused in capture)
     tiles[:1].zero_()
     tiles = torch.cat((tiles.new_zeros(1), tiles.cumsum(0)))
-    grid = max(1, min(rows, triton.cdiv(rows, BLOCK_M) + num_slots - 1))
+    # each adapter in use adds at most one partial tile, and at most min(slots, index entries) are in use: a LocDiT
+    # step of one sequence (22 rows, 2 entries) needs 4 programs, not one per row
+    partial = min(num_slots - 1, index.shape[0])
+    grid = max(1, min(rows, triton.cdiv(rows, BLOCK_M) + partial))
     return Segments(order.to(torch.int32), starts.to(torch.int32), tiles.to(torch.int32), grid)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (CPU_SMS for CPU tensors)."""
+    if device.type != "cuda":
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(k: int, grid: int, device: torch.device) -> Plan:
+    """Split K so that grid x splits >= PROGRAMS_PER_SM x SMs (capped by MAX_SPLITS and K's BLOCK_K chunks); from
+    host ints only, so one graph bucket always gets the same plan."""
+    chunks = triton.cdiv(k, BLOCK_K)
+    splits = max(1, min(MAX_SPLITS, chunks, triton.cdiv(PROGRAMS_PER_SM * sm_count(device), grid)))
+    per = triton.cdiv(chunks, splits)
+    return Plan(triton.cdiv(chunks, per), per * BLOCK_K)  # no empty split: the last one may be shorter
 
 
 @triton.jit
@@ -58,59 +95,52 @@ def _add(a, b):
 
 
 @triton.jit
-def _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(slot, first position in `order`, rows left in the slot) of this program's tile; slot == NUM_SLOTS: none."""
+def _tile(order_ptr, tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(slot, row ids [BLOCK_M] int64, which of them are valid) of this program's tile; slot == NUM_SLOTS: none."""
     tile = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     ends = tl.load(tiles_ptr + 1 + s, mask=s < NUM_SLOTS, other=2 ** 30)
     slot = tl.reduce(tl.where(ends <= tile, 1, 0), 0, _add)
     safe = tl.minimum(slot, NUM_SLOTS - 1)
     first = tl.load(starts_ptr + safe) + (tile - tl.load(tiles_ptr + safe)) * BLOCK_M
-    return slot, first, tl.load(starts_ptr + safe + 1) - first
+    m = tl.arange(0, BLOCK_M)
+    # a partial tile (the slot's last rows) masks the rest; a program without a tile masks all
+    row_ok = (m < tl.load(starts_ptr + safe + 1) - first) & (slot < NUM_SLOTS)
+    rows = tl.load(order_ptr + first + m, mask=row_ok, other=0).to(tl.int64)
+    return slot, rows, row_ok
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, tiles_ptr, t_ptr, K, NUM_SLOTS,
-                   stride_xm, stride_as, stride_ar, stride_tm,
+def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, tiles_ptr, t_ptr, K, K_PER_SPLIT, NUM_SLOTS,
+                   stride_xm, stride_as, stride_ar, stride_ts, stride_tm,
                    RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    slot, first, count = _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
+    slot, rows, row_ok = _tile(order_ptr, tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
     if slot < NUM_SLOTS:
+        split = tl.program_id(1)
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < RANK
         a_base = a_ptr + slot.to(tl.int64) * stride_as
-        if count >= BLOCK_M:  # a full tile of one adapter: tensor cores
-            rows = tl.load(order_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
-            acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=k_ok[None, :], other=0.0)
-                a = tl.load(a_base + ranks[None, :] * stride_ar + ks[:, None],
-                            mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(x, a, acc, input_precision=PRECISION)
-            tl.store(t_ptr + rows[:, None] * stride_tm + ranks[None, :], acc)
-        else:  # a few rows: one matvec each (the adapter's tiles stay in cache between them)
-            for m in range(0, BLOCK_M):
-                if m < count:
-                    row = tl.load(order_ptr + first + m).to(tl.int64)
-                    acc_r = tl.full((BLOCK_R,), 0.0, tl.float32)
-                    for k0 in range(0, K, BLOCK_K):
-                        ks = k0 + tl.arange(0, BLOCK_K)
-                        k_ok = ks < K
-                        x = tl.load(x_ptr + row * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-                        a = tl.load(a_base + ranks[:, None] * stride_ar + ks[None, :],
-                                    mask=rank_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                        acc_r += tl.reduce(a * x[None, :], 1, _add)
-                    tl.store(t_ptr + row * stride_tm + ranks, acc_r)
+        k_lo = split * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_hi
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            a = tl.load(a_base + ranks[None, :] * stride_ar + ks[:, None],
+                        mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        tl.store(t_ptr + split * stride_ts + rows[:, None] * stride_tm + ranks[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
-def _expand_kernel(t_ptr, b_ptr, order_ptr, starts_ptr, tiles_ptr, y_ptr, N0, N1, N2, NUM_SLOTS,
-                   stride_tm, stride_bs, stride_bn, stride_ym,
+def _expand_kernel(t_ptr, b_ptr, order_ptr, starts_ptr, tiles_ptr, y_ptr, N0, N1, N2, SPLITS, NUM_SLOTS,
+                   stride_ts, stride_tm, stride_bs, stride_bn, stride_ym,
                    RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    slot, first, count = _tile(tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
+                   BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    slot, rows, row_ok = _tile(order_ptr, tiles_ptr, starts_ptr, NUM_SLOTS, BLOCK_S, BLOCK_M)
     if slot < NUM_SLOTS:
         # column tile -> part j (q, k or v) of the fused output: its columns and its rank block of t
         tile = tl.program_id(1)
@@ -124,30 +154,20 @@ def _expand_kernel(t_ptr, b_ptr, order_ptr, starts_ptr, tiles_ptr, y_ptr, N0, N1
         cols = (tl.where(part == 0, 0, tl.where(part == 1, N0, N0 + N1)) + local).to(tl.int64)
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < RANK
-        t_cols = part * RANK + ranks
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        if count >= BLOCK_M:
-            rows = tl.load(order_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
-            t = tl.load(t_ptr + rows[:, None] * stride_tm + t_cols[None, :], mask=rank_ok[None, :], other=0.0)
-            b = tl.load(b_base + cols[None, :] * stride_bn + ranks[:, None],
-                        mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
-            delta = tl.dot(t.to(b.dtype), b, input_precision=PRECISION)
-            y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-            y = tl.load(y_ptrs, mask=col_ok[None, :], other=0.0)
-            tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok[None, :])
-        else:
-            # its own name: Triton merges a variable set in both branches, and this tile is [N, R], not [R, N]
-            b_rows = tl.load(b_base + cols[:, None] * stride_bn + ranks[None, :],
-                             mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
-            bf = b_rows.to(tl.float32)
-            for m in range(0, BLOCK_M):
-                if m < count:
-                    row = tl.load(order_ptr + first + m).to(tl.int64)
-                    t = tl.load(t_ptr + row * stride_tm + t_cols, mask=rank_ok, other=0.0)
-                    delta = tl.reduce(bf * t.to(b_rows.dtype).to(tl.float32)[None, :], 1, _add)
-                    y_ptrs = y_ptr + row * stride_ym + cols
-                    y = tl.load(y_ptrs, mask=col_ok, other=0.0)
-                    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=col_ok)
+        t_ptrs = t_ptr + rows[:, None] * stride_tm + (part * RANK + ranks)[None, :]
+        t_ok = row_ok[:, None] & rank_ok[None, :]
+        t = tl.load(t_ptrs, mask=t_ok, other=0.0)
+        # the shrink's K-split partials; unrolled so their loads are in flight together (a runtime loop would
+        # wait on each in turn), the planes past SPLITS masked off
+        for s in tl.static_range(1, MAX_SPLITS):
+            t += tl.load(t_ptrs + s * stride_ts, mask=t_ok & (s < SPLITS), other=0.0)
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bn + ranks[:, None],
+                    mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
+        delta = tl.dot(t.to(b.dtype), b, input_precision=PRECISION)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        y_ok = row_ok[:, None] & col_ok[None, :]
+        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=y_ok)
 
 
 def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
@@ -164,18 +184,20 @@ def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tenso
     if m == 0:
         return
     seg = segments or segment_rows(index, rows_per_index, slots)
+    split = plan(k, seg.grid, x.device)
     block_s = triton.next_power_of_2(slots)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact; half types use tensor cores
     shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
-    t = torch.empty((m, shrink_r), device=x.device, dtype=torch.float32)
-    _shrink_kernel[(seg.grid,)](x, lora_a, seg.order, seg.starts, seg.tiles, t, k, slots,
-                                x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-                                RANK=rank * len(outs), BLOCK_S=block_s, BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
-                                BLOCK_K=BLOCK_K, PRECISION=precision)
+    # empty: every plane a tile's rows read is written by its split; slot-0 rows are neither written nor read
+    t = torch.empty((split.splits, m, shrink_r), device=x.device, dtype=torch.float32)
+    _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.order, seg.starts, seg.tiles, t, k, split.k_per_split,
+                                             slots, x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
+                                             t.stride(1), RANK=rank * len(outs), BLOCK_S=block_s, BLOCK_M=BLOCK_M,
+                                             BLOCK_R=shrink_r, BLOCK_K=BLOCK_K, PRECISION=precision)
     n0, n1, n2 = (*outs, 0, 0)[:3]
     col_tiles = sum(triton.cdiv(n, BLOCK_N) for n in outs)
-    _expand_kernel[(seg.grid, col_tiles)](t, lora_b, seg.order, seg.starts, seg.tiles, y, n0, n1, n2, slots,
-                                          t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                                          RANK=rank, BLOCK_S=block_s, BLOCK_M=BLOCK_M,
+    _expand_kernel[(seg.grid, col_tiles)](t, lora_b, seg.order, seg.starts, seg.tiles, y, n0, n1, n2, split.splits,
+                                          slots, t.stride(0), t.stride(1), lora_b.stride(0), lora_b.stride(1),
+                                          y.stride(0), RANK=rank, BLOCK_S=block_s, BLOCK_M=BLOCK_M,
                                           BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N,
-                                          PRECISION=precision)
+                                          MAX_SPLITS=MAX_SPLITS, PRECISION=precision)

@@ -1,6 +1,8 @@
 """LoRA on the GPU: the Triton shrink/expand kernels == the torch gather/bmm path at real VoxCPM2 shapes (bf16 and
-fp32; one linear and the fused q/k/v), a CUDA graph (row grouping included) replays with new slots and with none, and
-the tiny model's LoRA step on CUDA (fused q/k/v GEMM kept) equals the CPU one."""
+fp32; one linear and the fused q/k/v; K split over many programs at small batches, not at large ones), the split-K
+result is bit-reproducible (no atomics), a CUDA graph (row grouping included) replays with new slots and with none at
+the decode, LocDiT and batch buckets, and the tiny model's LoRA step on CUDA (fused q/k/v GEMM kept) equals the CPU
+one."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import pytest
 import torch
 
 from engine.model.lora import lora_delta_add
-from engine.model.lora_triton import lora_add_
+from engine.model.lora_triton import lora_add_, plan, segment_rows
 
 
-def case(rows: int, per: int, fan_in: int, fan_out: int, width: int, dtype: torch.dtype, slots: list[int]):
+def case(rows: int, per: int, fan_in: int, fan_out: int, width: int, dtype: torch.dtype, slots: list[int],
+         num_slots: int | None = None):
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + fan_in)
-    s = max(slots) + 1
+    s = num_slots or max(slots) + 1
     a = torch.randn(s, width, fan_in, device="cuda", generator=gen) / fan_in ** 0.5
     b = torch.randn(s, fan_out, width, device="cuda", generator=gen) / width ** 0.5
     a[0], b[0] = 0, 0
@@ -25,6 +28,9 @@ def case(rows: int, per: int, fan_in: int, fan_out: int, width: int, dtype: torc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("rows", "per", "fan_in", "fan_out", "pattern"), [
+    (1, 1, 2048, 2048, "decode"),       # q_proj at c=1: one row, K split 16 ways
+    (64, 1, 2048, 2048, "decode"),      # c=64: 33 slots' partial tiles, K split 8 ways
+    (2, 11, 1024, 2048, "dit"),         # LocDiT q at c=1: 2 CFG rows of 11 tokens
     (256, 1, 2048, 2048, "decode"),     # VoxCPM2 q_proj, one decode row per sequence, 256 sequences
     (1024, 1, 2048, 512, "prefill"),    # k_proj over four 256-token prefill chunks
     (128, 10, 1024, 1024, "dit"),       # LocDiT rows: 2 x 64 sequences, 10 tokens each
@@ -33,7 +39,7 @@ def test_triton_matches_torch(cuda, dtype, rows, per, fan_in, fan_out, pattern) 
     if pattern == "prefill":
         slots = [i // 256 for i in range(rows)]
     else:
-        slots = [(i * 7) % 33 for i in range(rows)]
+        slots = [(i * 7 + 5) % 33 for i in range(rows)]  # slot 0 at i = 4
     (x, y, a, b), index = case(rows, per, fan_in, fan_out, 32, dtype, slots)
     ref = lora_delta_add(y.float().view(rows, per, -1), x.float().view(rows, per, -1), a.float(), b.float(),
                          index).view(rows * per, -1)
@@ -57,23 +63,34 @@ def test_fused_qkv_matches_torch(cuda, dtype) -> None:
     assert (out.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
 
 
-def test_graph_replays_with_new_slots(cuda) -> None:
-    (x, y, a, b), index = case(64, 1, 512, 512, 16, torch.bfloat16, [i % 5 for i in range(64)])
+def test_split_k_is_bit_reproducible(cuda) -> None:
+    """Each split writes its own plane of t and the expand sums them in a fixed order: no run-to-run jitter."""
+    (x, y, a, b), index = case(1, 1, 2048, 2048, 32, torch.bfloat16, [3])
+    assert plan(2048, segment_rows(index, 1, a.shape[0]).grid, x.device).splits > 1
+    first, again = y.clone(), y.clone()
+    lora_add_(first, x, a, b, index, 1)
+    lora_add_(again, x, a, b, index, 1)
+    assert torch.equal(first, again) and not torch.equal(first, y)
+
+
+@pytest.mark.parametrize(("rows", "per"), [(64, 1), (1, 1), (2, 11)])
+def test_graph_replays_with_new_slots(cuda, rows: int, per: int) -> None:
+    (x, y, a, b), index = case(rows, per, 512, 512, 16, torch.bfloat16, [i % 5 for i in range(rows)], 5)
     out = torch.empty_like(y)
 
     def body() -> None:
         out.copy_(y)
-        lora_add_(out, x, a, b, index, 1)
+        lora_add_(out, x, a, b, index, per)
 
     body()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
     for shift in (1, 3):
-        index.copy_(torch.tensor([(i + shift) % 5 for i in range(64)], device="cuda"))
+        index.copy_(torch.tensor([(i + shift) % 5 for i in range(rows)], device="cuda"))
         graph.replay()
         expected = y.clone()
-        lora_add_(expected, x, a, b, index, 1)
+        lora_add_(expected, x, a, b, index, per)
         torch.testing.assert_close(out, expected)
     index.zero_()  # a step without adapters: the programs exit, y stays the linear's output
     graph.replay()
