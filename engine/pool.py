@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,9 @@ class Engine:
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32):
         self.loop = asyncio.get_running_loop()
+        # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
+        # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self.is_demo = model is None and not torch.cuda.is_available()
         if model is None:
             from engine.random_checkpoint import demo_model_dir

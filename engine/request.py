@@ -47,6 +47,27 @@ class RequestSpec:
     def prompt_len(self) -> int:
         return len(self.token_ids)
 
+    # Pickled by value, audio rows only. Tensors in a pickle would travel as shared-memory handles that the worker
+    # fetches one by one from a thread of the sending process; behind a busy event loop each fetch waits for the
+    # GIL, which made a burst of requests reach the worker ~10 ms apart.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        audio = [i for i, a in enumerate(self.audio_mask) if a]
+        state["patches"] = (tuple(self.patches.shape), audio, self.patches[audio].numpy())
+        state["cond"] = self.cond.numpy()
+        if self.context_patches is not None:
+            state["context_patches"] = self.context_patches.numpy()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        shape, audio, values = state["patches"]
+        patches = torch.zeros(shape)
+        patches[audio] = torch.from_numpy(values)
+        state["patches"], state["cond"] = patches, torch.from_numpy(state["cond"])
+        if state["context_patches"] is not None:
+            state["context_patches"] = torch.from_numpy(state["context_patches"])
+        self.__dict__.update(state)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

@@ -209,10 +209,11 @@ class Worker:
                     msg = self.commands.recv()
                 except EOFError:  # the pool is gone
                     return
-                if msg[0] == "stop":
-                    self.publish()
-                    return
-                self.handle(msg)
+                for m in msg[1] if msg[0] == "batch" else (msg,):
+                    if m[0] == "stop":
+                        self.publish()
+                        return
+                    self.handle(m)
                 changed = True
             if self.scheduler.has_work:
                 self.step()

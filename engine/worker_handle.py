@@ -101,10 +101,23 @@ class WorkerHandle:
 
     # ---- threads -----------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
+        # Everything queued goes in one pipe message: this thread waits for the GIL behind the event loop once
+        # per message, so a burst of requests costs one wait, not one each.
         self._ready_flag.wait()
-        while (msg := self._outbox.get()) is not None:
+        stop = False
+        while not stop and (msg := self._outbox.get()) is not None:
+            batch = [msg]
+            while True:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
             try:
-                self.cmd_send.send(msg)
+                self.cmd_send.send(batch[0] if len(batch) == 1 else ("batch", batch))
             except (OSError, ValueError):  # the process died; the reader reports it
                 return
 
