@@ -6,6 +6,9 @@ TritonAttention (auto KV splits, and a few fixed settings), TorchAttention (the 
 K/V (no paging, a roofline-ish reference). GB/s counts the cached K/V bytes each layer must read.
 Fused kernels vs their eager torch chains: Snake over the AudioVAE decoder's largest activations (fp32, like the
 VAE weights), RMSNorm on LM and LocDiT rows, the CFG-Zero* combine + Euler update at 1 and 256 streams.
+AudioVAE: one streaming patch decode (VoxCPM2 decoder, random weights, 4 latent frames -> 7,680 samples) at
+batch 1/64/256 in fp32 and bf16, the residual units eager (cuDNN convs, Triton snake) vs fused
+(engine.model.vae_triton); TF32 is on for both (set in main; cuDNN has it on by default anyway).
 
 Run from the repo root: `.venv/bin/python -m bench.kernels_bench [--out results.json]` (under 2 minutes on an H200).
 """
@@ -21,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from engine.config import ModelConfig
 from engine.kernels import cfg_zero_euler_, rms_norm, snake
+from engine.model import audio_vae
 from engine.model.attention import AttentionMetadata, TorchAttention
 from engine.model.attention_triton import TritonAttention
+from engine.model_configs import voxcpm2
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 28 + 8, 16, 2, 128, 16
 BATCHES, CONTEXTS = (1, 8, 64, 256), (128, 512)
@@ -130,6 +136,35 @@ def cfg_rows(batch: int) -> list[dict]:
                           v.numel() * 2 + 2 * x.numel() * 4)
 
 
+def vae_rows(batches: tuple[int, ...]) -> list[dict]:
+    """One streaming patch through the VoxCPM2 AudioVAE decoder per batch and dtype, residual units eager vs fused."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_dict(voxcpm2())
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        vae = audio_vae.AudioVAE(config.audio_vae).to("cuda", dtype).eval()
+        for batch in batches:
+            latents = torch.randn(batch, vae.latent_dim, config.patch_size, device="cuda", dtype=dtype)
+            for name, fused in (("eager", False), ("fused", True)):
+                state = vae.stream_state(batch)
+                ms, mode = time_ms(lambda vae=vae, latents=latents, state=state, fused=fused:
+                                   vae_patch(vae, latents, state, fused))
+                rows.append({"kernel": "vae decode patch", "backend": name, "batch": batch,
+                             "dtype": str(dtype).removeprefix("torch."), "mode": mode, "ms": ms})
+            torch.cuda.empty_cache()
+    return rows
+
+
+def vae_patch(vae: audio_vae.AudioVAE, latents: torch.Tensor, state: audio_vae.StreamState,
+              fused: bool) -> torch.Tensor:
+    previous = audio_vae.FUSED_RESIDUAL
+    audio_vae.FUSED_RESIDUAL = fused  # read while the graph is captured: each graph keeps its path
+    try:
+        return vae.decode_stream(latents, state)
+    finally:
+        audio_vae.FUSED_RESIDUAL = previous
+
+
 def fused_vs_eager(kernel: str, shape: list[int], fused: Callable[[], object], eager: Callable[[], object],
                    moved: int) -> list[dict]:
     """Each timed from a CUDA graph, as the engine runs them (the eager chains are launch-bound at small sizes)."""
@@ -153,6 +188,7 @@ def main() -> None:
         rows += snake_rows(shape)
     # RMSNorm: LM rows at 256 streams (hidden 2048) and LocDiT rows (2 x 256 streams x 11 tokens, hidden 1024).
     rows += rms_norm_rows(256, 2048) + rms_norm_rows(2 * 256 * 11, 1024) + cfg_rows(256) + cfg_rows(1)
+    rows += vae_rows((1, 64, 256))
     report = {"device": torch.cuda.get_device_name(), "copy_gbs": ceiling, "rows": rows}
     text = json.dumps(report)
     print(text)
@@ -169,9 +205,16 @@ def main() -> None:
                   f"{r['layer_us']:>10.1f}{r['step_ms']:>9.3f}{r['gbs']:>8.0f}{100 * r['gbs'] / ceiling:>8.1f}")
     print(f"{'fused kernel':<24}{'shape':>20}{'mode':>7}{'us':>10}{'GB/s':>8}")
     for r in rows:
-        if r["kernel"] != "attention decode":
+        if r["kernel"] not in ("attention decode", "vae decode patch"):
             print(f"{r['kernel'] + ' ' + r['backend']:<24}{str(tuple(r['shape'])):>20}{r['mode']:>7}{r['us']:>10.1f}"
                   f"{r['gbs']:>8.0f}")
+
+    print(f"{'vae decode patch':<18}{'dtype':>9}{'B':>5}{'mode':>7}{'eager ms':>10}{'fused ms':>10}{'speedup':>9}")
+    vae = {(r["dtype"], r["batch"], r["backend"]): r for r in rows if r["kernel"] == "vae decode patch"}
+    for (dtype, batch, backend), r in vae.items():
+        if backend == "fused":
+            eager = vae[(dtype, batch, "eager")]["ms"]
+            print(f"{'':<18}{dtype:>9}{batch:>5}{r['mode']:>7}{eager:>10.2f}{r['ms']:>10.2f}{eager / r['ms']:>8.2f}x")
 
 
 if __name__ == "__main__":

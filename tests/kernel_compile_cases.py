@@ -167,13 +167,32 @@ def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
 
 
 def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) -> None:
-    rows = 20  # one full tile of a slot and partial ones
-    index = torch.tensor([1] * 17 + [3, 0, 3])
-    lora_a = torch.randn(LORA_SLOTS, rank * len(outs), k, dtype=dtype)
-    lora_b = torch.randn(LORA_SLOTS, sum(outs), rank, dtype=dtype)
-    y = torch.zeros(rows, sum(outs), dtype=dtype)
-    lora_triton.lora_add_(y, torch.randn(rows, k, dtype=dtype), lora_a, lora_b, index, 1,
-                          outs if len(outs) > 1 else None)
+    """Decode at c=1 (one row, K split 16 ways), a mixed batch (a full tile of a slot and partial ones, K split)
+    and a prefill-sized one (enough tiles that K is not split), so each plan's argument specializations compile."""
+    lora_a = torch.empty(LORA_SLOTS, rank * len(outs), k, dtype=dtype)
+    lora_b = torch.empty(LORA_SLOTS, sum(outs), rank, dtype=dtype)
+    for index in (torch.tensor([2]), torch.tensor([1] * 17 + [3, 0, 3]), torch.tensor([1] * 4200 + [3, 0, 3, 4])):
+        rows = index.shape[0]  # nothing runs: empty tensors of the launch's shapes
+        lora_triton.lora_add_(torch.empty(rows, sum(outs), dtype=dtype), torch.empty(rows, k, dtype=dtype),
+                              lora_a, lora_b, index, 1, outs if len(outs) > 1 else None)
+
+
+def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """The fused residual unit at every decoder stage's length for one patch (a few samples per row at the first
+    stage, thousands at the last): offline, streaming with one program per row (history updated in place) and with
+    several (history staged), dilations 1/3/9."""
+    from engine.model import vae_triton
+
+    length, channels = cfg.patch_size, cfg.audio_vae.decoder_dim
+    for stride in cfg.audio_vae.decoder_rates:
+        length, channels = length * stride, channels // 2
+        x, alpha = torch.zeros(1, channels, length, dtype=dtype), torch.ones(1, channels, 1, dtype=dtype)
+        bias = torch.zeros(channels, dtype=dtype)
+        dw_weight, pw_weight = (torch.zeros(channels, n, k, dtype=dtype) for n, k in ((1, vae_triton.TAPS),
+                                                                                       (channels, 1)))
+        for dilation in (1, 3, 9):
+            for history in (None, torch.zeros(1, channels, 6 * dilation, dtype=dtype)):
+                vae_triton.residual_unit(x, alpha, dw_weight, bias, alpha, pw_weight, bias, dilation, history)
 
 
 def launch_cases(recorder: Recorder) -> None:
@@ -200,6 +219,10 @@ def launch_cases(recorder: Recorder) -> None:
             for stack_name, stack in (("base LM", cfg.lm), ("residual LM", cfg.residual_lm)):
                 recorder.case = f"{model} {stack_name} paged attention {dt} (head dim {stack.head_dim})"
                 launch_attention(stack, dtype)
+    vae_model = ModelConfig.from_dict(voxcpm2())
+    for dtype in DTYPES:  # the engine runs the VAE in fp32; bf16 is supported too
+        recorder.case = f"VoxCPM2 AudioVAE fused residual units {str(dtype).removeprefix('torch.')}"
+        launch_vae_residual_units(vae_model, dtype)
 
 
 # ---- compile ----------------------------------------------------------------------------------------------------

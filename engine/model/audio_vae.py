@@ -25,6 +25,10 @@ from engine.model.layers import fused
 # Every stateful layer reads and writes its own entry of this list (its `slot`); None means offline (zero history).
 States = list[Tensor] | None
 
+# None: residual units take the fused Triton path exactly when `fused(x)` (CUDA). Tests set True to run that path on
+# CPU under TRITON_INTERPRET=1 (or False to force the eager one).
+FUSED_RESIDUAL: bool | None = None
+
 
 class Snake(nn.Module):
     """Snake activation x + sin(a x)^2 / a, one alpha per channel."""
@@ -92,10 +96,21 @@ class ResidualUnit(nn.Module):
         ])
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
+        if (fused(x) if FUSED_RESIDUAL is None else FUSED_RESIDUAL):
+            return self._fused_forward(x, states)
         y = x
         for layer in self.block:
             y = layer(y, states)
         return x + y
+
+    def _fused_forward(self, x: Tensor, states: States) -> Tensor:
+        # Two launches instead of seven: engine.model.vae_triton (triton comes with CUDA torch)
+        from engine.model.vae_triton import residual_unit
+
+        snake1, conv, snake2, pointwise = self.block
+        history = None if states is None else states[conv.slot]
+        return residual_unit(x, snake1.alpha, conv.weight, conv.bias, snake2.alpha, pointwise.weight, pointwise.bias,
+                             conv.dilation[0], history)
 
 
 def _residual_units(dim: int) -> list[nn.Module]:
