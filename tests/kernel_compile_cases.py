@@ -153,6 +153,15 @@ def launch_norm_mlp_rope(stack: StackConfig, dtype: torch.dtype) -> None:
     kernels.rope_(torch.randn(5, kv, d, dtype=dtype), cos, sin)
 
 
+def launch_short_attention(stack: StackConfig, length: int, dtype: torch.dtype) -> None:
+    """The LocEnc/LocDiT dense attention on views of one fused qkv output, as the stacks call it."""
+    from engine.model.attention_triton import short_attention
+
+    heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
+    qkv = torch.randn(2, length, heads + 2 * kv, d, dtype=dtype)
+    short_attention(qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:])
+
+
 def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
     heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
     k_cache, v_cache = (torch.zeros(8, BLOCK_SIZE, kv, d, dtype=dtype) for _ in range(2))
@@ -219,6 +228,10 @@ def launch_cases(recorder: Recorder) -> None:
             for stack_name, stack in (("base LM", cfg.lm), ("residual LM", cfg.residual_lm)):
                 recorder.case = f"{model} {stack_name} paged attention {dt} (head dim {stack.head_dim})"
                 launch_attention(stack, dtype)
+            for stack_name, stack, length in (("LocEnc", cfg.encoder_lm, cfg.patch_size + 1),
+                                              ("LocDiT", cfg.dit_lm, 2 * cfg.patch_size + 3)):
+                recorder.case = f"{model} {stack_name} short attention {dt} ({length} tokens)"
+                launch_short_attention(stack, length, dtype)
     vae_model = ModelConfig.from_dict(voxcpm2())
     for dtype in DTYPES:  # the engine runs the VAE in fp32; bf16 is supported too
         recorder.case = f"VoxCPM2 AudioVAE fused residual units {str(dtype).removeprefix('torch.')}"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import StackConfig
+from engine.model import layers
 
 
 @dataclass
@@ -141,7 +142,13 @@ class TorchAttention:
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]."""
+    """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]. On CUDA one
+    Triton kernel for these few-token sequences (`short_attention`), else torch's SDPA."""
+    if layers.fused(q):
+        from engine.model.attention_triton import short_attention, short_attention_fits
+
+        if short_attention_fits(q, k) and min(t.stride(-1) for t in (q, k, v)) == 1:
+            return short_attention(q, k, v)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
     return out.transpose(1, 2)
 

@@ -185,3 +185,18 @@ def test_fused_cfg_zero_euler_matches_torch(cuda, batch):
     ref = x.double() - 0.1 * (v_uncond * scale + w.double().view(batch, 1, 1) * (v_cond - v_uncond * scale))
     cfg_zero_euler_(x, v, w, 0.1)
     assert relative_error(x, ref) < 1e-6
+
+
+@pytest.mark.parametrize("batch,length", [(1, 11), (512, 11), (256, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_short_attention_matches_sdpa(cuda, batch, length, dtype):
+    """The LocDiT (11 tokens, CFG doubles the batch) and LocEnc (5 tokens) attention at VoxCPM2's 16/2 heads of 128."""
+    from engine.model.attention_triton import short_attention
+
+    gen = torch.Generator(cuda).manual_seed(batch)
+    qkv = torch.randn(batch, length, 20, 128, device=cuda, generator=gen).to(dtype)
+    q, k, v = qkv[:, :, :16], qkv[:, :, 16:18], qkv[:, :, 18:]
+    out = short_attention(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), v.double().transpose(1, 2), enable_gqa=True)
+    assert relative_error(out, ref.transpose(1, 2)) < (1e-5 if dtype == torch.float32 else 1e-2)
