@@ -245,3 +245,15 @@ def test_decode_stream_replays_in_a_cuda_graph(arch):
         graph.replay()
         chunks.append(static_out.clone())
     assert rel_err(torch.cat(chunks, dim=-1), vae.decode(latents)) < 1e-4
+
+
+@pytest.mark.parametrize("length,stride", [(1, 8), (4, 8), (7, 5), (3, 2)])
+def test_transposed_conv_as_one_gemm_equals_conv_transpose1d(length, stride):
+    """The CUDA path's GEMM + overlap-add form of the decoder's upsampling (used for few-frame inputs)."""
+    from engine.model.audio_vae import conv_transpose_gemm
+
+    gen = torch.Generator().manual_seed(length * stride)
+    x = torch.randn(3, 6, length, generator=gen, dtype=torch.float64)
+    w = torch.randn(6, 5, 2 * stride, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(conv_transpose_gemm(x, w, stride), torch.nn.functional.conv_transpose1d(x, w, None,
+                                                                                                       stride))

@@ -100,7 +100,7 @@ def test_residual_unit_matches_eager(monkeypatch, dtype):
         assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype], length
         assert rel_err(history, ref_history) < TOLERANCE[dtype] and torch.equal(x, x_before)
 
-    monkeypatch.setattr(audio_vae, "FUSED_RESIDUAL", True)  # ResidualUnit.forward takes the same path
+    monkeypatch.setattr(audio_vae, "FUSED_DECODER", True)  # ResidualUnit.forward takes the same path
     with torch.no_grad():
         assert torch.equal(unit(x, [history.clone()]), vae_triton.residual_unit(
             x, snake1.alpha, conv.weight, conv.bias, snake2.alpha, pointwise.weight, pointwise.bias, 3,
@@ -123,8 +123,8 @@ def small_vae() -> AudioVAE:
 def test_decode_stream_on_the_fused_path_equals_eager_decode(monkeypatch):
     vae = small_vae()
     latents = torch.randn(2, 8, 7)
-    want = vae.decode(latents)  # eager (FUSED_RESIDUAL None follows fused(x): False on CPU)
-    monkeypatch.setattr(audio_vae, "FUSED_RESIDUAL", True)
+    want = vae.decode(latents)  # eager (FUSED_DECODER None follows fused(x): False on CPU)
+    monkeypatch.setattr(audio_vae, "FUSED_DECODER", True)
     monkeypatch.setattr(vae_triton, "MAX_BLOCK_T", 128)  # the 80-sample chunk spans two programs per row
     state = vae.stream_state(2)
     chunks, start = [], 0

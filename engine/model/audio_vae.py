@@ -25,9 +25,14 @@ from engine.model.layers import fused
 # Every stateful layer reads and writes its own entry of this list (its `slot`); None means offline (zero history).
 States = list[Tensor] | None
 
-# None: residual units take the fused Triton path exactly when `fused(x)` (CUDA). Tests set True to run that path on
-# CPU under TRITON_INTERPRET=1 (or False to force the eager one).
-FUSED_RESIDUAL: bool | None = None
+# None: the decoder takes its fused paths (Triton residual units, GEMM upsampling of short inputs) exactly when
+# `fused(x)` (CUDA). Tests set True to run them on CPU under TRITON_INTERPRET=1 (or False to force the eager ones).
+FUSED_DECODER: bool | None = None
+
+
+def fused_decoder(x: Tensor) -> bool:
+    """Whether the decoder takes its fused paths for x (`FUSED_DECODER`, default: on CUDA with fused kernels)."""
+    return fused(x) if FUSED_DECODER is None else FUSED_DECODER
 
 
 class Snake(nn.Module):
@@ -77,13 +82,34 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
         s = self.stride[0]
-        y = F.conv_transpose1d(x, self.weight, None, s)
+        # A few wide frames (the first block sees a patch's 4 latent frames x 2048 channels): cuDNN picks a slow
+        # fp32 kernel there (14.7 ms of a 85 ms batch-256 step on an H200); as one GEMM it is ~1 ms.
+        short = fused_decoder(x) and x.shape[-1] <= SHORT_TRANSPOSED_FRAMES
+        y = conv_transpose_gemm(x, self.weight, s) if short else F.conv_transpose1d(x, self.weight, None, s)
         n = x.shape[-1] * s
         if states is not None:
             overlap = states[self.slot]
             y[..., :s] += overlap
             overlap.copy_(y[..., n:])
         return y[..., :n] + self.bias[:, None]
+
+
+SHORT_TRANSPOSED_FRAMES = 8
+
+
+def conv_transpose_gemm(x: Tensor, weight: Tensor, stride: int) -> Tensor:
+    """F.conv_transpose1d(x, weight, None, stride) for kernel 2 * stride as one batched GEMM plus an overlap-add:
+    x [B, Cin, L], weight [Cin, Cout, 2s] -> [B, Cout, (L + 1) s]. Frame j writes 2s samples from j*s on."""
+    b, cin, length = x.shape
+    cout, kernel = weight.shape[1:]
+    if kernel != 2 * stride:
+        raise ValueError(f"conv_transpose_gemm needs kernel 2 * stride (got {kernel}, {stride})")
+    frames = torch.matmul(x.transpose(1, 2), weight.reshape(cin, cout * kernel))  # [B, L, Cout * 2s]
+    frames = frames.view(b, length, cout, kernel).permute(0, 2, 1, 3)  # [B, Cout, L, 2s]
+    y = x.new_zeros(b, cout, length + 1, stride)
+    y[:, :, :length] += frames[..., :stride]
+    y[:, :, 1:] += frames[..., stride:]
+    return y.view(b, cout, (length + 1) * stride)
 
 
 class ResidualUnit(nn.Module):
@@ -96,7 +122,7 @@ class ResidualUnit(nn.Module):
         ])
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
-        if (fused(x) if FUSED_RESIDUAL is None else FUSED_RESIDUAL):
+        if fused_decoder(x):
             return self._fused_forward(x, states)
         y = x
         for layer in self.block:

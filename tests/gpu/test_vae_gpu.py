@@ -40,12 +40,12 @@ def vae(cuda) -> AudioVAE:
 
 @contextlib.contextmanager
 def residual_path(fused: bool):
-    previous = audio_vae.FUSED_RESIDUAL
-    audio_vae.FUSED_RESIDUAL = fused
+    previous = audio_vae.FUSED_DECODER
+    audio_vae.FUSED_DECODER = fused
     try:
         yield
     finally:
-        audio_vae.FUSED_RESIDUAL = previous
+        audio_vae.FUSED_DECODER = previous
 
 
 def decode_patches(vae: AudioVAE, latents: torch.Tensor, fused: bool) -> tuple[torch.Tensor, StreamState]:
