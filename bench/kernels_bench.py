@@ -157,12 +157,12 @@ def vae_rows(batches: tuple[int, ...]) -> list[dict]:
 
 def vae_patch(vae: audio_vae.AudioVAE, latents: torch.Tensor, state: audio_vae.StreamState,
               fused: bool) -> torch.Tensor:
-    previous = audio_vae.FUSED_RESIDUAL
-    audio_vae.FUSED_RESIDUAL = fused  # read while the graph is captured: each graph keeps its path
+    previous = audio_vae.FUSED_DECODER
+    audio_vae.FUSED_DECODER = fused  # read while the graph is captured: each graph keeps its path
     try:
         return vae.decode_stream(latents, state)
     finally:
-        audio_vae.FUSED_RESIDUAL = previous
+        audio_vae.FUSED_DECODER = previous
 
 
 def fused_vs_eager(kernel: str, shape: list[int], fused: Callable[[], object], eager: Callable[[], object],
