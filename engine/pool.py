@@ -81,7 +81,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, devices: list[int | str] | None = None,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32):
