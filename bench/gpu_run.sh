@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
+#   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -54,34 +55,52 @@ fi
 echo "configuration: VOXGATE_FUSED_KERNELS=${VOXGATE_FUSED_KERNELS:-1} VOXGATE_CUDA_GRAPHS=${VOXGATE_CUDA_GRAPHS:-1}" \
     | tee -a "$OUT/smoke.log"
 
-if [ "${QUICK:-0}" = 1 ]; then
-    # SWEEP_LOG=DEBUG: the worker logs every step's wall-clock start, to line up with the requests' --timeline
-    stage 60 150 "short VoxCPM2 sweep" env VOXGATE_LOG="${SWEEP_LOG:-$VOXGATE_LOG}" $BENCH --concurrency 1,8,64,256 \
-        --requests-factor 1 --max-num-seqs 256 --timeline --out "$OUT/engine_voxcpm2.json" \
-        2>"$OUT/engine_voxcpm2.log" >/dev/null
-else
-    stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
-        --requests-factor 2 --max-requests 512 --max-num-seqs 512 --extra closed:64,poisson:16 --duration 15 \
-        --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null
-fi
-stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile --out "$OUT/profile.json" \
-    2>>"$OUT/smoke.log" >/dev/null
-TESTS=$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.py 2>/dev/null)
-stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
-    >"$OUT/gpu_tests.log" 2>&1
-tail -25 "$OUT/gpu_tests.log"
-stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
-    --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>>"$OUT/engine_voxcpm2.log" >/dev/null
-if [ "${QUICK:-0}" != 1 ]; then
-    if [ "$(left)" -gt 80 ]; then
-        [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never --device cuda
-        stage 40 90 "VoxCPM1.5 at c=1 and 64" $PY bench/engine_bench.py --model "$V15" --patches 60 --timesteps 10 \
-            --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 --out "$OUT/engine_voxcpm15.json" \
-            2>"$OUT/engine_voxcpm15.log" >/dev/null
-    fi
-    [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 | tail -30 \
-        >>"$OUT/smoke.log"
-fi
+# PLAN: the stages, in order (each runs only while BUDGET leaves it time). QUICK=1 is the short plan.
+DEFAULT_PLAN=sweep,profile,tests,lora,v15,kernels
+[ "${QUICK:-0}" = 1 ] && DEFAULT_PLAN=quick_sweep,profile,tests,lora
+TESTS=${TESTS:-$(ls tests/gpu/test_*.py tests/test_audio_vae.py tests/test_model_oracle.py 2>/dev/null)}
+for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
+    case $STAGE in
+    quick_sweep)  # SWEEP_LOG=DEBUG: the worker logs each step's wall-clock start, to line up with --timeline
+        stage 60 150 "short VoxCPM2 sweep" env VOXGATE_LOG="${SWEEP_LOG:-$VOXGATE_LOG}" $BENCH \
+            --concurrency 1,8,64,256 --requests-factor 1 --max-num-seqs 256 --timeline \
+            --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
+    sweep)
+        stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
+            --requests-factor "${SWEEP_FACTOR:-2}" --max-requests 512 --max-num-seqs 512 \
+            --extra closed:64,poisson:16 --duration "${SWEEP_DURATION:-15}" \
+            --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
+    profile)
+        stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
+            --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
+    tests)
+        stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
+            >"$OUT/gpu_tests.log" 2>&1
+        tail -25 "$OUT/gpu_tests.log" ;;
+    lora)
+        stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
+            --max-num-seqs 256 --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
+    lora_kernels)
+        stage 30 60 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
+            >>"$OUT/smoke.log" ;;
+    gateway)  # the gateway in its own process over the real engine: client TTFB - engine TTFB, CPU per stream
+        stage 60 120 "gateway, 64 sessions" $PY bench/gateway_load.py --model $V2 ${GATEWAY_ARGS:---spawn-server \
+            --sessions 64 --mode whole} --json "$OUT/gateway_load_64.json" >"$OUT/gateway.log" 2>&1
+        tail -12 "$OUT/gateway.log" ;;
+    v15)
+        if [ "$(left)" -gt 80 ]; then
+            [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never \
+                --device cuda
+            stage 40 90 "VoxCPM1.5 at c=1 and 64" $PY bench/engine_bench.py --model "$V15" --patches 60 \
+                --timesteps 10 --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
+                --out "$OUT/engine_voxcpm15.json" 2>"$OUT/engine_voxcpm15.log" >/dev/null
+        fi ;;
+    kernels)
+        [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 \
+            | tail -30 >>"$OUT/smoke.log" ;;
+    *) echo "unknown stage $STAGE" >&2 ;;
+    esac
+done
 grep -h "GPU memory" "$OUT"/*.log | tail -2 >&2
 
 step "done; tables"
