@@ -12,7 +12,9 @@ Weight norm is folded at load time (`fold_weight_norm`): parameter names equal t
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,19 @@ States = list[Tensor] | None
 # None: the decoder takes its fused paths (Triton residual units, GEMM upsampling of short inputs) exactly when
 # `fused(x)` (CUDA). Tests set True to run them on CPU under TRITON_INTERPRET=1 (or False to force the eager ones).
 FUSED_DECODER: bool | None = None
+
+
+@contextlib.contextmanager
+def gemms_like_convs() -> Iterator[None]:
+    """cuBLAS in TF32 exactly when cuDNN is (torch's default: cuDNN on, cuBLAS off), for the decoder's fused path:
+    its GEMMs replace convs that cuDNN ran in TF32, so the numerics stay those of the eager decoder (fp32 GEMMs
+    instead cost ~8 ms of a batch-256 step on an H200). The worker is one thread: the global flag is safe to flip."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def fused_decoder(x: Tensor) -> bool:
@@ -309,7 +324,8 @@ class AudioVAE(nn.Module):
     def decode(self, latents: Tensor) -> Tensor:
         """[B, latent_dim, frames] -> [B, 1, frames * decoder_hop] audio at `out_sample_rate`, in [-1, 1]."""
         self._check_latents(latents)
-        return self.decoder(latents)
+        with gemms_like_convs():
+            return self.decoder(latents)
 
     def stream_state(self, batch: int, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> StreamState:
@@ -330,7 +346,8 @@ class AudioVAE(nn.Module):
                              f"{latents.shape[0]} streams and this model needs {len(self.decoder.stateful)} buffers")
         if state.buffers[0].dtype != latents.dtype:
             raise ValueError(f"stream state is {state.buffers[0].dtype} but latents are {latents.dtype}")
-        return self.decoder(latents, state.buffers)
+        with gemms_like_convs():
+            return self.decoder(latents, state.buffers)
 
     def _check_latents(self, latents: Tensor) -> None:
         if latents.ndim != 3 or latents.shape[1] != self.latent_dim or latents.shape[-1] == 0:
