@@ -574,8 +574,8 @@ class Runner:
             slots = [s.request.lora_slot for s in seqs]
             self.model.set_lora_indices(tokens=torch.tensor(np.repeat(slots, query_lens), device=dev))
         last_index = torch.tensor(np.cumsum(query_lens) - 1, device=dev)
-        # prefill is mostly text: LocEnc only where there is audio (LoRA's per-token indices need every row)
-        audio_rows = None if self.lora else torch.tensor(np.flatnonzero(masks), dtype=torch.long, device=dev)
+        # prefill is mostly text: LocEnc only where there is audio
+        audio_rows = torch.tensor(np.flatnonzero(masks), dtype=torch.long, device=dev)
         lm_h, res_h = self.model.forward_lms(
             torch.tensor(ids, device=dev), torch.cat(patches).to(dev, self.dtype), torch.tensor(masks, device=dev),
             torch.tensor(positions, device=dev), meta, caches=self.caches, last_index=last_index,

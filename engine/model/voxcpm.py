@@ -76,7 +76,8 @@ class VoxCPMModel(nn.Module):
 
         LocEnc runs on every position (text rows are discarded): one static shape, no host sync, CUDA-graph safe.
         Callers that know the audio positions on the host (eager prefill steps, mostly text) pass them as
-        `audio_rows` [A] and LocEnc runs on those rows only: the same result for a fraction of the work."""
+        `audio_rows` [A] and LocEnc runs on those rows only: the same result for a fraction of the work (text
+        rows then carry enc_to_lm_proj's bias instead of zeros, which every use below masks out)."""
         n = meta.slot_mapping.shape[0]
         if not (token_ids.shape[0] == patches.shape[0] == audio_mask.shape[0] == positions.shape[0] == n):
             raise ValueError(f"forward_lms: token_ids {tuple(token_ids.shape)}, patches {tuple(patches.shape)}, "
@@ -89,10 +90,12 @@ class VoxCPMModel(nn.Module):
         text = self.base_lm.embed_tokens(token_ids.long())
         if audio_rows is None:
             enc = self.encode_patches(patches)
-        else:
-            enc = text.new_zeros(text.shape)
+        else:  # LocEnc on the audio rows; the projection on every row, so LoRA's per-position indices still fit
+            dtype = self.enc_to_lm_proj.weight.dtype
+            hidden = patches.new_zeros(n, self.enc_to_lm_proj.in_features, dtype=dtype)
             if audio_rows.numel():
-                enc[audio_rows] = self.encode_patches(patches[audio_rows]).to(enc.dtype)
+                hidden[audio_rows] = self.feat_encoder(patches[audio_rows].to(dtype))
+            enc = self.enc_to_lm_proj(hidden)
         if self.text_scale != 1.0:
             text = text * self.text_scale
         h = self.base_lm.forward_paged(torch.where(audio, enc, text), positions, meta, caches[0], self.attention)
