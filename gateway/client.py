@@ -122,8 +122,11 @@ class VoxgateClient:
 
     async def recv(self, timeout: float | None = None) -> dict[str, Any] | AudioFrame:
         """The next message: a dict for JSON, an AudioFrame for binary audio. ConnectionClosed at the end."""
-        async with asyncio.timeout(timeout):
+        if timeout is None:
             data = await self.ws.recv()
+        else:
+            async with asyncio.timeout(timeout):
+                data = await self.ws.recv()
         if isinstance(data, bytes):
             return unpack_frame(data)
         event = json.loads(data)

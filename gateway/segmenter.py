@@ -76,6 +76,8 @@ _LINE_MARK = re.compile(r"[ \t]*(?:#{1,6}[ \t]+|[-*+][ \t]+|>[ \t]?)")  # headin
 _LINE_MARK_PREFIX = re.compile(r"[ \t]*(?:#{1,6}|[-*+]|>)?")  # could still become one of those
 _LINK = re.compile(r"\[([^\[\]\n]{0,200})\]\(([^()\s]{0,500})\)")  # [text](url) and, after "!", images
 _LINK_PREFIX = re.compile(r"\[[^\[\]\n]{0,200}(?:\](?:\([^()\s]{0,500})?)?")
+# every character _strip treats specially (markup, emoji, the newline that starts a line); text without any passes as is
+_MARKUP_OR_EMOJI = re.compile("[*`_!\\[\n" + _EMOJI.pattern[1:])
 
 
 class _Normalizer:
@@ -97,7 +99,11 @@ class _Normalizer:
         return self._collapse(self._strip(final))
 
     def _strip(self, final: bool) -> str:
-        raw, i, out = self.raw, 0, []
+        raw = self.raw
+        if not self._line_start and not _MARKUP_OR_EMOJI.search(raw):
+            self.raw = ""  # plain text (the usual LLM piece): nothing below would change or hold back any of it
+            return raw
+        i, out = 0, []
         while i < len(raw):
             c = raw[i]
             if self._line_start:
@@ -187,8 +193,10 @@ def weight(text: str) -> int:
     return len(text) + len(_WIDE.findall(text))
 
 
-def _prefix_weights(text: str) -> list[int]:
+def _prefix_weights(text: str) -> list[int] | range:
     """weights[i] == weight(text[:i])."""
+    if not _WIDE.search(text):  # the common case, and this runs for every cut: no list to build
+        return range(len(text) + 1)
     wide = {m.start() for m in _WIDE.finditer(text)}
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
 

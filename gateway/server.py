@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import socket
+import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -137,6 +138,24 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
 # ---------------------------------------------------------------------------------------------------- WebSocket
 
 
+RAW_WRITE_LIMIT = 64 << 10  # bytes queued in the transport above which sends go through aiohttp (and wait)
+# below this, no send can make aiohttp wait for the socket to drain (it waits only once asyncio's transport pauses
+# writing, at its high-water mark of 64 KiB), so the session needs no stall timer for it
+SEND_READY_LIMIT = 16 << 10
+_WS_LEN7 = struct.Struct("!BB")
+_WS_LEN16 = struct.Struct("!BBH")
+_WS_LEN64 = struct.Struct("!BBQ")
+
+
+def _ws_binary_header(n: int) -> bytes:
+    """RFC 6455 header of one unmasked, final binary frame of n bytes."""
+    if n < 126:
+        return _WS_LEN7.pack(0x82, n)
+    if n < 1 << 16:
+        return _WS_LEN16.pack(0x82, 126, n)
+    return _WS_LEN64.pack(0x82, 127, n)
+
+
 class _WsTransport:
     def __init__(self, ws: web.WebSocketResponse, request: web.Request):
         self.ws, self.request = ws, request
@@ -146,6 +165,26 @@ class _WsTransport:
 
     async def send_bytes(self, data: bytes) -> None:
         await self.ws.send_bytes(data)
+
+    def send_ready(self) -> bool:
+        """Little is queued for the socket, so a send completes without waiting for the client."""
+        transport = self.request.transport
+        return transport is not None and transport.get_write_buffer_size() < SEND_READY_LIMIT
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        """Several binary messages in one socket write (one syscall per engine chunk rather than per 20 ms frame:
+        measured 0.8 vs 4.5 us of loop time per frame). Server frames are unmasked, so framing them is the RFC 6455
+        header alone; aiohttp writes its own frames to the same transport synchronously, so order is kept. Once
+        the client falls behind (bytes pile up in the transport), aiohttp's own send path takes over: it waits for
+        the socket to drain, which is what the session's stall timeout watches."""
+        transport = self.request.transport
+        if transport is None or self.ws.closed or transport.get_write_buffer_size() > RAW_WRITE_LIMIT:
+            for data in frames:
+                await self.ws.send_bytes(data)
+            return
+        if transport.is_closing():
+            raise ConnectionResetError("the connection is closing")
+        transport.write(b"".join([_ws_binary_header(len(data)) + data for data in frames]))
 
     async def close(self, code: int, reason: str) -> None:
         await self.ws.close(code=code, message=reason.encode()[:120])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from engine import errors as engine_errors
 from gateway import protocol as p
 from gateway.audio import Encoder, OutputFormat, opus_available
 from gateway.metrics import GatewayMetrics
+from gateway.offload import OffloadPool, shared_pool
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.segmenter import ChunkingConfig, Segment, Segmenter
 
@@ -27,6 +29,12 @@ log = logging.getLogger("voxgate.session")
 
 TELEPHONY_FORMATS = ("mulaw", "alaw")
 REPORT_INTERVAL_S = 0.1  # how often a turn tells the engine's scheduler how much audio its listener has queued
+# Once the client holds max_lead_ms, sending resumes only when this much fits again, then goes out as one write:
+# one wakeup per ~engine chunk (160 ms) per stream instead of one per 20 ms frame.
+PACE_QUANTUM_MS = 160.0
+# Formats whose encoding is worth a thread hop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz, without the GIL). PCM and
+# G.711 cost ~0.05 ms per chunk: cheaper on the loop than any hop.
+OFFLOADED_FORMATS = ("opus",)
 
 
 class SessionClosed(Exception):
@@ -40,6 +48,10 @@ class Transport(Protocol):
 
     async def send_bytes(self, data: bytes) -> None: ...
 
+    # optional: `async def send_frames(self, frames: list[bytes]) -> None`, several binary messages in one write;
+    # without it the session calls send_bytes per frame.
+    # optional: `def send_ready(self) -> bool`, True when a send now completes without waiting for the client
+
     async def close(self, code: int, reason: str) -> None: ...
 
     def abort(self) -> None: ...
@@ -50,16 +62,17 @@ class SessionConfig:
     limits: p.Limits = p.Limits()
     max_lead_ms: float = 1500.0  # audio sent ahead of the client's playout
     max_lead_ms_telephony: float = 500.0  # mulaw / alaw: phone gateways buffer little and clear on barge-in
-    pipeline_chunks: int = 16  # engine chunks decoded ahead of sending, per turn (the synthesis pipeline bound)
+    pipeline_chunks: int = 16  # engine chunks encoded ahead of sending, per turn (the synthesis pipeline bound)
     finished_turns_kept: int = 8  # for late playback.position / context.cancel after context.done
 
 
 # queue items from a turn's synthesis task to its sender task, in audio order
 @dataclass
-class _Packet:
-    payload: bytes
-    ms: float
-    last: bool = False  # the turn's last frame
+class _Packets:
+    """Consecutive encoded frames (about one engine chunk), sent together when pacing allows."""
+
+    payloads: list[bytes]
+    last: bool = False  # ends with the turn's last frame
 
 
 @dataclass
@@ -98,8 +111,9 @@ class Turn:
     segmenter: Segmenter
     encoder: Encoder
     max_lead_ms: float
+    offload: OffloadPool | None = None  # where encoding runs: a thread pool, or None for on the loop
     segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _FlushMark | _EndMark
-    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packet | marks; bounded by the session
+    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
     tasks: list[asyncio.Task] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
     text: str = ""  # everything appended
@@ -108,6 +122,7 @@ class Turn:
     request_id: str | None = None
     queued_ms: float = 0.0  # encoded, not yet sent
     held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
+    sending: bool = False  # an item of `frames` (or a batch the synthesis task sends itself) is being sent
     reported_at: float = 0.0  # last update_buffered to the engine
     fed_ms: float = 0.0  # audio produced by the engine so far
     audio: list[SegmentAudio] = field(default_factory=list)
@@ -167,6 +182,7 @@ class Session:
         self.next_index = 0
         self.last_activity = clock()
         self._watchdog: asyncio.Task | None = None
+        self._send_ready: Callable[[], bool] | None = getattr(transport, "send_ready", None)
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -346,7 +362,8 @@ class Session:
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
                     segmenter=Segmenter(self.chunking, self.clock), encoder=Encoder(self.fmt, self.model_rate),
-                    max_lead_ms=lead, frames=asyncio.Queue(self.config.pipeline_chunks))
+                    max_lead_ms=lead, frames=asyncio.Queue(self.config.pipeline_chunks),
+                    offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn
         self.metrics.turns.inc()
@@ -386,9 +403,7 @@ class Session:
                     await turn.frames.put(item)
                     continue
                 if isinstance(item, _EndMark):
-                    for payload in turn.encoder.finish():
-                        await self._queue_packet(turn, payload)
-                    await self._release_held(turn, last=True)
+                    await self._queue_packets(turn, await self._encode(turn, None), last=True)
                     await turn.frames.put(item)
                     return
                 await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
@@ -441,10 +456,7 @@ class Session:
                 if chunk.latents is not None:
                     latents.append(np.asarray(chunk.latents))
                 turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
-                # Opus costs ~5 ms of CPU per second of audio: off the event loop (libopus runs without the GIL),
-                # so one gateway process spreads hundreds of streams over all cores.
-                for payload in await asyncio.to_thread(turn.encoder.encode, chunk.audio):
-                    await self._queue_packet(turn, payload)
+                await self._queue_packets(turn, await self._encode(turn, chunk.audio))
         except engine_errors.InvalidRequest as e:
             code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
             raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
@@ -458,36 +470,61 @@ class Session:
                 await close()  # cancels the engine request when we stop early
         return latents
 
-    async def _queue_packet(self, turn: Turn, payload: bytes) -> None:
-        """Queue the previous packet and hold this one back, so the turn's last frame can carry FLAG_LAST."""
-        await self._release_held(turn)
-        turn.held = payload
-        turn.queued_ms += turn.fmt.frame_ms
+    async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
+        """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
+        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores); the
+        cheap formats are encoded right here."""
+        work = turn.encoder.finish if pcm is None else turn.encoder.encode
+        args = () if pcm is None else (pcm,)
+        if turn.offload is not None:
+            return await turn.offload.run(work, *args, urgency=turn.buffered_ms(self.clock()))
+        return work(*args)
 
-    async def _release_held(self, turn: Turn, last: bool = False) -> None:
+    async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False) -> None:
+        """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
+        known) so the turn's last frame can carry FLAG_LAST. Frames are whole: the encoder pads the end."""
+        turn.queued_ms += len(payloads) * turn.fmt.frame_ms
+        batch = payloads if turn.held is None else [turn.held, *payloads]
+        turn.held = None if last or not batch else batch.pop()
+        if not batch:
+            return
+        packets = _Packets(batch, last)
+        if not turn.sending and turn.frames.empty() and self._fits_now(turn, len(batch)):
+            # nothing is waiting ahead of these frames and the client has room: send them from here, which saves
+            # the sender task's wakeup (per chunk per stream) and, under a burst, lets each turn's audio leave
+            # right after its own encoding instead of after every turn's. Only this task queues items, so nothing
+            # can slip in between.
+            turn.sending = True
+            try:
+                await self._send_packets(turn, packets)
+            finally:
+                turn.sending = False
+        else:
+            await turn.frames.put(packets)
+
+    async def _release_held(self, turn: Turn) -> None:
         if turn.held is not None:
             payload, turn.held = turn.held, None
-            await turn.frames.put(_Packet(payload, turn.fmt.frame_ms, last))  # frames are whole: the encoder pads
+            await turn.frames.put(_Packets([payload]))
 
     async def _send_audio(self, turn: Turn) -> None:
         """Paced sending: never more than max_lead_ms ahead of the client's playout."""
-        with contextlib.suppress(SessionClosed):
+        try:
             await self._send_audio_loop(turn)
+        except SessionClosed:
+            pass
+        except Exception:  # a bug here must not leave the client waiting for audio that never comes
+            log.exception("session %s context %s: sending failed", self.id, turn.id)
+            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                                  context_id=turn.id)))
 
     async def _send_audio_loop(self, turn: Turn) -> None:
         while True:
+            turn.sending = False
             item = await turn.frames.get()
-            if isinstance(item, _Packet):
-                await self._pace(turn)
-                now = self.clock()
-                self._track_playout(turn, now)
-                flags = p.FLAG_LAST if item.last else 0
-                await self._send_bytes(p.pack_frame(turn.fmt.kind, flags, turn.index, turn.seq, turn.sent_ms,
-                                                    item.payload))
-                turn.seq += 1
-                turn.sent_ms += item.ms
-                turn.queued_ms -= item.ms
-                self._report_buffered(turn)
+            turn.sending = True
+            if isinstance(item, _Packets):
+                await self._send_packets(turn, item)
             elif isinstance(item, _SegmentMark):
                 turn.segment_released_at = item.released_at
                 await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.text,
@@ -498,15 +535,45 @@ class Session:
                 await self._finish_turn(turn)
                 return
 
-    async def _pace(self, turn: Turn) -> None:
+    async def _send_packets(self, turn: Turn, item: _Packets) -> None:
+        """A batch of frames, in as few writes as pacing allows (usually one)."""
+        payloads, frame_ms = item.payloads, turn.fmt.frame_ms
+        done = 0
+        while done < len(payloads):
+            n = await self._pace(turn, len(payloads) - done)
+            self._track_playout(turn, self.clock())
+            part = payloads[done:done + n]
+            done += n
+            await self._send_frames(p.pack_frames(turn.fmt.kind, turn.index, turn.seq, turn.sent_ms, frame_ms, part,
+                                                  last=item.last and done == len(payloads)))
+            turn.seq += n
+            turn.sent_ms += n * frame_ms
+            turn.queued_ms -= n * frame_ms
+            self._report_buffered(turn)
+
+    def _room_ms(self, turn: Turn) -> float:
+        """How far sending may still run ahead of the client's playout; frame k (from 0) of what is waiting may go
+        now if k * frame_ms <= this. inf before the turn's first audio (playout starts with it) or without a lead
+        limit."""
+        if turn.t_play is None:
+            return math.inf
+        return turn.max_lead_ms - (turn.sent_ms - turn.played_ms(self.clock()))
+
+    def _fits_now(self, turn: Turn, frames: int) -> bool:
+        return self._room_ms(turn) >= (frames - 1) * turn.fmt.frame_ms
+
+    async def _pace(self, turn: Turn, available: int) -> int:
+        """How many of the next `available` frames may go now, waiting while the client is max_lead_ms ahead;
+        once it is, sending resumes when PACE_QUANTUM_MS (or all that is available) fits again."""
+        frame_ms = turn.fmt.frame_ms
+        need = min(available, max(1, int(PACE_QUANTUM_MS // frame_ms)))
         while True:
-            now = self.clock()
-            if turn.t_play is None:
-                return
-            lead = turn.sent_ms - turn.played_ms(now)
-            if lead <= turn.max_lead_ms:
-                return
-            await asyncio.sleep((lead - turn.max_lead_ms) / 1000.0)
+            room = self._room_ms(turn)
+            if room >= (available - 1) * frame_ms:
+                return available
+            if room >= (need - 1) * frame_ms:
+                return int(room // frame_ms) + 1
+            await asyncio.sleep(((need - 1) * frame_ms - room) / 1000.0)
 
     def _track_playout(self, turn: Turn, now: float) -> None:
         if turn.t_play is None:  # first audio of the turn: playout starts now
@@ -617,11 +684,28 @@ class Session:
     async def _send_bytes(self, data: bytes) -> None:
         await self._guarded(self.transport.send_bytes(data))
 
+    async def _send_frames(self, frames: list[bytes]) -> None:
+        """Several binary messages under one stall timeout (one write where the transport can batch)."""
+        send_frames = getattr(self.transport, "send_frames", None)
+        await self._guarded(send_frames(frames) if send_frames is not None else self._send_each(frames))
+
+    async def _send_each(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            await self.transport.send_bytes(frame)
+
     async def _guarded(self, send: Any) -> None:
         """A send that cannot complete within the stall timeout means the client stopped reading."""
         if self.closed:
             send.close()
             raise SessionClosed
+        if self._send_ready is not None and self._send_ready():
+            # the socket takes it at once: no stall timer to arm and cancel (a timer per send is ~10 us of loop time)
+            try:
+                await send
+            except (ConnectionError, RuntimeError):
+                self._background(self.close(1006, "connection lost"))
+                raise SessionClosed from None
+            return
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races a finished send
             async with asyncio.timeout(self.limits.slow_consumer_timeout_s):

@@ -102,6 +102,8 @@ async def test_pcm_is_the_engines_audio_to_the_sample(url, reference):
     ({"format": "alaw"}, 8000, lambda b: len(alaw_decode(b))),
     ({"format": "opus", "sample_rate": 24000, "frame_ms": 40}, 24000,
      lambda b: len(opuslib.Decoder(24000, 1).decode(b, 960)) // 2),
+    # 96 kB frames: the WebSocket header's 64-bit length form
+    ({"format": "pcm_s16le", "sample_rate": 48000, "frame_ms": 1000}, 48000, lambda b: len(b) // 2),
 ])
 async def test_every_output_format_decodes_to_the_right_rate_and_length(url, reference, output, rate, decode):
     async with await _session(url, output=output) as c:

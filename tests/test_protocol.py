@@ -150,6 +150,15 @@ def test_frame_index_and_seq_wrap_instead_of_failing():
     assert (frame.index, frame.seq, frame.pts_ms) == (3, 5, 10)
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_pack_frames_is_pack_frame_per_frame(last):
+    payloads = [b"a", b"bb", b"", b"dddd"]
+    index, seq, pts = 65536 + 9, 2**32 - 2, 1000.0  # index and seq wrap, as pack_frame wraps them
+    frames = p.pack_frames(1, index, seq, pts, 20, payloads, last=last)
+    assert frames == [p.pack_frame(1, p.FLAG_LAST if last and i == len(payloads) - 1 else 0, index, seq + i,
+                                   pts + 20 * i, payload) for i, payload in enumerate(payloads)]
+
+
 def test_unpack_rejects_what_is_not_a_frame():
     with pytest.raises(ValueError):
         p.unpack_frame(b"short")

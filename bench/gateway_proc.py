@@ -1,0 +1,223 @@
+"""The gateway in a process of its own, for benchmarks: its CPU is then the gateway's alone, not the load clients'.
+
+    python bench/gateway_proc.py --engine paced             # the paced stand-in engine (bench/paced_engine.py)
+    python bench/gateway_proc.py --engine real [--model DIR] # the real engine (tiny demo model on CPU)
+
+It prints one JSON line {"port": N} once it listens, serves the real gateway app (`gateway.server.create_app`) plus
+two benchmark-only routes, and exits when its stdin closes (the parent died) or on SIGTERM/SIGINT:
+- GET /bench/stats: process CPU seconds, CPU seconds per thread (the event loop is "MainThread"), event-loop lag
+  percentiles since the last reset (a 10 ms timer's overshoot), the engine's counters;
+- POST /bench/reset: start a new lag window.
+`GatewayProcess` starts and stops it from a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LAG_INTERVAL_S = 0.01
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 2)
+
+
+class LoopLag:
+    """Overshoot of a periodic timer: how long a ready callback waits for the event loop."""
+
+    def __init__(self, interval_s: float = LAG_INTERVAL_S):
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.samples.append((loop.time() - t - self.interval_s) * 1000.0)
+
+    def summary(self) -> dict[str, Any]:
+        s = self.samples
+        return {"n": len(s), "p50_ms": _pct(s, 0.5), "p90_ms": _pct(s, 0.9), "p99_ms": _pct(s, 0.99),
+                "max_ms": round(max(s), 2) if s else None}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of every Python thread of this process, by name (same-named threads summed)."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, AttributeError):  # ended meanwhile, or not POSIX
+            continue
+        name = t.name.rsplit("_", 1)[0] if t.name.startswith(("voxgate-offload", "asyncio")) else t.name
+        out[name] = round(out.get(name, 0.0) + cpu, 4)
+    return out
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from gateway.protocol import Limits
+    from gateway.server import ServerConfig, create_app, start_server
+    from gateway.session import SessionConfig
+
+    if args.engine == "paced":
+        from paced_engine import PacedEngine
+
+        engine: Any = PacedEngine(tick_ms=args.tick_ms)
+    else:
+        from engine import Engine
+
+        engine = Engine(args.model, max_num_seqs=args.max_num_seqs)
+        await engine.wait_for_ready()
+    limits = Limits(idle_timeout_s=3600.0)
+    config = ServerConfig(session=SessionConfig(limits=limits), max_sessions=args.max_sessions,
+                          max_sessions_per_key=args.max_sessions, web_client_dir=None)
+    app = create_app(engine, config)
+    lag = LoopLag()
+
+    async def stats(_: web.Request) -> web.Response:
+        e = engine.stats()
+        body = {"cpu_s": time.process_time(), "wall_s": time.monotonic(), "threads": thread_cpu(),
+                "loop_lag": lag.summary(), "pid": os.getpid(),
+                "engine": {"in_flight": e.in_flight, "running": e.running, "steps": e.steps,
+                           "chunks": getattr(engine, "chunks", None)}}
+        late = getattr(engine, "late_ticks_ms", None)
+        if late is not None:
+            body["engine"]["late_tick_ms_p99"] = _pct(late, 0.99)
+        return web.json_response(body)
+
+    async def reset(_: web.Request) -> web.Response:
+        lag.samples = []
+        late = getattr(engine, "late_ticks_ms", None)
+        if late is not None:
+            late.clear()
+        return web.json_response({"ok": True})
+
+    app.router.add_get("/bench/stats", stats)
+    app.router.add_post("/bench/reset", reset)
+    runner, port = await start_server(app, args.host, args.port)
+    monitor = asyncio.create_task(lag.run())
+    # what exists now (modules, the engine's config, the app) lives as long as the process: keep the cyclic
+    # garbage collector from walking it again and again
+    gc.collect()
+    gc.freeze()
+    print(json.dumps({"port": port, "pid": os.getpid()}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.buffer.read1(1) else None)
+    await stop.wait()
+    monitor.cancel()
+    await runner.cleanup()
+    await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=("paced", "real"), default="paced")
+    ap.add_argument("--model", help="real engine: model dir (default: the tiny demo model without a GPU)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--tick-ms", type=float, default=None, help="paced engine: ms between chunks (default 160: "
+                    "real time)")
+    ap.add_argument("--max-sessions", type=int, default=10000)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    asyncio.run(_serve(ap.parse_args(argv)))
+    return 0
+
+
+class GatewayProcess:
+    """Start bench/gateway_proc.py as a child; `url`, `stats()`, `reset()`; `close()` (or `with`) stops it."""
+
+    def __init__(self, *args: str, cwd: Path = ROOT, timeout_s: float = 900.0):  # a GPU engine loads for minutes
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], cwd=cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        line = _readline(self.proc, timeout_s)
+        if not line:
+            self.close()
+            raise RuntimeError("the gateway process did not start (see its stderr above)")
+        info = json.loads(line)
+        self.port, self.pid = info["port"], info["pid"]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.base + "/bench/stats", timeout=30) as r:
+            return json.loads(r.read())
+
+    def reset(self) -> None:
+        req = urllib.request.Request(self.base + "/bench/reset", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> GatewayProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def git_commit() -> str | None:
+    """HEAD, marked when the gateway, bench or engine client files differ from it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "bench", "engine/pool.py",
+                                "engine/api.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)  # type: ignore
+    reader.start()
+    reader.join(timeout_s)
+    return result[0].strip() if result else ""
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """CPU used between two `stats()` snapshots: process total, per thread, and seconds of wall time."""
+    threads = {k: round(v - before["threads"].get(k, 0.0), 3) for k, v in after["threads"].items()}
+    return {"cpu_s": round(after["cpu_s"] - before["cpu_s"], 3), "wall_s": round(after["wall_s"] - before["wall_s"], 3),
+            "threads_cpu_s": {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0.0005}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
