@@ -104,10 +104,11 @@ def step_summary(before: list[dict], after: list[dict]) -> dict:
         entry[f"{what}_ms_p50"] = round(hist_percentile(counts, 50) or 0.0, 2)
         entry[f"{what}_ms_p99"] = round(hist_percentile(counts, 99) or 0.0, 2)
 
-    def delta(key: str) -> int:
+    def delta(key: str) -> float:
         return sum(a.get(key, 0) - b.get(key, 0) for b, a in zip(before, after, strict=False))
 
     return {"by_kind": kinds, "prefill_tokens": delta("prefill_tokens"), "triton_compiles": delta("triton_compiles"),
+            "gpu_ms_total": delta("gpu_ms_total"),
             "compiles_total": sum(a.get("triton_compiles", 0) for a in after)}
 
 
@@ -162,7 +163,10 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
         "steps_per_s": (engine.stats().steps - steps0) / elapsed,
         "audio_s_per_s": sum(r["audio_s"] for r in results) / elapsed,
-        "steps": step_summary(snap0, step_snapshot(engine)),
+        "steps": (steps := step_summary(snap0, step_snapshot(engine))),
+        # device-bracketed step time over wall time, per worker: how busy the GPU was kept (eager steps count
+        # their launch gaps as busy, so this is an upper bound)
+        "gpu_busy": round(steps["gpu_ms_total"] / (1000 * elapsed * max(1, len(snap0))), 3),
         # wall-clock start and TTFB of each request in start order: lines up with the worker's DEBUG step log
         "timeline": [[round(r["start_wall"], 4), round(r["ttfb"] * 1000, 1)]
                      for r in sorted(results, key=lambda r: r["start_wall"])] if args.timeline else None,
@@ -259,7 +263,7 @@ def table(result: dict) -> str:
                           f"{v.get('gpu_ms_p50')} / {v.get('gpu_ms_p99')}" for k, v in st["by_kind"].items())
         rows.append(f"steps at {lv.get('mode', 'batch')} {lv['concurrency']} (ms p50 / p99): {kinds}; prefill "
                     f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
-                    f"{st['compiles_total']})")
+                    f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:

@@ -81,6 +81,7 @@ class StepStats:
         self.hist: dict[str, dict[int, int]] = {}  # "<kind>_wall" / "<kind>_gpu" -> counts
         self.prefill_tokens = 0
         self.compiles = 0
+        self.gpu_ms_total = 0.0  # device time between each step's start and end events (idle launch gaps included)
 
     def record(self, kind: str, wall_ms: float, gpu_ms: float | None, prefill_tokens: int, decode_rows: int,
                compiles: int) -> None:
@@ -93,10 +94,12 @@ class StepStats:
                 counts[b] = counts.get(b, 0) + 1
         self.prefill_tokens += prefill_tokens
         self.compiles = compiles
+        self.gpu_ms_total += gpu_ms or 0.0
 
     def stats(self) -> dict[str, Any]:
         return {"last_step": dict(self.last), "step_hist": {k: dict(v) for k, v in self.hist.items()},
-                "prefill_tokens": self.prefill_tokens, "triton_compiles": self.compiles}
+                "prefill_tokens": self.prefill_tokens, "triton_compiles": self.compiles,
+                "gpu_ms_total": round(self.gpu_ms_total, 3)}
 
 
 class AudioRing:
