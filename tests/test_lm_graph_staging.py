@@ -21,7 +21,8 @@ def test_lm_graph_buckets_fit_the_batch_plus_a_padding_sequence():
     assert lm_graph_key(64, 2, keys) == (64, 4)  # exactly full: the padding sequence is empty
     assert lm_graph_key(130, 7, keys) == (256, 8)
     assert lm_graph_key(130, 8, keys) == (256, 9)
-    assert lm_graph_key(600, 1, keys) is None and lm_graph_key(10, 9, keys) is None
+    assert lm_graph_key(600, 1, keys) == (1024, 2) and lm_graph_key(2048, 3, keys) == (2048, 4)
+    assert lm_graph_key(2049, 1, keys) is None and lm_graph_key(10, 9, keys) is None
 
 
 def serve(loaded, flat: bool) -> tuple[list[torch.Tensor], int]:
