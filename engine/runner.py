@@ -1,11 +1,12 @@
 """Runs one scheduled step on the device: flat LM batch -> patches -> stop flags -> streaming VAE.
 
 The runner owns everything that lives on the device: the model, both paged KV caches (base and residual LM share
-block tables), and one VAE stream state with a row per request slot. Two paths:
+block tables), and one VAE stream state with a row per request slot. The paths:
 
 - decode-only steps at the default timesteps go through static buffers (`engine.cuda_graphs`): on CUDA one graph
   replay per step, no host sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
-- steps with prefill chunks run both LMs eagerly over the flat batch, then the emitting rows go through the
+- steps with prefill chunks run both LMs over the flat batch (a third graph set, keyed by tokens x sequences, when
+  the step is small enough for launches to dominate; eagerly otherwise), then the emitting rows go through the
   second graph set, "sample + stop + VAE", over the same buffers;
 - steps with rows at other timesteps run wholly eagerly.
 
