@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
+#   stages: quick_sweep sweep profile tests lora lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -85,8 +86,14 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             >>"$OUT/smoke.log" ;;
     gateway)  # the gateway in its own process over the real engine: client TTFB - engine TTFB, CPU per stream
         stage 60 120 "gateway, 64 sessions" $PY bench/gateway_load.py --model $V2 ${GATEWAY_ARGS:---spawn-server \
-            --sessions 64 --mode whole} --json "$OUT/gateway_load_64.json" >"$OUT/gateway.log" 2>&1
+            --sessions 64 --mode whole --format pcm_s16le --client-procs 4 --max-length 20} \
+            --json "$OUT/gateway_load_64.json" >"$OUT/gateway.log" 2>&1
         tail -12 "$OUT/gateway.log" ;;
+    gateway_capacity)  # Opus sessions over the stand-in engine (no GPU): the gateway's own CPU per stream
+        stage 60 120 "gateway capacity, 250 and 500 Opus sessions" $PY bench/gateway_capacity.py \
+            --sessions 250,500 --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
+            >"$OUT/gateway_capacity.log" 2>&1
+        tail -12 "$OUT/gateway_capacity.log" ;;
     v15)
         if [ "$(left)" -gt 80 ]; then
             [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never \
