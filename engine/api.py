@@ -18,6 +18,7 @@ class AudioChunk:
     is_last: bool
     stop_reason: str | None
     request_id: str
+    step: int = -1  # the worker's step that produced it (its scheduler's step count; -1: not from a worker)
 
 
 @dataclass

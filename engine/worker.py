@@ -303,7 +303,7 @@ class Worker:
             req = seq.request
             last = req.stop_reason is not None
             chunks.append((req.request_id, len(req.generated) - 1, req.generated[-1].float().numpy(),
-                           offset, offset + audio.shape[0], last, req.stop_reason))
+                           offset, offset + audio.shape[0], last, req.stop_reason, sched.num_steps))
             audio_parts.append(audio)
             offset += audio.shape[0]
         self.unpublished = (chunks, audio_parts, finished)

@@ -143,8 +143,8 @@ class WorkerHandle:
         _, chunks, audio, stats = msg
         if isinstance(audio, tuple):  # a span of the shared ring: one copy out, then the slot is free again
             audio = self.ring.read(*audio)
-        out = [AudioChunk(audio[a:b], self._sample_rate, index, latents, last, reason, rid)
-               for rid, index, latents, a, b, last, reason in chunks]
+        out = [AudioChunk(audio[a:b], self._sample_rate, index, latents, last, reason, rid, step)
+               for rid, index, latents, a, b, last, reason, step in chunks]
         return ("step", out, stats)
 
     # ---- on the event loop -------------------------------------------------------------------------------
