@@ -54,6 +54,9 @@ MEMORY_MARGIN = GiB // 2  # cuBLAS/Triton workspaces and allocator fragmentation
 GRAPH_POOL_FACTOR = 2.5
 
 
+GraphSets = tuple[StepGraphs, StepGraphs, StepGraphs]  # decode, sample, LM
+
+
 @dataclass
 class StepOutput:
     """Aligned with the scheduled seqs; None where a seq only prefilled. On CUDA the audio arrays view pinned
@@ -160,21 +163,38 @@ class Runner:
         self.graphs: StepGraphs | None = None
         self.sample_graphs: StepGraphs | None = None
         self.lm_graphs: StepGraphs | None = None
+        self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
         self.lm_keys: list[tuple[int, int]] = []
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
             self.allocate_flat(lm_graph_keys(cfg.max_num_seqs))
             with torch.inference_mode():
-                self.graphs = StepGraphs(lambda rows: self._decode_body(rows, self.max_positions),
-                                         self.buckets or [], self._pad_all, pool)
-                self.sample_graphs = StepGraphs(self._sample_body, self.buckets or [], self._pad_all, pool)
-                self.lm_graphs = StepGraphs(self.lm_body, self.lm_keys, self._pad_flat, pool)
+                self.graphs, self.sample_graphs, self.lm_graphs = self._capture_graphs(pool)
+                if self.lora:  # steps whose rows all use no adapter replay these and launch no LoRA kernel
+                    self.model.lora.bypass = True
+                    try:
+                        self.adapter_free_graphs = self._capture_graphs(pool)
+                    finally:
+                        self.model.lora.bypass = False
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
             self._log_memory(cfg, weights)
         self.last_step: StepTiming | None = None
+
+    def _capture_graphs(self, pool: tuple) -> GraphSets:
+        """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
+        return (StepGraphs(lambda rows: self._decode_body(rows, self.max_positions), self.buckets or [],
+                           self._pad_all, pool),
+                StepGraphs(self._sample_body, self.buckets or [], self._pad_all, pool),
+                StepGraphs(self.lm_body, self.lm_keys, self._pad_flat, pool))
+
+    def _graph_sets(self) -> tuple[StepGraphs | None, StepGraphs | None, StepGraphs | None]:
+        """(decode, sample, LM) graphs for the step being launched: the adapter-free ones when it bypasses LoRA."""
+        if self.adapter_free_graphs is not None and self.model.lora.bypass:
+            return self.adapter_free_graphs
+        return self.graphs, self.sample_graphs, self.lm_graphs
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -187,7 +207,7 @@ class Runner:
         free, total = torch.cuda.mem_get_info(self.device)
         # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
-        graphs = GRAPH_POOL_FACTOR * decode
+        graphs = GRAPH_POOL_FACTOR * decode * (2 if self.lora else 1)  # with LoRA: the adapter-free sets too
         budget = total * cfg.gpu_memory_utilization - (total - free) - max(mixed, decode) - graphs - MEMORY_MARGIN
         self.memory.update(weights_gib=weights / GiB, eager_peak_gib=max(mixed, decode) / GiB,
                            graph_estimate_gib=graphs / GiB, total_gib=total / GiB)
@@ -307,17 +327,28 @@ class Runner:
         return pending
 
     def _launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
+        if not self.lora:
+            return self._launch_step(seqs)
+        # a step without adapter rows skips all LoRA work: eagerly by the flag, graphed by the sets captured with it
+        self.model.lora.bypass = all(s.request.lora_slot == 0 for s in seqs)
+        try:
+            return self._launch_step(seqs)
+        finally:
+            self.model.lora.bypass = False
+
+    def _launch_step(self, seqs: list[ScheduledSeq]) -> PendingStep:
+        decode_graphs, sample_graphs, _ = self._graph_sets()
         if self._decode_only(seqs):
             n = len(seqs)
             rows = self._stage_rows([s.request for s in seqs], [s.request.generated[-1] for s in seqs])
             self._stage_positions(seqs)
             self._upload(rows)
-            if self.graphs is not None:
-                result = self.graphs.replay(rows)
+            if decode_graphs is not None:
+                result = decode_graphs.replay(rows)
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n))
             pending = self._download(seqs, result, n, None)
-            pending.kind = "graph" if self.graphs is not None else "decode"
+            pending.kind = "graph" if decode_graphs is not None else "decode"
             return pending
         if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
             return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
@@ -335,7 +366,7 @@ class Runner:
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = self.sample_graphs.replay(rows) if self.sample_graphs is not None else self._sample_body(rows)
+        result = sample_graphs.replay(rows) if sample_graphs is not None else self._sample_body(rows)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         return pending
@@ -556,7 +587,8 @@ class Runner:
             key = self.stage_flat(seqs)
             if key is not None:
                 self._upload_flat(key)
-                return self.lm_graphs.replay(key) if self.lm_graphs is not None else self.lm_body(key)
+                lm_graphs = self._graph_sets()[2]
+                return lm_graphs.replay(key) if lm_graphs is not None else self.lm_body(key)
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []
