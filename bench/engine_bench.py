@@ -285,8 +285,9 @@ def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
     end.synchronize()
     return start.elapsed_time(end) / replays
 
-def kernel_count(fn) -> int:
-    """GPU kernels one call of `fn` launches (what its CUDA graph holds as kernel nodes), by torch.profiler."""
+def cuda_kernels(fn) -> list:
+    """The GPU kernels one eager call of `fn` launches (what its CUDA graph holds as kernel nodes), as
+    torch.profiler events; memcpy and memset excluded."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -295,8 +296,13 @@ def kernel_count(fn) -> int:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.lower().startswith(("memcpy", "memset")))
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.lower().startswith(("memcpy", "memset"))]
+
+
+def kernel_count(fn) -> int:
+    """How many GPU kernels one call of `fn` launches."""
+    return len(cuda_kernels(fn))
 
 
 def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) -> dict[str, float]:
@@ -488,21 +494,12 @@ def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:
 
 
 def top_kernels(fn, top: int = 15) -> list[dict]:
-    """The `top` GPU kernels of one eager call of `fn` by total time (torch.profiler): name, calls, total ms."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    """The `top` GPU kernels of one eager call of `fn` by total time: name, calls, total ms."""
     totals: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            t = totals.setdefault(e.name[:90], [0, 0.0])
-            t[0] += 1
-            t[1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+    for e in cuda_kernels(fn):
+        t = totals.setdefault(e.name[:90], [0, 0.0])
+        t[0] += 1
+        t[1] += e.device_time_total / 1e3
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
     return [{"kernel": k, "calls": int(v[0]), "ms": round(v[1], 3)} for k, v in ranked]
 

@@ -17,6 +17,13 @@ import triton.language as tl
 from torch import Tensor
 
 
+@triton.jit
+def snake_f32(x, alpha):
+    """The Snake formula on fp32 values: x + 1/(alpha + 1e-9) * sin(alpha x)^2 (also used by the fused VAE unit)."""
+    s = tl.sin(alpha * x)
+    return x + (1.0 / (alpha + 1e-9)) * (s * s)
+
+
 @triton.jit(do_not_specialize=["numel", "length"])  # sizes vary with batch: no recompiles
 def _snake_kernel(x_ptr, alpha_ptr, y_ptr, numel, channels, length, BLOCK: tl.constexpr):
     # Flat over B*C*T so short streaming chunks (a few samples per channel) still fill whole blocks.
@@ -24,9 +31,7 @@ def _snake_kernel(x_ptr, alpha_ptr, y_ptr, numel, channels, length, BLOCK: tl.co
     mask = offsets < numel
     alpha = tl.load(alpha_ptr + (offsets // length) % channels, mask=mask, other=1.0).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sin(alpha * x)
-    y = x + (1.0 / (alpha + 1e-9)) * (s * s)
-    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offsets, snake_f32(x, alpha).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def snake(x: Tensor, alpha: Tensor) -> Tensor:

@@ -209,14 +209,14 @@ class Worker:
             changed = False
             while self.commands.poll():
                 try:
-                    msg = self.commands.recv()
+                    batch = self.commands.recv()  # a list of commands (engine.worker_handle sends them in batches)
                 except EOFError:  # the pool is gone
                     return
-                for m in msg[1] if msg[0] == "batch" else (msg,):
-                    if m[0] == "stop":
+                for msg in batch:
+                    if msg[0] == "stop":
                         self.publish()
                         return
-                    self.handle(m)
+                    self.handle(msg)
                 changed = True
             if self.scheduler.has_work:
                 self.step()

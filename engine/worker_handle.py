@@ -9,6 +9,7 @@ stats and answers its own calls; steps, request failures, fatal errors and the p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing as mp
 import queue
@@ -101,24 +102,23 @@ class WorkerHandle:
 
     # ---- threads -----------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        # Everything queued goes in one pipe message: this thread waits for the GIL behind the event loop once
-        # per message, so a burst of requests costs one wait, not one each.
+        # Everything queued goes as one list in one pipe message: this thread waits for the GIL behind the event
+        # loop once per message, so a burst of requests costs one wait, not one each. None (from close) ends it.
         self._ready_flag.wait()
-        stop = False
-        while not stop and (msg := self._outbox.get()) is not None:
-            batch = [msg]
-            while True:
-                try:
-                    more = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                batch.append(more)
+        while True:
+            batch = [self._outbox.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._outbox.get_nowait())
+            stop = None in batch
+            if stop:
+                batch = batch[:batch.index(None)]
             try:
-                self.cmd_send.send(batch[0] if len(batch) == 1 else ("batch", batch))
+                if batch:
+                    self.cmd_send.send(batch)
             except (OSError, ValueError):  # the process died; the reader reports it
+                return
+            if stop:
                 return
 
     def _read_loop(self) -> None:

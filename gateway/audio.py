@@ -140,6 +140,16 @@ def pack_frame_header(kind: int, flags: int, index: int, seq: int, pts_ms: int) 
     return _HEADER.pack(FRAME_MAGIC, FRAME_VERSION, kind, flags, index, seq, pts_ms)
 
 
+def pack_frames(kind: int, index: int, seq: int, pts_ms: float, frame_ms: float, payloads: list[bytes],
+                last: bool = False) -> list[bytes]:
+    """Consecutive frames of one turn, header + payload each: `payloads[i]` gets seq `seq + i` and pts `pts_ms + i *
+    frame_ms`; `last` flags the final one. The bytes of pack_frame_header per frame without its per-field checks
+    (this runs for every frame the gateway sends): kind comes from OutputFormat, the counters wrap."""
+    head, index, final = _HEADER.pack, index & 0xFFFF, len(payloads) - 1 if last else -1
+    return [head(FRAME_MAGIC, FRAME_VERSION, kind, FLAG_LAST if i == final else 0, index, (seq + i) & 0xFFFFFFFF,
+                 int(pts_ms + i * frame_ms) & 0xFFFFFFFF) + payload for i, payload in enumerate(payloads)]
+
+
 def unpack_frame_header(data: bytes) -> tuple[int, int, int, int, int]:
     """(kind, flags, index, seq, pts_ms) from the first HEADER_SIZE bytes of a binary frame."""
     if len(data) < HEADER_SIZE:
@@ -491,6 +501,7 @@ def _make_opus_encoder(fmt: OutputFormat):
 
 __all__ = [
     "FORMATS", "NATIVE_FORMATS", "KINDS", "HEADER_SIZE", "FLAG_LAST", "OutputFormat", "Resampler", "Encoder",
-    "OggOpusWriter", "WavStreamWriter", "pack_frame_header", "unpack_frame_header", "mulaw_encode", "mulaw_decode",
+    "OggOpusWriter", "WavStreamWriter", "pack_frame_header", "pack_frames", "unpack_frame_header", "mulaw_encode",
+    "mulaw_decode",
     "alaw_encode", "alaw_decode", "float_to_int16", "opus_available", "av_available",
 ]

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, ClassVar
 
 from gateway.audio import (  # noqa: F401 (re-exported)
     FLAG_LAST,
-    FRAME_MAGIC,
-    FRAME_VERSION,
     HEADER_SIZE,
     pack_frame_header,
+    pack_frames,
     unpack_frame_header,
 )
 
@@ -472,25 +470,6 @@ class AudioFrame:
 def pack_frame(kind: int, flags: int, index: int, seq: int, pts_ms: float, payload: bytes) -> bytes:
     """Header + payload of one binary audio message (index and seq wrap, as the header is fixed-width)."""
     return pack_frame_header(kind, flags, index & 0xFFFF, seq & 0xFFFFFFFF, int(pts_ms) & 0xFFFFFFFF) + payload
-
-
-_FRAME_HEADER = struct.Struct("!BBBBHII")  # the layout pack_frame_header writes (gateway.audio)
-
-
-def pack_frames(kind: int, index: int, seq: int, pts_ms: float, frame_ms: float, payloads: list[bytes],
-                last: bool = False) -> list[bytes]:
-    """Consecutive frames of one turn: `payloads[i]` gets seq `seq + i` and pts `pts_ms + i * frame_ms`; `last`
-    flags the final one. The same bytes as pack_frame per frame, without its per-call checks (this runs for every
-    frame the gateway sends): kind comes from OutputFormat, the counters wrap as pack_frame wraps them."""
-    head = _FRAME_HEADER.pack
-    magic, version, index = FRAME_MAGIC, FRAME_VERSION, index & 0xFFFF
-    out = [head(magic, version, kind, 0, index, (seq + i) & 0xFFFFFFFF, int(pts_ms + i * frame_ms) & 0xFFFFFFFF)
-           + payload for i, payload in enumerate(payloads)]
-    if last and out:
-        i = len(out) - 1
-        out[i] = head(magic, version, kind, FLAG_LAST, index, (seq + i) & 0xFFFFFFFF,
-                      int(pts_ms + i * frame_ms) & 0xFFFFFFFF) + payloads[i]
-    return out
 
 
 def unpack_frame(data: bytes) -> AudioFrame:

@@ -1,8 +1,10 @@
 """Shared test setup: the official package's torchaudio stand-in, CPU thread limits, and tiny model directories."""
 
+import contextlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # With no GPU, Triton kernels can only run in its interpreter, and triton must see this before anything (torch
@@ -63,3 +65,20 @@ def synth(tiny_v2_dir):
     from engine.offline import Synthesizer
 
     return Synthesizer(load_model(tiny_v2_dir))
+
+
+@contextlib.contextmanager
+def interpreted(*names: str) -> Iterator[list]:
+    """The named kernel modules, (re)imported with TRITON_INTERPRET=1 (triton reads the flag when kernels are
+    decorated); the flag is restored afterwards. For module fixtures of the interpreter tests."""
+    import importlib
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield [importlib.reload(sys.modules[n]) if n in sys.modules else importlib.import_module(n) for n in names]
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous

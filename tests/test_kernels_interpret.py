@@ -9,9 +9,6 @@ Needs `triton` installed (the test extras pin it); without it these tests fail r
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from engine.model.lora import attach_lora
 from engine.model.minicpm import MiniCPM
 from engine.model.voxcpm import VoxCPMModel
 from engine.model_configs import tiny
+from tests.conftest import interpreted
 
 # The interpreter itself trips a numpy deprecation on every scalar index; it says nothing about our kernels.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -32,17 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernel modules, (re)imported with the interpreter on: triton reads the flag when kernels are decorated."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        names = ("engine.model.attention_triton", "engine.kernels")
-        yield [importlib.reload(sys.modules[n]) if n in sys.modules else importlib.import_module(n) for n in names]
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    """The kernel modules, (re)imported with the interpreter on."""
+    with interpreted("engine.model.attention_triton", "engine.kernels") as modules:
+        yield modules
 
 
 def paged_case(query_lens: list[int], cached_lens: list[int], page: int, q_heads: int, kv_heads: int,

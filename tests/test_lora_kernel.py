@@ -8,32 +8,22 @@ K blocks, the last one ragged). Needs `triton` installed (the test extras pin it
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 
 import pytest
 import torch
 
 from engine.model.lora import lora_delta_add
+from tests.conftest import interpreted
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def lora_add_():
-    """The kernel module (re)imported with the interpreter on: triton reads the flag when kernels are decorated."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        name = "engine.model.lora_triton"
-        module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    """The kernel, (re)imported with the interpreter on."""
+    with interpreted("engine.model.lora_triton") as (module,):
         yield module.lora_add_
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 CASES = {  # name: (slot of each index row, tokens per index row, in, out, slot width r_max, adapter rank)

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels import snake_f32
+
 TAPS = 7  # the residual units' depthwise kernel size
 _TAPS = tl.constexpr(TAPS)  # the same, readable inside kernels
 MAX_BLOCK_T = 1024  # samples per row and program (halo included): long rows are split across programs
@@ -63,8 +65,7 @@ def _residual_unit_kernel(
     x = tl.load(x_ptr + row64[:, None] * length + pos[None, :], mask=row_ok[:, None] & in_x[None, :], other=0.0)
     alpha1 = tl.load(alpha1_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)[:, None]
     xf = x.to(tl.float32)
-    sin1 = tl.sin(alpha1 * xf)
-    src = (xf + (1.0 / (alpha1 + 1e-9)) * (sin1 * sin1)).to(x.dtype)  # 0 where x is masked (zero padding)
+    src = snake_f32(xf, alpha1).to(x.dtype)  # 0 where x is masked (zero padding)
     if RESIDUAL:  # lanes from HALO on are this program's own samples [t0, t0 + step)
         mine = row_ok[:, None] & ((lane >= HALO) & (pos < length))[None, :]
         out_bias = tl.load(out_bias_ptr + chan, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -101,8 +102,7 @@ def _residual_unit_kernel(
     # snake2 on the conv output rounded to x's dtype (the eager conv's output dtype)
     y = acc.to(x.dtype).to(tl.float32)
     alpha2 = tl.load(alpha2_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)[:, None]
-    sin2 = tl.sin(alpha2 * y)
-    z = y + (1.0 / (alpha2 + 1e-9)) * (sin2 * sin2)
+    z = snake_f32(y, alpha2)
     tl.store(z_ptr + row64[:, None] * length + t[None, :], z.to(z_ptr.dtype.element_ty), mask=computed)
 
     if HISTORY != 0:  # noqa: SIM102 (a compile-time branch around a run-time one)
