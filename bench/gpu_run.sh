@@ -31,7 +31,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || echo "wheel install failed" >&2
 fi
-export PYTHONPATH=/tmp/site:.
+# libopus and opuslib (the device machine has neither): the .so into /usr/local/lib, the pure-Python sdist on the path
+OPUS_PATH=
+if compgen -G ".whl/libopus0_*.deb" >/dev/null && ! ldconfig -p | grep -q libopus.so.0; then
+    step "install carried libopus"
+    mkdir -p /tmp/debs && dpkg -x .whl/libopus0_*.deb /tmp/debs && cp -a /tmp/debs/usr/lib/*/libopus.so* /usr/local/lib/ \
+        && ldconfig || echo "libopus install failed" >&2
+fi
+if compgen -G ".whl/opuslib-*.tar.gz" >/dev/null; then
+    mkdir -p /tmp/opuslib && tar -xzf .whl/opuslib-*.tar.gz -C /tmp/opuslib && OPUS_PATH=$(ls -d /tmp/opuslib/opuslib-*):
+fi
+export PYTHONPATH=/tmp/site:$OPUS_PATH.
 export TRITON_INTERPRET=0 VOXGATE_LOG=${VOXGATE_LOG:-INFO} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)
 echo "$GPU"
