@@ -221,8 +221,10 @@ def test_bad_input_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_stream_replays_in_a_cuda_graph(arch):
-    """The streaming step has fixed shapes and in-place state: capture once, replay per patch, equal offline."""
+def test_decode_stream_replays_in_a_cuda_graph(arch, monkeypatch):
+    """The streaming step has fixed shapes and in-place state: capture once, replay per patch, equal offline.
+    In exact fp32: with TF32 (cuDNN's default) the streaming and offline paths round differently (~3e-4 apart)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(8)
     config = ModelConfig.from_dict(tiny(arch))
     vae = AudioVAE(config.audio_vae).cuda().eval()
