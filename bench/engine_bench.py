@@ -108,7 +108,7 @@ def step_summary(before: list[dict], after: list[dict]) -> dict:
         return sum(a.get(key, 0) - b.get(key, 0) for b, a in zip(before, after, strict=False))
 
     return {"by_kind": kinds, "prefill_tokens": delta("prefill_tokens"), "triton_compiles": delta("triton_compiles"),
-            "gpu_ms_total": delta("gpu_ms_total"),
+            "gpu_ms_total": delta("gpu_ms_total"), "ahead_steps": delta("ahead_steps"),
             "compiles_total": sum(a.get("triton_compiles", 0) for a in after)}
 
 
@@ -263,7 +263,7 @@ def table(result: dict) -> str:
                           f"{v.get('gpu_ms_p50')} / {v.get('gpu_ms_p99')}" for k, v in st["by_kind"].items())
         rows.append(f"steps at {lv.get('mode', 'batch')} {lv['concurrency']} (ms p50 / p99): {kinds}; prefill "
                     f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
-                    f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}")
+                    f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:

@@ -7,7 +7,7 @@
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
-#   stages: quick_sweep sweep profile tests lora lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep profile tests lora lora256 lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -91,6 +91,9 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     lora)
         stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
             --max-num-seqs 256 --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
+    lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
+        stage 70 120 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
+            --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
     lora_kernels)
         stage 30 60 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
             >>"$OUT/smoke.log" ;;
@@ -128,10 +131,11 @@ sys.path.insert(0, "bench")
 from engine_bench import profile_table, table
 out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
-for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm15.json"):
+for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
+             "engine_voxcpm15.json"):
     path = out / name
     if not path.exists():
-        print(f"{name}: missing (see the logs in {out})")
+        print(f"{name}: not made (see logs.tar.gz)")
         continue
     result = json.loads(path.read_text())
     if len(result.get("git_commit") or "") != 40:
@@ -140,3 +144,5 @@ for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json"
     print(f"\n{name} ({result.get('date', '')}, {result.get('command', 'profile')})")
     print(profile_table(result) if name == "profile.json" else table(result))
 PYEOF
+# at most 8 files come back from a device run: the logs travel as one archive
+( cd "$OUT" && compgen -G "*.log" >/dev/null && tar -czf logs.tar.gz ./*.log && rm -f ./*.log )

@@ -78,6 +78,7 @@ class PendingStep:
     emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
     kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
+    sampled: torch.Tensor | None = None  # a decode step's patches where it made them (on the device), row j = seq j
 
 
 @dataclass
@@ -132,9 +133,15 @@ class Runner:
         p, d = self.config.patch_size, self.config.feat_dim
         width = -(-self.max_positions // self.block_size)
         self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, self.device)
-        self.host = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True) \
-            if cuda else self.inputs
-        self.host_np = {name: t.numpy() for name, t in vars(self.host).items()}
+        # Two pinned host mirrors on CUDA, one per launch in turn: a step launched ahead (`launch(after=...)`) is
+        # staged while the previous one's inputs may still be on their way to the device.
+        self.hosts = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True)
+                      for _ in range(2)] if cuda else [self.inputs]
+        self.hosts_np = [{name: t.numpy() for name, t in vars(h).items()} for h in self.hosts]
+        self.lora_hosts = [torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda) for _ in self.hosts]
+        self.feedback_index = [torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda) for _ in self.hosts]
+        self.host_turn = 0
+        self._use_host(0)
         rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
         self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
         self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
@@ -145,7 +152,6 @@ class Runner:
         # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
         self.lora = getattr(self.model, "lora", None) is not None
         self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
-        self.lora_rows_host = torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda)
         self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
@@ -182,6 +188,11 @@ class Runner:
             self.warm_up()
             self._log_memory(cfg, weights)
         self.last_step: StepTiming | None = None
+
+    def _use_host(self, turn: int) -> None:
+        self.host_turn = turn
+        self.host, self.host_np = self.hosts[turn], self.hosts_np[turn]
+        self.lora_rows_host = self.lora_hosts[turn]
 
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
@@ -313,42 +324,54 @@ class Runner:
         return self.collect(self.launch(seqs))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
-        """Start a step; on the graph paths the device works on it after this returns."""
+    def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None) -> PendingStep:
+        """Start a step; on the graph paths the device works on it after this returns.
+
+        `after`: a decode step not yet collected whose requests this decode-only step continues
+        (`Scheduler.schedule_ahead`). Its sampled patches become this step's inputs on the device, so this step is
+        staged and queued while that one runs, and the device never waits for the host between the two."""
         start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        pending = self._launch(seqs)
+        pending = self._launch(seqs, after)
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             pending.events = (start, end)
         return pending
 
-    def _launch(self, seqs: list[ScheduledSeq]) -> PendingStep:
+    def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
+        if len(self.hosts) > 1:
+            self._use_host(1 - self.host_turn)
         if not self.lora:
-            return self._launch_step(seqs)
+            return self._launch_step(seqs, after)
         # a step without adapter rows skips all LoRA work: eagerly by the flag, graphed by the sets captured with it
         self.model.lora.bypass = all(s.request.lora_slot == 0 for s in seqs)
         try:
-            return self._launch_step(seqs)
+            return self._launch_step(seqs, after)
         finally:
             self.model.lora.bypass = False
 
-    def _launch_step(self, seqs: list[ScheduledSeq]) -> PendingStep:
+    def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
+        if after is not None and not self._decode_only(seqs):
+            raise ValueError("only a decode-only step can be launched ahead")
         if self._decode_only(seqs):
             n = len(seqs)
-            rows = self._stage_rows([s.request for s in seqs], [s.request.generated[-1] for s in seqs])
+            conds = None if after is not None else [s.request.generated[-1] for s in seqs]
+            rows = self._stage_rows([s.request for s in seqs], conds)
             self._stage_positions(seqs)
             self._upload(rows)
+            if after is not None:
+                self._feed_back(seqs, after)
             if decode_graphs is not None:
                 result = decode_graphs.replay(rows)
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n))
             pending = self._download(seqs, result, n, None)
             pending.kind = "graph" if decode_graphs is not None else "decode"
+            pending.sampled = result.patches
             return pending
         if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
             return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
@@ -410,15 +433,17 @@ class Runner:
         # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
         return self.max_positions if self.device.type == "cuda" else int(self.host.seq_lens[:n].max())
 
-    def _stage_rows(self, reqs: list, conds: list[torch.Tensor]) -> int:
+    def _stage_rows(self, reqs: list, conds: list[torch.Tensor] | None) -> int:
         """Host rows of the sampling inputs (condition patch, noise, cfg, VAE row) of `reqs`, padding up to the
-        bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream)."""
+        bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream).
+        conds None: the condition patches come later, on the device (`_feed_back`)."""
         d, p = self.config.feat_dim, self.config.patch_size
         h = self.host_np
         self._prime([r for r in reqs if not r.vae_primed])
-        for j, (req, cond) in enumerate(zip(reqs, conds, strict=True)):
+        for j, req in enumerate(reqs):
             params = req.spec.params
-            self.host.patches[j].copy_(cond)
+            if conds is not None:
+                self.host.patches[j].copy_(conds[j])
             noise = self.host.noise[j]
             torch.randn(d, p, generator=req.generator, out=noise)
             if params.temperature != 1.0:
@@ -430,6 +455,20 @@ class Runner:
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
         return rows
+
+    def _feed_back(self, seqs: list[ScheduledSeq], after: PendingStep) -> None:
+        """This step's input patches are the patches `after` (still running) sampled for the same requests: copied
+        on the device, behind that step's work and this step's upload on the one stream."""
+        assert after.sampled is not None, "a decode step's sampled patches"
+        row = {id(s.request): j for j, s in enumerate(after.seqs)}
+        index = [row[id(s.request)] for s in seqs]
+        n = len(index)
+        if index == list(range(n)):  # no request left in between: the rows line up
+            self.inputs.patches[:n].copy_(after.sampled[:n])
+            return
+        host = self.feedback_index[self.host_turn]
+        host[:n] = torch.tensor(index)
+        torch.index_select(after.sampled, 0, host[:n].to(self.device, non_blocking=True), out=self.inputs.patches[:n])
 
     def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
         """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""

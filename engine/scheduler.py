@@ -151,6 +151,25 @@ class Scheduler:
         self.num_steps += 1 if seqs else 0
         return seqs
 
+    def schedule_ahead(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """The decode step after `seqs`, a decode-only step still on the device, assuming each of its requests comes
+        out of it running (one that stops turns out one wasted row, dropped at collection). None unless that step
+        is what `schedule` would pick: nothing waiting, every running request in it, a KV block for each."""
+        if self.waiting or {id(r) for r in self.running} - {id(s.request) for s in seqs}:
+            return None  # admissions due, or a running request that `seqs` did not run (prefilling, sat out)
+        nxt = []
+        for seq in seqs:
+            req = seq.request
+            if req.status is not Status.RUNNING or len(req.generated) + 1 >= req.spec.params.max_length:
+                continue  # finished since, or ends with `seqs`
+            if not self.blocks.grow(req.block_table, seq.start + 2):
+                return None  # a preemption may be due: the synchronous path decides
+            nxt.append(ScheduledSeq(req, seq.start + 1, 1, True))
+        if not nxt or len(nxt) > self.max_num_batched_tokens:
+            return None
+        self.num_steps += 1
+        return nxt
+
     def _admit(self, req: Request) -> bool:
         needs_slot = req.vae_slot is None and not req.spec.prefix_only
         if needs_slot and not self.free_slots:

@@ -20,13 +20,15 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
 import torch
+
+from engine.request import Status
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,19 @@ class WorkerConfig:
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     max_lora_rank: int = 32
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
+    # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
+    # a time, the host preparing each step while the device waits)
+    async_scheduling: bool = field(default_factory=lambda: os.environ.get("VOXGATE_ASYNC_SCHEDULING", "1") != "0")
+
+
+@dataclass
+class Launched:
+    """A scheduled step: its sequences, the runner's handle once launched, its number, when it was launched."""
+
+    seqs: list[Any]
+    pending: Any
+    step: int
+    launched_at: float
 
 
 STEP_MS_EDGES = tuple(0.25 * 10 ** (i / 20) for i in range(100))  # 0.25 ms .. 22 s, 12% apart
@@ -82,6 +97,7 @@ class StepStats:
         self.prefill_tokens = 0
         self.compiles = 0
         self.gpu_ms_total = 0.0  # device time between each step's start and end events (idle launch gaps included)
+        self.ahead_steps = 0  # steps launched before the previous one ended (`Worker.step`)
 
     def record(self, kind: str, wall_ms: float, gpu_ms: float | None, prefill_tokens: int, decode_rows: int,
                compiles: int) -> None:
@@ -99,7 +115,7 @@ class StepStats:
     def stats(self) -> dict[str, Any]:
         return {"last_step": dict(self.last), "step_hist": {k: dict(v) for k, v in self.hist.items()},
                 "prefill_tokens": self.prefill_tokens, "triton_compiles": self.compiles,
-                "gpu_ms_total": round(self.gpu_ms_total, 3)}
+                "gpu_ms_total": round(self.gpu_ms_total, 3), "ahead_steps": self.ahead_steps}
 
 
 class AudioRing:
@@ -196,6 +212,8 @@ class Worker:
             sit_out_ms=cfg.sit_out_ms, loras=self.loras)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
         self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
+        self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
+        self.last_collected = time.perf_counter()
         self.step_stats = StepStats()
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
@@ -203,7 +221,7 @@ class Worker:
 
     def loop(self) -> None:
         while True:
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and self.ahead is None:
                 self.publish()
                 self.commands.poll(None)
             changed = False
@@ -218,7 +236,7 @@ class Worker:
                         return
                     self.handle(msg)
                 changed = True
-            if self.scheduler.has_work:
+            if self.scheduler.has_work or self.ahead is not None:
                 self.step()
             elif changed:
                 self.results.send(("stats", self.stats()))
@@ -262,51 +280,77 @@ class Worker:
             log.error("unknown command %r", kind)
 
     def step(self) -> None:
-        """Schedule and launch step N, publish step N-1 while the device runs N, then collect N.
+        """Collect one step, with the device kept busy meanwhile.
 
-        Step N+1's inputs depend on step N's patches, so steps themselves cannot overlap; what overlaps the device
-        is the host's heaviest work: copying audio into the ring and sending the step message."""
+        Steady decoding (`async_scheduling`): step N+1 (the same requests, `Scheduler.schedule_ahead`) is staged
+        and launched while the device runs step N, fed N's patches on the device; the host collects N, publishes
+        it and prepares N+2 while N+1 runs. A request that stops at N runs one wasted row in N+1, dropped here.
+        Otherwise (admissions, prefills, preemptions): schedule and launch step N, publish step N-1 while the
+        device runs N, then collect N."""
         sched = self.scheduler
-        seqs = sched.schedule()
-        if not seqs:
-            self.publish()
-            if sched.waiting and not sched.running:  # nothing can ever free room for it
-                req = sched.waiting[0]
-                sched.finish(req, "error")
-                self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
-            return
+        current = self.ahead
+        self.ahead = None
+        if current is None:
+            seqs = sched.schedule()
+            if not seqs:
+                self.publish()
+                if sched.waiting and not sched.running:  # nothing can ever free room for it
+                    req = sched.waiting[0]
+                    sched.finish(req, "error")
+                    self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
+                return
+            current = Launched(seqs, None, sched.num_steps, time.perf_counter())
+        self.step_stats.ahead_steps += current.pending is not None
         try:
-            if self.tp is not None:
-                self.tp.send_step(seqs, sched)
-            t0 = time.perf_counter()
-            pending = self.runner.launch(seqs)
-            self.publish()
-            out = self.runner.collect(pending)
-            self._note_step(1000 * (time.perf_counter() - t0))
+            if current.pending is None:
+                if self.tp is not None:
+                    self.tp.send_step(current.seqs, sched)
+                current.pending = self.runner.launch(current.seqs)
+            self.publish()  # step N-1's audio leaves while the device runs N
+            self.ahead = self._launch_ahead(current)
+            out = self.runner.collect(current.pending)
+            now = time.perf_counter()
+            # wall: launch to collection, or since the last collection when this step was queued behind it
+            self._note_step(1000 * (now - max(current.launched_at, self.last_collected)))
+            self.last_collected = now
         except Exception as e:  # a failed step fails its requests, not the worker
             log.error("step failed:\n%s", traceback.format_exc())
             if self.tp is not None:  # the ranks are out of step now: end the group, the pool restarts it
                 self.tp.abort()
             self.publish()
-            for seq in seqs:
+            self.ahead = None  # its requests are among these
+            for seq in current.seqs:
                 if seq.request.request_id in sched.requests:
                     sched.finish(seq.request, "error")
                     self.fail(seq.request.request_id, f"{type(e).__name__}: {e}")
             return
-        finished = sched.postprocess(seqs, out.patches, out.stops)
+        live = [seq.request.status is Status.RUNNING for seq in current.seqs]  # not cancelled or stopped since
+        finished = sched.postprocess(current.seqs, out.patches, out.stops)
         chunks = []
         audio_parts = []
         offset = 0
-        for seq, audio in zip(seqs, out.audio, strict=True):
-            if audio is None:
+        for seq, audio, alive in zip(current.seqs, out.audio, live, strict=True):
+            if audio is None or not alive:
                 continue
             req = seq.request
             last = req.stop_reason is not None
             chunks.append((req.request_id, len(req.generated) - 1, req.generated[-1].float().numpy(),
-                           offset, offset + audio.shape[0], last, req.stop_reason, sched.num_steps))
+                           offset, offset + audio.shape[0], last, req.stop_reason, current.step))
             audio_parts.append(audio)
             offset += audio.shape[0]
         self.unpublished = (chunks, audio_parts, finished)
+        if self.ahead is not None:  # now, while the device runs it: its launch after this one reuses these buffers
+            self.publish()
+
+    def _launch_ahead(self, current: Launched) -> Launched | None:
+        """Launch the step after `current` (a decode step still on the device) when it is plain decoding."""
+        pending = current.pending
+        if not self.cfg.async_scheduling or self.tp is not None or pending is None or pending.sampled is None:
+            return None
+        seqs = self.scheduler.schedule_ahead(current.seqs)
+        if seqs is None:
+            return None
+        return Launched(seqs, self.runner.launch(seqs, after=pending), self.scheduler.num_steps, time.perf_counter())
 
     def _note_step(self, wall_ms: float) -> None:
         from engine.runner import triton_compiles

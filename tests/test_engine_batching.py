@@ -104,6 +104,31 @@ async def test_admitting_a_long_prompt_never_skips_a_step_of_running_streams(eng
     np.testing.assert_allclose(audio_a, alone, atol=ATOL)
 
 
+def ahead_steps(engine) -> int:
+    return sum(w["stats"].get("ahead_steps", 0) for w in engine.health()["workers"])
+
+
+async def test_steps_launched_ahead_keep_every_stream_exact_even_when_it_stops(engine, synth):
+    """Steady decoding launches step N+1 before step N is collected, feeding N's patches on the device: a stream
+    that stops at N ran one row too many in N+1, which must never reach its listener."""
+    before = ahead_steps(engine)
+    text = "Hello there, how are you doing today?"
+    cases = [dict(seed=1, max_length=12, min_length=12)] + [dict(seed=s, max_length=20, min_length=0)
+                                                            for s in range(2, 7)]
+    results = await asyncio.gather(*(collect(engine.generate(text, timesteps=STEPS, **c)) for c in cases))
+    assert ahead_steps(engine) - before >= 6
+    reasons = []
+    for case, (audio, chunks) in zip(cases, results, strict=True):
+        alone = np.concatenate(list(synth.stream(text, seed=case["seed"], max_len=case["max_length"],
+                                                 min_len=case["min_length"], timesteps=STEPS)))
+        assert audio.shape == alone.shape
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+        assert [c.index for c in chunks] == list(range(len(chunks))) and chunks[-1].is_last
+        assert sum(c.is_last for c in chunks) == 1
+        reasons.append(chunks[-1].stop_reason)
+    assert reasons[0] == "length" and "stop" in reasons[1:]  # the stop head ended some mid-stream
+
+
 async def test_preempted_requests_resume_with_identical_audio(engine, synth):
     text = "Please call me back tomorrow at three o'clock; the meeting was moved to the second floor."
     before = engine.stats().preemptions

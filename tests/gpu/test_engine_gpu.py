@@ -186,6 +186,33 @@ async def test_engine_with_graphs_streams_finite_audio_for_concurrent_requests(c
 
 
 @gpu
+async def test_steps_launched_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeypatch):
+    """Async scheduling (each steady decode step launched before the previous one is collected, its patches fed on
+    the device) gives the streams of one step at a time: same lengths, same stops, same audio."""
+
+    async def run(async_scheduling: bool) -> tuple[list[list], int]:
+        monkeypatch.setenv("VOXGATE_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
+        engine = Engine(str(tiny_v2_dir), max_num_seqs=16, num_kv_blocks=256, inference_timesteps=4)
+        await engine.wait_for_ready()
+        try:
+            cases = [dict(seed=s, max_length=16, min_length=0 if s % 2 else 16) for s in range(8)]
+            results = await asyncio.gather(*([c async for c in engine.generate("Hello there, how are you today?",
+                                                                               **case)] for case in cases))
+            return results, sum(w["stats"]["ahead_steps"] for w in engine.health()["workers"])
+        finally:
+            await engine.stop()
+
+    ahead, launched_ahead = await run(True)
+    sync, launched_sync = await run(False)
+    assert launched_ahead > 0 and launched_sync == 0
+    assert any(chunks[-1].stop_reason == "stop" for chunks in ahead)
+    for a, s in zip(ahead, sync, strict=True):
+        assert [c.index for c in a] == [c.index for c in s] and a[-1].stop_reason == s[-1].stop_reason
+        np.testing.assert_allclose(np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in s]),
+                                   atol=5e-2)
+
+
+@gpu
 @pytest.mark.timeout(420)
 async def test_512_concurrent_streams_fit_at_utilization_09(cuda, voxcpm2_dir):
     engine = Engine(str(voxcpm2_dir), max_num_seqs=512, max_waiting=512, gpu_memory_utilization=0.9,
