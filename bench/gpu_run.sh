@@ -7,7 +7,7 @@
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
-#   stages: quick_sweep sweep profile tests lora lora256 lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -84,6 +84,9 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     profile)
         stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
+    profile_lora)  # the same with 32 adapters in LoRA slots, rows spread over them: where LoRA's time goes
+        stage 40 80 "per-module profile with 32 LoRA adapters" $PY bench/engine_bench.py --model $V2 --profile \
+            --lora 32 --out "$OUT/profile_lora32.json" 2>>"$OUT/smoke.log" >/dev/null ;;
     tests)
         stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
             >"$OUT/gpu_tests.log" 2>&1
@@ -131,7 +134,7 @@ sys.path.insert(0, "bench")
 from engine_bench import profile_table, table
 out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
-for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
+for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json"):
     path = out / name
     if not path.exists():
@@ -142,7 +145,7 @@ for name in ("profile.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json"
         result["git_commit"] = commit
     path.write_text(json.dumps(result, indent=2))
     print(f"\n{name} ({result.get('date', '')}, {result.get('command', 'profile')})")
-    print(profile_table(result) if name == "profile.json" else table(result))
+    print(profile_table(result) if name.startswith("profile") else table(result))
 PYEOF
 # at most 8 files come back from a device run: the logs travel as one archive
 ( cd "$OUT" && compgen -G "*.log" >/dev/null && tar -czf logs.tar.gz ./*.log && rm -f ./*.log )
