@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import platform
 import random
@@ -205,6 +206,10 @@ async def main(args: argparse.Namespace) -> dict:
     if args.lora:
         await register_random_loras(engine, args.lora, args.lora_rank)
     await one_request(engine, 2, 0, args.timesteps)  # warm-up
+    # the ~170k objects of torch & co. out of the collector's reach: a full collection of them (85-180 ms) would
+    # otherwise land inside a burst, as a server's would (gateway/cli.py does the same once serving)
+    gc.collect()
+    gc.freeze()
     levels = []
     try:
         mode = "poisson" if args.poisson else "closed" if args.closed_loop else "batch"
@@ -229,20 +234,34 @@ async def main(args: argparse.Namespace) -> dict:
             "lora_rank": args.lora_rank if args.lora else None, "levels": levels}
 
 
-async def register_random_loras(engine: Engine, count: int, rank: int) -> None:
-    """`count` random adapters of rank `rank` on every LoRA target (alpha = rank, small weights)."""
+async def register_random_loras(engine: Engine, count: int, rank: int, concurrency: int = 8) -> None:
+    """`count` distinct random adapters of rank `rank` on every LoRA target (alpha = rank, small weights),
+    registered `concurrency` at a time (the engine checks and packs them in threads while a worker stores the
+    previous ones)."""
     from engine.lora import lora_layout
 
     layout = lora_layout(engine.config)
     gen = torch.Generator().manual_seed(0)
+    # The benchmark needs distinct adapters of the right shapes, not independent random ones: one random base per
+    # shape, rolled and scaled per adapter (~400 randn calls over 18.6M values per VoxCPM2 adapter cost ~0.1 s
+    # each; this costs a few copies), shared by every layer of that shape within an adapter.
+    bases_a = {n: torch.randn(rank, n, generator=gen) / n ** 0.5 for n in {fan_in for fan_in, _ in layout.values()}}
+    bases_b = {n: torch.randn(n, rank, generator=gen) * 0.01 for n in {fan_out for _, fan_out in layout.values()}}
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            scale = 1.0 + 1e-3 * i
+            a = {n: base.roll(i, dims=1) * scale for n, base in bases_a.items()}
+            b = {n: base.roll(i, dims=0) for n, base in bases_b.items()}
+            tensors = {}
+            for path, (fan_in, fan_out) in layout.items():
+                tensors[f"{path}.lora_A"], tensors[f"{path}.lora_B"] = a[fan_in], b[fan_out]
+            await engine.register_lora(f"bench-{i}", tensors, config={"r": rank, "alpha": rank})
+
     t = time.perf_counter()
-    for i in range(count):
-        tensors = {}
-        for path, (fan_in, fan_out) in layout.items():
-            tensors[f"{path}.lora_A"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
-            tensors[f"{path}.lora_B"] = torch.randn(fan_out, rank, generator=gen) * 0.01
-        await engine.register_lora(f"bench-{i}", tensors, config={"r": rank, "alpha": rank})
-        LORAS.append(f"bench-{i}")
+    await asyncio.gather(*(one(i) for i in range(count)))
+    LORAS.extend(f"bench-{i}" for i in range(count))
     print(f"registered {count} LoRA adapters of rank {rank} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
 
@@ -318,6 +337,8 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     h["noise"][:b] = np.random.default_rng(b).standard_normal(h["noise"][:b].shape)
     h["patches"][:b] = np.random.default_rng(b + 1).standard_normal(h["patches"][:b].shape) * 0.5
     runner.inputs.copy_rows_(runner.host, b)
+    runner.lora_rows[:b].copy_(_lora_rows(runner, b))
+    net.set_lora_indices(tokens=runner.lora_rows[:b], seqs=runner.lora_rows[:b])
     i = runner.inputs
     meta = AttentionMetadata(runner.cu_seqlens[:b + 1], i.seq_lens[:b], i.slots[:b], i.block_tables[:b], 1,
                              runner.max_positions)
@@ -342,22 +363,25 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
 
 
 @torch.inference_mode()
-def profile(model: str, dtype: str | None, timesteps: int, context: int, batches: tuple[int, ...] = (1, 64, 256)
-            ) -> dict:
+def profile(model: str, dtype: str | None, timesteps: int, context: int, batches: tuple[int, ...] = (1, 64, 256),
+            loras: int = 0, lora_rank: int = 32) -> dict:
     """GPU time per module of one decode step (LocEnc, base LM, residual LM, DiT with all Euler steps, VAE with its
-    state gather/scatter) and of the whole graphed step, at each batch size, sequences `context` positions long."""
+    state gather/scatter) and of the whole graphed step, at each batch size, sequences `context` positions long.
+    loras > 0: with that many random adapters in LoRA slots, row j using adapter j % loras + 1."""
     from engine.checkpoint import load_model
     from engine.runner import Runner
     from engine.worker import WorkerConfig
 
     loaded = load_model(model, "cuda", dtype)
+    if loras:
+        _random_lora_slots(loaded.model, loras, lora_rank)
     blocks = -(-(context + 1) // 16)
     runner = Runner(loaded, WorkerConfig(
         model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=4096,
         block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
-        inference_timesteps=timesteps))
+        inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank))
     out: dict = {"model": model, "dtype": str(runner.dtype), "timesteps": timesteps, "context": context,
-                 "device": torch.cuda.get_device_name(0), "batches": {}}
+                 "device": torch.cuda.get_device_name(0), "loras": loras, "batches": {}}
     for b in batches:
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
         print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
@@ -368,11 +392,30 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
         "decode_256": top_kernels(lambda: runner._decode_body(max(batches), runner.max_positions)),
         "prefill_64": top_kernels(lambda: _prefill(runner, 64, PREFILL_POSITIONS)),
     }
+    if loras:  # where the adapters' time goes at the issue's concurrency
+        out["top_kernels"]["decode_64"] = top_kernels(lambda: runner._decode_body(64, runner.max_positions))
     out["memory"] = runner.memory
     return out
 
 
 PREFILL_POSITIONS = 114  # the anchor's prompt length
+
+
+def _random_lora_slots(model, loras: int, rank: int) -> None:
+    """Slots 1..loras of every LoRA target filled with random weights (as `register_random_loras` makes them)."""
+    from engine.model.lora import attach_lora
+
+    state = attach_lora(model, loras, rank)
+    for layer in state.layers.values():  # fused groups' members are views: filling them fills the group
+        layer.lora_A[1:].normal_(std=layer.lora_A.shape[-1] ** -0.5)
+        layer.lora_B[1:].normal_(std=0.01)
+
+
+def _lora_rows(runner, n: int) -> torch.Tensor:
+    """Adapter slot of each of n rows, spread over all slots (all zeros without LoRA)."""
+    slots = runner.model.lora.num_slots - 1 if runner.lora else 0
+    rows = torch.arange(n, device=runner.device)
+    return rows % slots + 1 if slots else torch.zeros_like(rows)
 
 
 def _prefill(runner, seqs: int, length: int) -> None:
@@ -386,6 +429,8 @@ def _prefill(runner, seqs: int, length: int) -> None:
     n = seqs * length
     p, d = runner.config.patch_size, runner.config.feat_dim
     ids = torch.randint(0, runner.config.lm.vocab_size, (n,), device=dev)
+    per_seq = _lora_rows(runner, seqs)
+    runner.model.set_lora_indices(tokens=per_seq.repeat_interleave(length), seqs=per_seq)
     runner.model.forward_lms(ids, torch.zeros(n, p, d, device=dev, dtype=runner.dtype),
                              torch.zeros(n, dtype=torch.long, device=dev), meta.positions().long(), meta,
                              runner.caches, torch.arange(length - 1, n, length, device=dev),
@@ -556,7 +601,8 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.profile:
-        result = profile(model_dir(arguments), arguments.dtype, arguments.timesteps, arguments.context)
+        result = profile(model_dir(arguments), arguments.dtype, arguments.timesteps, arguments.context,
+                         loras=arguments.lora, lora_rank=arguments.lora_rank)
         render = profile_table
     else:
         result = asyncio.run(main(arguments))

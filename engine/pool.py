@@ -61,7 +61,7 @@ LATE_SLACK_MS = 300.0  # a worker whose most starved settled listener has less t
 class LoRAEntry:
     """A registered adapter and the requests using it."""
 
-    adapter: Any  # engine.lora.LoRAAdapter (float32 CPU weights: resent to a restarted worker)
+    adapter: Any  # engine.lora.LoRAAdapter, packed in the workers' dtype (resent to a restarted worker)
     users: set[str] = field(default_factory=set)  # request ids in flight
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -121,9 +121,12 @@ class Engine:
         self._streams: dict[str, Stream] = {}
         self._voices: dict[str, Voice] = {}
         self._loras: dict[str, LoRAEntry] = {}
-        self._lora_layout: dict[str, tuple[int, int]] | None = None
+        self._lora_layout: asyncio.Future | None = None  # {module path: (in, out)}, built once in a thread
+        self._lora_registering: set[str] = set()  # names being registered now: a second one is refused
         self._restarts = 0
         self._crashes = CrashWindow()
+        # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
+        self._outgoing: list[tuple[WorkerHandle, tuple[Any, ...]]] = []
         self._stopped = False
         self._fatal: str | None = None
         self._workers = [self._start_worker(i) for i in range(len(groups))]
@@ -215,7 +218,23 @@ class Engine:
 
     async def _call(self, worker: WorkerHandle, kind: str, *args: Any) -> Any:
         await self._wait_ready(worker)
+        self._flush()  # what was posted before this call reaches the worker before it
         return await worker.call(kind, *args)
+
+    def _post(self, worker: WorkerHandle, msg: tuple[Any, ...]) -> None:
+        """Send `msg` to `worker` once the event loop's current pass is over, in order with every other post.
+
+        A burst of `generate` calls runs in one pass: its requests then reach the worker together, so its first
+        step sees them all, and the worker's sender thread (which takes the GIL from the event loop to pickle and
+        send) wakes once for the burst, not once per request in the middle of it."""
+        if not self._outgoing:
+            self.loop.call_soon(self._flush)
+        self._outgoing.append((worker, msg))
+
+    def _flush(self) -> None:
+        out, self._outgoing = self._outgoing, []
+        for worker, msg in out:
+            worker.send(msg)
 
     async def _wait_ready(self, worker: WorkerHandle) -> None:
         await worker.ready.wait()
@@ -293,7 +312,7 @@ class Engine:
         await self._wait_ready(stream.worker)
         if stream.done:
             return
-        stream.worker.send(("add", spec))
+        self._post(stream.worker, ("add", spec))
 
     def _spec(self, **args: Any) -> RequestSpec:
         return request_spec(self.config, self.tokenizer, self._kv_positions(), **args)
@@ -309,7 +328,7 @@ class Engine:
         self._forget(stream)
         stream.queue.put_nowait(None)
         if stream.worker.alive:
-            stream.worker.send(("cancel", request_id))
+            self._post(stream.worker, ("cancel", request_id))
 
     def update_buffered(self, request_id: str, audio_ms: float) -> None:
         """The listener of `request_id` has `audio_ms` of audio queued (drives deadline-first scheduling)."""
@@ -317,7 +336,7 @@ class Engine:
             raise InvalidParameter(f"audio_ms must be a finite number (got {audio_ms!r})")
         stream = self._streams.get(request_id)
         if stream is not None and stream.worker.alive:
-            stream.worker.send(("buffered", request_id, float(audio_ms)))
+            self._post(stream.worker, ("buffered", request_id, float(audio_ms)))
 
     # ---- audio and voices --------------------------------------------------------------------------------
     async def encode_audio(self, audio: bytes | np.ndarray, sample_rate: int | None = None,
@@ -371,7 +390,7 @@ class Engine:
             raise UnknownVoice(f"no stored voice {voice_id!r}")
         for w in self._workers:
             if w.alive:
-                w.send(("remove_voice", voice_id))
+                self._post(w, ("remove_voice", voice_id))
 
     def list_voices(self) -> list[VoiceInfo]:
         """The stored voices, in the order they were added."""
@@ -393,19 +412,48 @@ class Engine:
         """Load an adapter (a directory with lora_weights.safetensors + lora_config.json, the .safetensors file,
         or tensors with `config`), check it against the model and put it on every worker. Bad adapters raise
         `InvalidLoRA` here, before any worker sees them."""
-        from engine.lora import load_adapter, lora_layout
+        from engine.lora import SharedAdapter, load_adapter, lora_layout
 
         max_loras, max_rank = self._worker_configs[0].max_loras, self._worker_configs[0].max_lora_rank
         if not max_loras:
             raise InvalidLoRA("this engine has no LoRA slots: start it with max_loras >= 1")
-        if isinstance(name, str) and name in self._loras:
+        if isinstance(name, str) and (name in self._loras or name in self._lora_registering):
             raise InvalidLoRA(f"a LoRA adapter named {name!r} is already registered: unregister it first")
-        if self._lora_layout is None:
-            self._lora_layout = lora_layout(self.config)
-        adapter = await asyncio.to_thread(load_adapter, name, source, self._lora_layout, max_rank, config)
-        if name in self._loras:  # registered meanwhile
-            raise InvalidLoRA(f"a LoRA adapter named {name!r} is already registered: unregister it first")
-        await asyncio.gather(*(self._call(w, "lora_add", adapter) for w in self._workers))
+        if self._lora_layout is None:  # a meta-device model: ~1 s at VoxCPM2 size, off the event loop
+            self._lora_layout = asyncio.ensure_future(asyncio.to_thread(lora_layout, self.config))
+        # Registrations may run concurrently (the reading, checking and packing run in threads, the workers take
+        # the adapters one after another); the name is held from here so two of one name cannot both pass.
+        held = isinstance(name, str)
+        if held:
+            self._lora_registering.add(name)
+        try:
+            try:
+                layout = await asyncio.shield(self._lora_layout)
+            except Exception:
+                self._lora_layout = None  # let the next registration try again
+                raise
+            adapter = await asyncio.to_thread(load_adapter, name, source, layout, max_rank, config)
+            await self._wait_ready(self._workers[0])
+            # sent and kept in the model's dtype with alpha/r folded in: half the bytes of float32 in bf16, and
+            # the slots get the same bits as packing in the worker would give
+            dtype = getattr(torch, self._workers[0].info.get("dtype", "float32"))
+            adapter = await asyncio.to_thread(adapter.packed, dtype)
+            shared = await asyncio.to_thread(SharedAdapter.create, adapter)  # None: send it through the pipe
+            calls = asyncio.gather(*(self._call(w, "lora_add", shared or adapter) for w in self._workers))
+
+            def ended(f: asyncio.Future) -> None:
+                # the segment must outlive every worker's read: it goes when the calls end (a reply, a crash or
+                # the engine stopping), even if this registration was cancelled meanwhile
+                if shared is not None:
+                    shared.unlink()
+                if not f.cancelled():
+                    f.exception()  # retrieved: a cancelled registration no longer awaits it
+
+            calls.add_done_callback(ended)
+            await asyncio.shield(calls)
+        finally:
+            if held:
+                self._lora_registering.discard(name)
         entry = LoRAEntry(adapter)
         entry.drained.set()
         self._loras[name] = entry

@@ -102,9 +102,21 @@ def encode_prompt_audio(vae: nn.Module, audio: np.ndarray | Tensor, sample_rate:
     return feat.float().cpu().view(vae.latent_dim, -1, patch_size).permute(1, 2, 0).contiguous()
 
 
-def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                 prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None) -> Prompt:
-    """The prefill sequence of one request (see the module docstring for the four layouts)."""
+@dataclass
+class PromptLayout:
+    """A prompt before any tensor is built: what `build_prompt` and the engine's request builder share."""
+
+    token_ids: list[int]  # 0 at audio positions
+    audio_mask: list[int]  # 1 at audio positions
+    audio: list[tuple[int, Tensor]]  # (first position, patches [T, P, D]) of each audio run, in order
+    n_target_tokens: int
+    n_context: int  # last prompt patches that prime the VAE stream (continuation), else 0
+
+
+def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
+                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None) -> PromptLayout:
+    """The positions of one request's prefill (see the module docstring for the four layouts), checked; plain
+    lists, so a text-only request costs no tensor work here."""
     if not isinstance(text, str):
         raise InvalidRequest(f"text must be a string (got {type(text).__name__})")
     target = normalize_text(text)
@@ -119,38 +131,58 @@ def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt
         if p is not None and (p.ndim != 3 or tuple(p.shape[1:]) != shape or len(p) == 0):
             raise InvalidAudio(f"{name} patches must be [T > 0, {shape[0]}, {shape[1]}] (got {tuple(p.shape)})")
 
-    n_target = len(tokenizer.encode(target))
-    text_ids = tokenizer.encode(prompt_text + target if prompt_text is not None else target) + [AUDIO_START]
+    text_ids = tokenizer.encode(target)
+    n_target = len(text_ids)
+    if prompt_text is not None:
+        # tokenized together with the target, as the official code does (the ids at the seam may differ from
+        # the two parts'): only then is the text tokenized twice, the target alone for its length
+        text_ids = tokenizer.encode(prompt_text + target)
+    text_ids.append(AUDIO_START)
     ids: list[int] = []
-    audio: list[bool] = []
-    feats: list[Tensor] = []
-
-    def add_text(tokens: list[int]) -> None:
-        ids.extend(tokens)
-        audio.extend([False] * len(tokens))
-        feats.append(torch.zeros(len(tokens), *shape))
+    mask: list[int] = []
+    audio: list[tuple[int, Tensor]] = []
 
     def add_audio(patches: Tensor) -> None:
+        audio.append((len(ids), patches))
         ids.extend([0] * len(patches))
-        audio.extend([True] * len(patches))
-        feats.append(patches.detach().float().cpu())
+        mask.extend([1] * len(patches))
 
     if reference_patches is not None:
-        add_text([REF_AUDIO_START])
+        ids.append(REF_AUDIO_START)
+        mask.append(0)
         add_audio(reference_patches)
-        add_text([REF_AUDIO_END])
-    add_text(text_ids)
+        ids.append(REF_AUDIO_END)
+        mask.append(0)
+    ids.extend(text_ids)
+    mask.extend([0] * len(text_ids))
     if prompt_patches is not None:
         add_audio(prompt_patches)
-
-    patches = torch.cat(feats)
     n_context = min(CONTEXT_PATCHES[config.architecture], len(prompt_patches)) if prompt_patches is not None else 0
+    return PromptLayout(ids, mask, audio, n_target, n_context)
+
+
+def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = None) -> Tensor:
+    """float32 [n, P, D] of the layout's first `n` positions (all by default): its audio patches, zeros at text."""
+    n = len(layout.token_ids) if n is None else n
+    patches = torch.zeros(n, config.patch_size, config.feat_dim)
+    for start, p in layout.audio:
+        if start < n:
+            patches[start:start + len(p)] = p[:n - start].detach()
+    return patches
+
+
+def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
+                 prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None) -> Prompt:
+    """The prefill sequence of one request (see the module docstring for the four layouts)."""
+    layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
+                           reference_patches=reference_patches)
+    patches = layout_patches(config, layout)
     return Prompt(
-        token_ids=torch.tensor(ids, dtype=torch.long),
+        token_ids=torch.tensor(layout.token_ids, dtype=torch.long),
         patches=patches,
-        audio_mask=torch.tensor(audio, dtype=torch.bool),
-        n_target_tokens=n_target,
-        context_patches=patches[len(patches) - n_context:],
+        audio_mask=torch.tensor(layout.audio_mask, dtype=torch.bool),
+        n_target_tokens=layout.n_target_tokens,
+        context_patches=patches[len(patches) - layout.n_context:],
         cond=patches[-1].clone(),
     )
 
@@ -160,4 +192,5 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
     return max(0, config.max_length - prompt_len)
 
 
-__all__ = ["Prompt", "build_prompt", "encode_prompt_audio", "length_cap", "positions_left", "read_audio"]
+__all__ = ["Prompt", "PromptLayout", "build_prompt", "encode_prompt_audio", "layout_patches", "length_cap",
+           "positions_left", "prompt_layout", "read_audio"]

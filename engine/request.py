@@ -34,7 +34,7 @@ class RequestSpec:
 
     request_id: str
     token_ids: list[int]
-    patches: torch.Tensor  # [N, P, D] float32; zeros at text positions
+    patches: torch.Tensor  # [N, P, D] float32; zeros at text positions (text-only: a read-only expanded zero)
     audio_mask: list[int]  # [N] 1 at audio positions
     cond: torch.Tensor  # [P, D] the patch that conditions the first sampled one
     context_patches: torch.Tensor | None  # [C, P, D] primes the VAE stream for continuation
@@ -49,11 +49,15 @@ class RequestSpec:
 
     # Pickled by value, audio rows only. Tensors in a pickle would travel as shared-memory handles that the worker
     # fetches one by one from a thread of the sending process; behind a busy event loop each fetch waits for the
-    # GIL, which made a burst of requests reach the worker ~10 ms apart.
+    # GIL, which made a burst of requests reach the worker ~10 ms apart. A text-only prompt (most requests) sends
+    # no rows at all and skips the scan of its mask.
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        audio = [i for i, a in enumerate(self.audio_mask) if a]
-        state["patches"] = (tuple(self.patches.shape), audio, self.patches[audio].numpy())
+        if any(self.audio_mask):
+            audio = [i for i, a in enumerate(self.audio_mask) if a]
+            state["patches"] = (tuple(self.patches.shape), audio, self.patches[audio].numpy())
+        else:
+            state["patches"] = (tuple(self.patches.shape), None, None)
         state["cond"] = self.cond.numpy()
         if self.context_patches is not None:
             state["context_patches"] = self.context_patches.numpy()
@@ -62,7 +66,8 @@ class RequestSpec:
     def __setstate__(self, state: dict) -> None:
         shape, audio, values = state["patches"]
         patches = torch.zeros(shape)
-        patches[audio] = torch.from_numpy(values)
+        if audio is not None:
+            patches[audio] = torch.from_numpy(values)
         state["patches"], state["cond"] = patches, torch.from_numpy(state["cond"])
         if state["context_patches"] is not None:
             state["context_patches"] = torch.from_numpy(state["context_patches"])

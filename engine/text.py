@@ -20,9 +20,13 @@ class TokenizerError(ValueError):
     """The tokenizer files are missing or unreadable."""
 
 
+_WHITESPACE = re.compile(r"\s+")
+
+
 def normalize_text(text: str) -> str:
-    """Newlines become spaces and whitespace runs collapse to one space (as the official `generate`)."""
-    return re.sub(r"\s+", " ", text.replace("\n", " "))
+    """Newlines become spaces and whitespace runs collapse to one space (as the official `generate`, which
+    replaces "\\n" first: "\\n" is whitespace, so one substitution gives the same string)."""
+    return _WHITESPACE.sub(" ", text)
 
 
 def _is_cjk_word(token: str) -> bool:
@@ -39,6 +43,18 @@ class Tokenizer:
         self._cjk_words = {token for token in vocab if _is_cjk_word(token)}
         unk = vocab.get(UNK_TOKEN)
         self._unk_id = 0 if unk is None else unk
+        # `encode` takes the ids the backend returns and rewrites only the ids whose token the reference path
+        # (`tokenize`, then one vocabulary lookup per token string) maps elsewhere: the CJK words it splits, and
+        # any id whose string looks up another id (a duplicate string: no entry of the vocabulary dict has it).
+        self._rewrite: dict[int, list[int]] = {}
+        for token, token_id in vocab.items():
+            if token.replace(SPACE_MARK, "") in self._cjk_words:
+                self._rewrite[token_id] = self._lookup(self._split(token))
+        known = set(vocab.values())
+        for token_id in range(max(known, default=-1) + 1):
+            token = None if token_id in known else backend.id_to_token(token_id)
+            if token is not None:
+                self._rewrite[token_id] = self._lookup(self._split(token))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -55,23 +71,44 @@ class Tokenizer:
             raise TokenizerError(f"{file}: file not found")
         return cls.from_file(file)
 
+    def _split(self, token: str) -> list[str]:
+        """The CJK split rule on one token: a multi-character CJK word ("▁" removed) becomes its characters."""
+        bare = token.replace(SPACE_MARK, "")
+        return list(bare) if bare in self._cjk_words else [token]
+
+    def _lookup(self, tokens: list[str]) -> list[int]:
+        """Vocabulary ids of token strings, `<unk>` for strings the vocabulary lacks (as `convert_tokens_to_ids`)."""
+        ids = []
+        for token in tokens:
+            token_id = self.backend.token_to_id(token)
+            ids.append(self._unk_id if token_id is None else token_id)
+        return ids
+
     def tokenize(self, text: str) -> list[str]:
         """Token strings after the CJK split rule (the official wrapper removes every "▁" before the check)."""
         out: list[str] = []
         for token in self.backend.encode(text, add_special_tokens=False).tokens:
-            bare = token.replace(SPACE_MARK, "")
-            if bare in self._cjk_words:
-                out.extend(bare)
-            else:
-                out.append(token)
+            out.extend(self._split(token))
         return out
+
+    def encode_reference(self, text: str) -> list[int]:
+        """`encode` done as the official wrapper does it (token strings, then one lookup each): the slow path
+        `encode` must match, kept for the tests."""
+        return self._lookup(self.tokenize(text))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS/EOS); call `normalize_text` first for user input."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str (got {type(text).__name__})")
-        ids = []
-        for token in self.tokenize(text):
-            token_id = self.backend.token_to_id(token)
-            ids.append(self._unk_id if token_id is None else token_id)
-        return ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        rewrite = self._rewrite
+        if rewrite.keys().isdisjoint(ids):  # English, most text: the backend's ids as they are
+            return ids
+        out: list[int] = []
+        for token_id in ids:
+            new = rewrite.get(token_id)
+            if new is None:
+                out.append(token_id)
+            else:
+                out.extend(new)
+        return out

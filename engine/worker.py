@@ -255,10 +255,14 @@ class Worker:
             if self.loras is None:
                 self.results.send(("reply", call, False, "this worker has no LoRA slots"))
                 return
-            if kind == "lora_add":
-                self.loras.add(arg)
-            else:
-                self.loras.remove(arg)
+            try:  # a bad adapter fails its registration, not the worker and its streams
+                if kind == "lora_add":
+                    self.loras.add(arg)
+                else:
+                    self.loras.remove(arg)
+            except Exception as e:
+                self.results.send(("reply", call, False, f"{type(e).__name__}: {e}"))
+                return
             self.results.send(("reply", call, True, None))
         elif kind == "cancel":
             self.scheduler.cancel(msg[1])

@@ -1,0 +1,224 @@
+"""The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, expanded zero
+patches, deferred sends) gives exactly what the reference path (one vocabulary lookup per token string, tensors for
+every position, as the code before it) gives: the same token ids and the same `RequestSpec`, before and after the
+pickle that carries it to a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import re
+
+import pytest
+import torch
+
+from engine import guards
+from engine.config import ModelConfig
+from engine.errors import TextTooLong
+from engine.model_configs import tiny
+from engine.prompt import AUDIO_START, CONTEXT_PATCHES, REF_AUDIO_END, REF_AUDIO_START, build_prompt, length_cap
+from engine.random_checkpoint import write_tokenizer
+from engine.request import RequestSpec, SamplingParams
+from engine.specs import request_spec, voice_prefix_spec
+from engine.text import Tokenizer, normalize_text
+
+TEXTS = [
+    "Sure, I can help with that. The quickest way is to restart the router, wait for the lights to settle.",
+    "你好，世界！今天天气很好。我们可以说中文", "Mixed 中文 and English 语音合成, ok? 我们可以说中文 again",
+    "  odd   spaces\t\tand\ttabs\nnew lines ", "emoji 😀🎉 café naïve ß 日本語のテキスト 한국어",
+    "<s>literal</s> <|audio_start|> ▁already marked 3.14", "中文", "a",
+]
+PROMPT_TEXTS = ["This is the prompt.", "这是提示文本。", "Prompt 中文 mixed "]
+
+
+@pytest.fixture(scope="module", params=[512, 73448], ids=["tiny-vocab", "release-vocab"])
+def tokenizer(request, tmp_path_factory) -> Tokenizer:
+    d = tmp_path_factory.mktemp(f"tok{request.param}")
+    write_tokenizer(d, request.param)
+    return Tokenizer.from_dir(d)
+
+
+@pytest.fixture(scope="module")
+def config() -> ModelConfig:
+    return ModelConfig.from_dict(tiny("voxcpm2"))
+
+
+def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
+                   prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
+                   params: SamplingParams, request_id: str) -> RequestSpec:
+    """The request builder as it was: the target tokenized twice by the per-token-string lookup, a tensor for
+    every position, ids and mask read back element by element."""
+    target = normalize_text(text)
+    shape = (config.patch_size, config.feat_dim)
+    n_target = len(tokenizer.encode_reference(target))
+    text_ids = tokenizer.encode_reference(prompt_text + target if prompt_text is not None else target) + [AUDIO_START]
+    ids: list[int] = []
+    audio: list[bool] = []
+    feats: list[torch.Tensor] = []
+
+    def add_text(tokens: list[int]) -> None:
+        ids.extend(tokens)
+        audio.extend([False] * len(tokens))
+        feats.append(torch.zeros(len(tokens), *shape))
+
+    def add_audio(patches: torch.Tensor) -> None:
+        ids.extend([0] * len(patches))
+        audio.extend([True] * len(patches))
+        feats.append(patches.detach().float().cpu())
+
+    if ref_patches is not None:
+        add_text([REF_AUDIO_START])
+        add_audio(ref_patches)
+        add_text([REF_AUDIO_END])
+    add_text(text_ids)
+    if prompt_patches is not None:
+        add_audio(prompt_patches)
+    patches = torch.cat(feats)
+    n_context = min(CONTEXT_PATCHES[config.architecture], len(prompt_patches)) if prompt_patches is not None else 0
+    token_ids, mask = torch.tensor(ids, dtype=torch.long), torch.tensor(audio, dtype=torch.bool)
+    n = len(token_ids)
+    cap = min(length_cap(n_target, params.max_length or config.max_length), config.max_length - n, kv_positions - n)
+    params.max_length = cap
+    return RequestSpec(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches,
+                       audio_mask=[int(m) for m in mask], cond=patches[-1].clone(),
+                       context_patches=patches[len(patches) - n_context:], params=params)
+
+
+def assert_same_spec(a: RequestSpec, b: RequestSpec) -> None:
+    assert a.request_id == b.request_id
+    assert a.token_ids == b.token_ids
+    assert all(type(t) is int for t in a.token_ids)
+    assert a.audio_mask == b.audio_mask
+    assert all(type(m) is int for m in a.audio_mask)
+    for name in ("patches", "cond", "context_patches"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape and torch.equal(x, y), name
+    assert a.params == b.params
+    assert (a.voice_id, a.prefix_only, a.lora) == (b.voice_id, b.prefix_only, b.lora)
+
+
+def test_encode_matches_the_per_token_lookup(tokenizer):
+    for text in TEXTS + PROMPT_TEXTS + [t + u for t in PROMPT_TEXTS for u in TEXTS]:
+        for t in (text, normalize_text(text)):
+            ids = tokenizer.encode(t)
+            assert ids == tokenizer.encode_reference(t), t
+            assert all(type(i) is int for i in ids)
+    assert tokenizer._rewrite, "the test tokenizer must hold multi-character CJK tokens"
+    split = tokenizer.encode("我们可以说中文")
+    assert not set(split) & tokenizer._rewrite.keys()  # every CJK word came out as characters
+
+
+def test_normalize_text_as_the_official_rule():
+    for text in TEXTS + ["a\nb\r\n  c\t\td ", "\n\n", "x\u3000y\u00a0z"]:
+        assert normalize_text(text) == re.sub(r"\s+", " ", text.replace("\n", " "))
+
+
+@pytest.mark.parametrize("mode", ["zero-shot", "continuation", "reference", "reference+continuation"])
+def test_request_spec_matches_reference(tokenizer, config, mode):
+    gen = torch.Generator().manual_seed(0)
+    shape = (config.patch_size, config.feat_dim)
+    for k, text in enumerate(TEXTS):
+        prompt_text = PROMPT_TEXTS[k % len(PROMPT_TEXTS)] if "continuation" in mode else None
+        prompt = torch.randn(3 + k, *shape, generator=gen) if prompt_text is not None else None
+        ref = torch.randn(5 + k, *shape, generator=gen) if mode.startswith("reference") else None
+        for max_length in (0, 7):
+            args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt, ref_patches=ref,
+                        request_id=f"r{k}")
+            p = SamplingParams(seed=k, max_length=max_length)
+            ours = request_spec(config, tokenizer, 10_000, params=p, voice_id=None, **args)
+            ref_spec = reference_spec(config, tokenizer, 10_000, params=SamplingParams(seed=k, max_length=max_length),
+                                      **args)
+            assert_same_spec(ours, ref_spec)
+            assert_same_spec(pickle.loads(pickle.dumps(ours)), ref_spec)
+            # build_prompt (the offline path) agrees with the request builder
+            built = build_prompt(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt,
+                                 reference_patches=ref)
+            assert built.token_ids.tolist() == ours.token_ids
+            assert torch.equal(built.patches, ref_spec.patches) and torch.equal(built.cond, ref_spec.cond)
+            assert torch.equal(built.context_patches, ref_spec.context_patches)
+
+
+def test_text_only_patches_allocate_nothing_and_unpickle_writable(tokenizer, config):
+    spec = request_spec(config, tokenizer, 10_000, text=TEXTS[0], prompt_text=None, prompt_patches=None,
+                        ref_patches=None, params=SamplingParams(), request_id="r", voice_id=None)
+    assert spec.patches.stride() == (0, 0, 0)  # a view of one zero
+    with pytest.raises(RuntimeError):
+        spec.patches[0] += 1  # the shared zero cannot be written through it
+    state = spec.__getstate__()
+    assert state["patches"][1] is None and state["patches"][2] is None  # shape only: no rows travel
+    worker = pickle.loads(pickle.dumps(spec))
+    assert worker.patches.is_contiguous() and not worker.patches.any()
+    worker.patches[0] += 1  # the worker's copy is its own
+    assert not spec.patches.any()
+
+
+def test_voice_prefix_spec_matches_reference(tokenizer, config):
+    ref = torch.randn(6, config.patch_size, config.feat_dim, generator=torch.Generator().manual_seed(1))
+    ours = voice_prefix_spec(config, tokenizer, 10_000, "v", ref)
+    full = reference_spec(config, tokenizer, 10_000, text="a", prompt_text=None, prompt_patches=None,
+                          ref_patches=ref, params=SamplingParams(), request_id="x")
+    n = len(ref) + 2
+    assert ours.token_ids == full.token_ids[:n] and ours.audio_mask == full.audio_mask[:n]
+    assert torch.equal(ours.patches, full.patches[:n]) and ours.prefix_only
+    back = pickle.loads(pickle.dumps(ours))
+    assert torch.equal(back.patches, full.patches[:n]) and back.context_patches is None
+    with pytest.raises(TextTooLong):
+        voice_prefix_spec(config, tokenizer, n - 1, "v", ref)
+
+
+def test_new_request_ids_are_unique_hex_and_skip_ids_in_flight():
+    ids = [guards.request_id_or_new(None, {}) for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    # a caller-chosen id that happens to be the next fresh one is skipped, not reused
+    taken = guards.new_request_id()
+    nxt = f"{taken[:16]}{int(taken[16:], 16) + 1:016x}"
+    assert guards.request_id_or_new(None, {nxt: object()}) != nxt
+    assert guards.request_id_or_new("mine", {}) == "mine"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
+    """A burst of `generate` calls in one event-loop pass is sent after the pass, every request of it at once; a
+    cancel posted in the same pass follows its request's add, so the worker frees what it just admitted."""
+    worker = engine._workers[0]
+    started: list[str] = []
+    sent: list[tuple[str, str, int]] = []  # (kind, request id, requests started when it was sent)
+    send = worker.send
+
+    def spy(msg: tuple) -> None:
+        rid = msg[1].request_id if msg[0] == "add" else msg[1] if msg[0] == "cancel" else ""
+        sent.append((msg[0], rid, len(started)))
+        send(msg)
+
+    async def one(i: int) -> list:
+        gen = engine.generate("Hello there, how are you?", seed=i, max_length=3, min_length=3)
+        started.append(gen.request_id)
+        return [c async for c in gen]
+
+    worker.send = spy
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(6)))
+        assert all(len(r) == 3 and r[-1].is_last for r in results)
+        adds = [s for s in sent if s[0] == "add"]
+        assert sorted(s[1] for s in adds) == sorted(started)
+        assert all(s[2] == 6 for s in adds)  # none left before every request of the burst was built
+
+        sent.clear()
+        gen = engine.generate("Cancel me right away.", seed=99, max_length=20, min_length=20)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request's add is posted, not yet sent
+        await engine.cancel(gen.request_id)
+        with pytest.raises(StopAsyncIteration):
+            await first
+        await asyncio.sleep(0)
+        assert [s[:2] for s in sent] == [("add", gen.request_id), ("cancel", gen.request_id)]
+    finally:
+        worker.send = send
+    for _ in range(200):  # the worker reports the cancelled request gone
+        if not worker.stats.get("running") and not worker.stats.get("waiting"):
+            break
+        await asyncio.sleep(0.02)
+    assert not worker.stats.get("running") and not worker.stats.get("waiting")
+    assert engine.stats().in_flight == 0
