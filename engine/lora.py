@@ -329,6 +329,10 @@ class AdapterSlots:
             host[path] = (a_pad, b_pad)
         self.remove(adapter.name)
         self.host[adapter.name] = host
+        if self.free:  # resident from the start while slots are free: its first requests wait for no slot load
+            slot = self.free.pop()
+            self.state.load_slot(slot, host)
+            self.slot_of[adapter.name] = slot
 
     def remove(self, name: str) -> None:
         if self.refs.get(name):

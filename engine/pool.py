@@ -81,7 +81,8 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, devices: list[int | str] | None = None,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int = 32768, max_prefill_tokens_while_speaking: int = 8192,
+                 gpu_memory_utilization: float = 0.9,
                  inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32):
@@ -94,6 +95,7 @@ class Engine:
             from engine.random_checkpoint import demo_model_dir
 
             model = str(demo_model_dir()) if self.is_demo else "openbmb/VoxCPM2"
+        guards.check_int("max_prefill_tokens_while_speaking", max_prefill_tokens_while_speaking, 1)
         guards.check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  block_size=block_size, inference_timesteps=inference_timesteps, max_loras=max_loras,
                                  max_lora_rank=max_lora_rank, gpu_memory_utilization=gpu_memory_utilization)
@@ -113,7 +115,8 @@ class Engine:
         self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
         self._worker_configs = [WorkerConfig(
             model=str(self.path), device=group[0], dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_tokens_while_speaking=max_prefill_tokens_while_speaking, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads,
             tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank)

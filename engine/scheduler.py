@@ -8,6 +8,11 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
 2. prefill chunks of admitted requests, then newly admitted ones (preempted ones first), under the token budget,
 3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
 
+A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
+the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
+patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
+request's first audio then comes after one long step instead of after one short step per slice of the burst.
+
 KV blocks for a prompt are taken at admission (with a small watermark kept free for running decodes); a decode that
 crosses a block boundary takes one more. When none is free, the least urgent running request is preempted: its
 blocks are freed and it is recomputed later (prompt + patches so far), keeping its noise generator and VAE slot so
@@ -44,9 +49,11 @@ class VoicePrefix:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
-                 patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None):
+                 patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None,
+                 max_prefill_tokens_while_speaking: int | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_while_speaking = max_prefill_tokens_while_speaking or max_num_batched_tokens
         self.patch_ms = patch_ms
         self.sit_out_ms = sit_out_ms
         self.loras = loras  # LoRA slots: an admitted request holds its adapter's slot until it finishes or yields
@@ -108,18 +115,22 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         now = time.monotonic()
         budget = self.max_num_batched_tokens
+        speaking = any(r.generated for r in self.running)
+        prefill_budget = min(budget, self.max_prefill_while_speaking) if speaking else budget
         urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
         order = sorted(self.running, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
         seqs: list[ScheduledSeq] = []
         scheduled: set[int] = set()
 
         def run(req: Request, n: int) -> None:
-            nonlocal budget
+            nonlocal budget, prefill_budget
             start = req.num_computed
             emit = start + n == req.seq_len and not req.spec.prefix_only
             seqs.append(ScheduledSeq(req, start, n, emit))
             scheduled.add(id(req))
             budget -= n
+            if req.is_prefilling:
+                prefill_budget -= n
 
         def decode(req: Request, may_preempt: bool) -> None:
             if budget < 1 or req.status is not Status.RUNNING:
@@ -138,13 +149,13 @@ class Scheduler:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
         for req in order:
-            if req.is_prefilling and req.status is Status.RUNNING and budget > 0:
-                run(req, min(req.num_pending, budget))
+            if req.is_prefilling and req.status is Status.RUNNING and min(budget, prefill_budget) > 0:
+                run(req, min(req.num_pending, budget, prefill_budget))
         self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+        while self.waiting and min(budget, prefill_budget) > 0 and self._admit(self.waiting[0]):
             req = self.waiting.pop(0)
             self.running.append(req)
-            run(req, min(req.num_pending, budget))
+            run(req, min(req.num_pending, budget, prefill_budget))
         for req in decodes:
             if id(req) not in scheduled:
                 decode(req, may_preempt=False)

@@ -39,12 +39,14 @@ class WorkerConfig:
     device: str
     dtype: str | None
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int  # positions per step at most (sizes the eager activations)
     block_size: int
     num_kv_blocks: int | None  # fixed pool size (CPU default); None: size from gpu_memory_utilization
     gpu_memory_utilization: float
     inference_timesteps: int
     sit_out_ms: float = 2000.0
+    # prefill positions per step while some stream is speaking (see `Scheduler`); None: max_num_batched_tokens
+    max_prefill_tokens_while_speaking: int | None = None
     threads: int = 1
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
     cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
@@ -208,6 +210,7 @@ class Worker:
         config = self.loaded.config
         self.scheduler = Scheduler(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_prefill_tokens_while_speaking=cfg.max_prefill_tokens_while_speaking,
             num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
             sit_out_ms=cfg.sit_out_ms, loras=self.loras)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it

@@ -161,3 +161,19 @@ def test_random_churn_returns_every_block():
     for rid in live:
         s.cancel(rid)
     assert s.blocks.num_free == 24 and not s.requests and len(s.free_slots) == 6
+
+
+def test_a_burst_from_idle_prefills_in_one_step_but_not_while_someone_speaks():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=128, block_size=4, patch_ms=80.0,
+                  max_prefill_tokens_while_speaking=16)
+    for i in range(4):
+        s.add(spec(f"burst{i}", 12))
+    seqs = step(s)  # nobody is listening yet: all 48 positions in one step, every request emits
+    assert [(q.num_tokens, q.emit) for q in seqs] == [(12, True)] * 4
+    for i in range(2):
+        s.add(spec(f"late{i}", 12))
+    seqs = step(s)  # four listeners wait for this step: their decodes, and at most 16 prefill positions
+    decodes = [q for q in seqs if q.request.request_id.startswith("burst")]
+    prefill = [q for q in seqs if q.request.request_id.startswith("late")]
+    assert [(q.num_tokens, q.emit) for q in decodes] == [(1, True)] * 4
+    assert sum(q.num_tokens for q in prefill) == 16 and [q.num_tokens for q in prefill] == [12, 4]

@@ -282,6 +282,24 @@ def test_slots_evict_least_recently_used_never_held() -> None:
     assert slots.acquire("x") in (1, 2)  # reloaded from host memory
 
 
+def test_adapters_are_loaded_into_free_slots_when_registered() -> None:
+    """While slots are free an adapter is resident from its registration: a burst of requests for many adapters
+    then waits for no slot loads (each is ~400 copies)."""
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
+    slots = AdapterSlots(attach_lora(model, num_adapters=2, max_rank=MAX_RANK))
+    q = model.base_lm.layers[0].self_attn.q_proj.lora
+    path = "base_lm.layers.0.self_attn.q_proj"
+    fan_in, fan_out = layout()[path]
+    for i, name in enumerate("xyz"):
+        slots.add(LoRAAdapter(name, 4, 4.0, {path: (torch.full((4, fan_in), i + 1.0), torch.ones(fan_out, 4))}))
+    assert set(slots.slot_of) == {"x", "y"} and "z" in slots.host  # z waits in host memory for a slot
+    assert q.lora_A[slots.slot_of["y"], :4].eq(2).all() and not slots.refs
+    loads = []
+    original = slots.state.load_slot
+    slots.state.load_slot = lambda slot, weights: loads.append(slot) or original(slot, weights)
+    assert slots.acquire("y") == slots.slot_of["y"] and loads == []
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 async def test_engine_serves_mixed_adapters_refuses_unknown_and_drains(tiny_v2_dir, tmp_path) -> None:

@@ -195,9 +195,11 @@ async def test_steps_launched_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir, 
         engine = Engine(str(tiny_v2_dir), max_num_seqs=16, num_kv_blocks=256, inference_timesteps=4)
         await engine.wait_for_ready()
         try:
+            async def one(case: dict) -> list:
+                return [c async for c in engine.generate("Hello there, how are you today?", **case)]
+
             cases = [dict(seed=s, max_length=16, min_length=0 if s % 2 else 16) for s in range(8)]
-            results = await asyncio.gather(*([c async for c in engine.generate("Hello there, how are you today?",
-                                                                               **case)] for case in cases))
+            results = await asyncio.gather(*(one(case) for case in cases))
             return results, sum(w["stats"]["ahead_steps"] for w in engine.health()["workers"])
         finally:
             await engine.stop()
