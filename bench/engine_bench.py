@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import datetime
 import gc
+import itertools
 import json
 import platform
 import random
@@ -121,16 +122,21 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     results: list[dict] = []
     seeds = iter(range(10**9))
 
+    peak = [0]  # the most streams running at once (sampled every 0.25 s)
+
     async def report():
-        while True:
-            await asyncio.sleep(2)
-            print(f"  ... {len(results)} requests done, {engine.stats().running} running", file=sys.stderr)
+        for tick in itertools.count(1):
+            await asyncio.sleep(0.25)
+            running = engine.stats().running
+            peak[0] = max(peak[0], running)
+            if tick % 8 == 0:
+                print(f"  ... {len(results)} requests done, {running} running", file=sys.stderr)
 
     progress = asyncio.create_task(report())
     if mode == "poisson":
         rng = random.Random(0)
         tasks = []
-        for _ in range(args.requests or 32):
+        for _ in range(args.requests or max(32, int(level * args.duration))):  # arrivals for --duration s
             tasks.append(asyncio.create_task(one_request(engine, args.patches, next(seeds), args.timesteps)))
             tasks[-1].add_done_callback(lambda t: results.append(t.result()))
             await asyncio.sleep(rng.expovariate(level))
@@ -158,7 +164,7 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     gaps = [g * 1000 for r in results for g in r["gaps"]]
     return {
         "mode": mode, "concurrency": level if mode == "poisson" else concurrency, "requests": len(results),
-        "elapsed_s": elapsed,
+        "elapsed_s": elapsed, "peak_running": peak[0],
         "ttfb_ms": {"p50": percentile(ttfb, 50), "p90": percentile(ttfb, 90), "p99": percentile(ttfb, 99)},
         "rtf_mean": float(np.mean([r["rtf"] for r in results])),
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
@@ -282,7 +288,8 @@ def table(result: dict) -> str:
                           f"{v.get('gpu_ms_p50')} / {v.get('gpu_ms_p99')}" for k, v in st["by_kind"].items())
         rows.append(f"steps at {lv.get('mode', 'batch')} {lv['concurrency']} (ms p50 / p99): {kinds}; prefill "
                     f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
-                    f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}")
+                    f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}; "
+                    f"peak running {lv.get('peak_running')}")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:

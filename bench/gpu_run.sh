@@ -79,7 +79,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     sweep)
         stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
             --requests-factor "${SWEEP_FACTOR:-2}" --max-requests 512 --max-num-seqs 512 \
-            --extra closed:64,poisson:16 --duration "${SWEEP_DURATION:-15}" \
+            --extra "${SWEEP_EXTRA:-closed:64,poisson:16}" --duration "${SWEEP_DURATION:-15}" \
             --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
     profile)
         stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
