@@ -6,7 +6,8 @@
 It prints one JSON line {"port": N} once it listens, serves the real gateway app (`gateway.server.create_app`) plus
 two benchmark-only routes, and exits when its stdin closes (the parent died) or on SIGTERM/SIGINT:
 - GET /bench/stats: process CPU seconds, CPU seconds per thread (the event loop is "MainThread"), event-loop lag
-  percentiles since the last reset (a 10 ms timer's overshoot), the engine's counters;
+  percentiles since the last reset (a 10 ms timer's overshoot), the engine's counters and its workers' step-time
+  histograms;
 - POST /bench/reset: start a new lag window.
 `GatewayProcess` starts and stops it from a benchmark.
 """
@@ -87,7 +88,8 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.engine == "paced":
         from paced_engine import PacedEngine
 
-        engine: Any = PacedEngine(tick_ms=args.tick_ms)
+        engine: Any = PacedEngine(tick_ms=args.tick_ms, ms_per_char=args.ms_per_char,
+                                  compile_stall_ms=args.compile_stall_ms)
     else:
         from engine import Engine
 
@@ -108,6 +110,9 @@ async def _serve(args: argparse.Namespace) -> None:
         late = getattr(engine, "late_ticks_ms", None)
         if late is not None:
             body["engine"]["late_tick_ms_p99"] = _pct(late, 0.99)
+        # each worker's step-time histograms (engine.worker.StepStats): a benchmark subtracts two snapshots to see
+        # whether a step stalled while it ran (an engine-wide stall starves every stream at once)
+        body["engine"]["workers"] = [w.get("stats", {}) for w in engine.health().get("workers", [])]
         return web.json_response(body)
 
     async def reset(_: web.Request) -> web.Response:
@@ -144,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--tick-ms", type=float, default=None, help="paced engine: ms between chunks (default 160: "
                     "real time)")
+    ap.add_argument("--ms-per-char", type=float, default=65.0, help="paced engine: audio per character of text "
+                    "(large: every segment runs to max_length, like a checkpoint whose stop head never fires)")
+    ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="paced engine: the first step that serves "
+                    "a continuation request takes this much longer, once (a kernel compiled mid-serving)")
     ap.add_argument("--max-sessions", type=int, default=10000)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)

@@ -76,12 +76,13 @@ def speech_like(seconds: float = 4.8, rate: int = SAMPLE_RATE, seed: int = 0) ->
 
 
 class _Request:
-    __slots__ = ("request_id", "remaining", "index", "queue", "done")
+    __slots__ = ("request_id", "remaining", "index", "queue", "done", "continuation")
 
-    def __init__(self, request_id: str, patches: int):
+    def __init__(self, request_id: str, patches: int, continuation: bool = False):
         self.request_id, self.remaining, self.index = request_id, patches, 0
         self.queue: asyncio.Queue[AudioChunk | None] = asyncio.Queue()
         self.done = False
+        self.continuation = continuation  # carries a prompt: the previous segment's tail
 
 
 class PacedStream(AsyncIterator[AudioChunk]):
@@ -127,8 +128,13 @@ class PacedEngine:
     """`engine.Engine`'s API over a fixed waveform: one patch per request per tick (default: real time)."""
 
     def __init__(self, *, sample_rate: int = SAMPLE_RATE, patch_ms: float = PATCH_MS, tick_ms: float | None = None,
-                 ms_per_char: float = 65.0, max_requests: int = 100_000, waveform: np.ndarray | None = None):
+                 ms_per_char: float = 65.0, max_requests: int = 100_000, waveform: np.ndarray | None = None,
+                 compile_stall_ms: float = 0.0):
         self.sample_rate = sample_rate
+        # the tick that first serves a continuation request (a prompt from the previous segment) takes this much
+        # longer, once: models an engine whose continuation path compiles a kernel the first time it runs (the real
+        # engine's VAE priming did, ~1.2 s of Triton compile inside a step), which stalls every stream at once
+        self.compile_stall_s = compile_stall_ms / 1000.0
         self.patch_ms = patch_ms
         self.samples_per_patch = int(round(sample_rate * patch_ms / 1000.0))
         self.tick_s = (patch_ms if tick_ms is None else tick_ms) / 1000.0  # < patch_ms: faster than real time
@@ -152,7 +158,7 @@ class PacedEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def generate(self, text: str, *, max_length: int | None = None, request_id: str | None = None,
-                 voice: str | None = None, **_: Any) -> PacedStream:
+                 voice: str | None = None, prompt_latents: Any = None, **_: Any) -> PacedStream:
         """A stream of ceil(len(text) * ms_per_char / patch_ms) patches (at most max_length)."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidRequest("text is empty")
@@ -163,7 +169,7 @@ class PacedEngine:
         patches = max(1, math.ceil(len(text) * self.ms_per_char / self.patch_ms))
         if max_length is not None:
             patches = min(patches, max_length)
-        return PacedStream(self, _Request(request_id or uuid.uuid4().hex, patches))
+        return PacedStream(self, _Request(request_id or uuid.uuid4().hex, patches, prompt_latents is not None))
 
     def _submit(self, request: _Request) -> None:
         self._running[request.request_id] = request
@@ -175,6 +181,12 @@ class PacedEngine:
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
+        if self.compile_stall_s and any(r.continuation for r in self._running.values()):
+            # compiling now, once: this tick's chunks (every stream's) come that much later
+            stall, self.compile_stall_s = self.compile_stall_s, 0.0
+            self._next_tick = now + stall
+            self._ticker = loop.call_at(self._next_tick, self._tick)
+            return
         self.late_ticks_ms.append((now - self._next_tick) * 1000.0)
         self.ticks += 1
         n = len(self._patches)

@@ -40,6 +40,7 @@ from engine.cuda_graphs import (
 from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
+from engine.prompt import CONTEXT_PATCHES
 from engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -313,6 +314,10 @@ class Runner:
             self.model.stop_flags(h)
             slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
             self._vae_decode(slots, sampled)
+        # a continuation primes its VAE row with the prompt's last 1..CONTEXT_PATCHES patches, eagerly: lengths
+        # whose kernels (Triton specializations, ~1 s to compile) the decodes above never run
+        for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
+            self._prime_context(self.scratch_slot, torch.zeros(k, p, d))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
@@ -712,12 +717,17 @@ class Runner:
         for req in reqs:
             context = req.spec.context_patches
             if context is not None and len(context):
-                slot = torch.tensor([req.vae_slot], device=dev)
-                part = self.vae_state.gather(slot)
-                latents = context.to(self.device, self.vae_dtype).reshape(1, -1, self.config.feat_dim).transpose(1, 2)
-                self.vae.decode_stream(latents, part)
-                self.vae_state.scatter_(slot, part)
+                self._prime_context(req.vae_slot, context)
             req.vae_primed = True
+
+    def _prime_context(self, slot: int, context: torch.Tensor) -> None:
+        """Replay a continuation's prompt tail [k, P, D] into VAE row `slot` (its audio is the previous segment's)."""
+        dev = self.vae_state.buffers[0].device
+        rows = torch.tensor([slot], device=dev)
+        part = self.vae_state.gather(rows)
+        latents = context.to(self.device, self.vae_dtype).reshape(1, -1, self.config.feat_dim).transpose(1, 2)
+        self.vae.decode_stream(latents, part)
+        self.vae_state.scatter_(rows, part)
 
     @torch.inference_mode()
     def encode_audio(self, audio: np.ndarray, sample_rate: int, pad: str) -> torch.Tensor:

@@ -78,6 +78,7 @@ _LINK = re.compile(r"\[([^\[\]\n]{0,200})\]\(([^()\s]{0,500})\)")  # [text](url)
 _LINK_PREFIX = re.compile(r"\[[^\[\]\n]{0,200}(?:\](?:\([^()\s]{0,500})?)?")
 # every character _strip treats specially (markup, emoji, the newline that starts a line); text without any passes as is
 _MARKUP_OR_EMOJI = re.compile("[*`_!\\[\n" + _EMOJI.pattern[1:])
+_ODD_SPACE = re.compile(r"[^\S ]| {2}")  # whitespace other than a lone " " (newline, tab, nbsp, a run of spaces)
 
 
 class _Normalizer:
@@ -105,6 +106,13 @@ class _Normalizer:
             return raw
         i, out = 0, []
         while i < len(raw):
+            if not self._line_start:  # up to the next special character, the text passes as is (in one piece)
+                special = _MARKUP_OR_EMOJI.search(raw, i)
+                stop = len(raw) if special is None else special.start()
+                if stop > i:
+                    out.append(raw[i:stop])
+                    i = stop
+                    continue
             c = raw[i]
             if self._line_start:
                 mark = _LINE_MARK.match(raw, i)
@@ -147,6 +155,15 @@ class _Normalizer:
         return "".join(out)
 
     def _collapse(self, text: str) -> str:
+        if not _ODD_SPACE.search(text):  # words and single spaces (the usual piece): no run to collapse inside
+            body = text.strip(" ")
+            if text[:1] == " ":
+                self._space = "\n" if self._space == "\n" else " "
+            if not body:
+                return ""
+            lead = self._space if self._started and self._space else ""
+            self._started, self._space = True, " " if text[-1] == " " else ""
+            return lead + body
         out = []
         for run in re.finditer(r"\s+|\S+", text):
             piece = run.group()

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -83,6 +84,21 @@ class _SegmentMark:
 
 
 @dataclass
+class _Started:
+    """A segment whose engine request is out (`Session._start`): its stream, the stream's first read when a message
+    handler already took its first step (which submitted the request), when that was and what the listener had
+    queued then."""
+
+    segment: Segment
+    stream: Any
+    first: StartedNow | None  # its first read, already under way; None: read like the others
+    t0: float
+    lead_ms: float
+    error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
+
+
+# segments: items from the message handlers to a turn's synthesis task, in text order
+@dataclass
 class _FlushMark:
     flush_id: str | None
 
@@ -100,6 +116,24 @@ class SegmentAudio:
 
 
 @dataclass
+class SegmentTiming:
+    """Where one segment's synthesis sat in its turn, reported in `context.done` metrics as `segment_log`: tells a
+    segment that was started too late (little `lead_ms`) from an engine that fell behind (`max_wait_ms`)."""
+
+    segment: int
+    submit_ms: float  # the turn's first text -> the segment submitted to the engine
+    lead_ms: float  # audio the listener had queued then (at the client and here): the time the engine has
+    engine_ttfb_ms: float | None = None  # submitted -> its first chunk
+    done_ms: float | None = None  # the turn's first text -> its last chunk received from the engine
+    max_wait_ms: float = 0.0  # the longest wait for one of its later chunks (the engine, not the listener, was late)
+    max_wait_end_ms: float | None = None  # the turn's first text -> when that wait ended
+    patches: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
 class Turn:
     """One context: text in, audio out, in order."""
 
@@ -109,10 +143,16 @@ class Turn:
     voice: str | None
     generation: p.GenerationSettings
     segmenter: Segmenter
-    encoder: Encoder
     max_lead_ms: float
+    # made by the synthesis task, off the path from a turn's first text to its engine request (a soxr stream costs
+    # ~50 us: in a burst of new turns, every one of them waits for the others' set-up)
+    encoder: Encoder | None = None
     offload: OffloadPool | None = None  # where encoding runs: a thread pool, or None for on the loop
-    segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _FlushMark | _EndMark
+    segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _Started | _FlushMark | _EndMark
+    # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
+    # released segment goes to the engine from the handler that released it (`Session._release`)
+    idle: bool = True
+    prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
     tasks: list[asyncio.Task] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
@@ -136,6 +176,7 @@ class Turn:
     t_first_audio: float | None = None
     engine_ttfb_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
+    segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
     max_gap_ms: float = 0.0
     segment_released_at: float = 0.0  # when the segment being sent left the segmenter
@@ -335,23 +376,28 @@ class Session:
 
     async def _append(self, m: p.TextAppend) -> None:
         turn = self.turns.get(m.context_id)
+        opened = turn is None
         if turn is None:
-            turn = await self._open_turn(m.context_id)
-        elif turn.ended:
-            raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended; open a new one",
-                                context_id=m.context_id)
-        if len(turn.text) - turn.sent_chars() + len(m.text) > self.limits.max_buffered_chars:
-            raise ProtocolError(ErrorCode.BUFFER_FULL, f"more than {self.limits.max_buffered_chars} characters "
-                                "waiting to be spoken in this context; send more once audio has gone out",
-                                context_id=m.context_id)
-        if turn.t_first_text is None and m.text.strip():
-            turn.t_first_text = self.clock()
-        turn.text += m.text
-        turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
-        self._release(turn, turn.segmenter.push(m.text))
-        turn.wake.set()
+            turn = self._open_turn(m.context_id)
+        try:
+            if turn.ended:
+                raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended; open a new one",
+                                    context_id=m.context_id)
+            if len(turn.text) - turn.sent_chars() + len(m.text) > self.limits.max_buffered_chars:
+                raise ProtocolError(ErrorCode.BUFFER_FULL, f"more than {self.limits.max_buffered_chars} characters "
+                                    "waiting to be spoken in this context; send more once audio has gone out",
+                                    context_id=m.context_id)
+            if turn.t_first_text is None and m.text.strip():
+                turn.t_first_text = self.clock()
+            turn.text += m.text
+            turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
+            self._release(turn, turn.segmenter.push(m.text))  # a first segment's engine request leaves here
+            turn.wake.set()
+        finally:
+            if opened:  # context.started (and the turn's tasks) only after the engine request is out
+                await self._begin_turn(turn)
 
-    async def _open_turn(self, context_id: str) -> Turn:
+    def _open_turn(self, context_id: str) -> Turn:
         if self.draining:
             raise ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down; no new turns",
                                 context_id=context_id)
@@ -361,20 +407,49 @@ class Session:
         index, self.next_index = self.next_index, (self.next_index + 1) & 0xFFFF
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
-                    segmenter=Segmenter(self.chunking, self.clock), encoder=Encoder(self.fmt, self.model_rate),
-                    max_lead_ms=lead, frames=asyncio.Queue(self.config.pipeline_chunks),
+                    segmenter=Segmenter(self.chunking, self.clock), max_lead_ms=lead,
+                    frames=asyncio.Queue(self.config.pipeline_chunks),
                     offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
         self.finished.pop(context_id, None)
-        self.turns[context_id] = turn
+        self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started
         self.metrics.turns.inc()
-        await self._send(p.ContextStarted(context_id, index, asdict(self.fmt)))
-        turn.tasks = [asyncio.create_task(self._synthesise(turn)), asyncio.create_task(self._send_audio(turn)),
-                      asyncio.create_task(self._segment_timer(turn))]
         return turn
 
+    async def _begin_turn(self, turn: Turn) -> None:
+        """context.started, then the turn's tasks (so nothing of the turn can be sent before it)."""
+        await self._send(p.ContextStarted(turn.id, turn.index, _output_dict(turn.fmt)))
+        turn.tasks = [asyncio.create_task(self._synthesise(turn)), asyncio.create_task(self._send_audio(turn)),
+                      asyncio.create_task(self._segment_timer(turn))]
+
     def _release(self, turn: Turn, segments: list[Segment]) -> None:
+        """Hand released segments to the synthesis task. When it is idle (the previous segment done, nothing
+        queued), the first one's engine request goes out right here, in the handler of the message that released
+        it: through the synthesis task it would wait behind every other ready callback, and in a burst of new turns
+        that is every other session's message handling (measured: ~6 ms p50 of the gateway's TTFB share at 64)."""
         for seg in segments:
-            turn.segments.put_nowait(seg)
+            if turn.idle and turn.segments.empty() and not self.closed:
+                turn.idle = False
+                turn.segments.put_nowait(self._start(turn, seg, eager=True))
+            else:
+                turn.segments.put_nowait(seg)
+
+    def _start(self, turn: Turn, seg: Segment, eager: bool) -> _Started:
+        """Send one segment's request to the engine, with the turn's continuation prompt. `eager`: also take the
+        stream's first step now (`StartedNow`), which is what submits it; otherwise its first read does."""
+        gen = turn.generation
+        now = self.clock()
+        turn.request_id = f"{self.id}:{turn.id}:{seg.index}"
+        kwargs: dict[str, Any] = dict(voice=turn.voice, cfg_value=gen.cfg_value, temperature=gen.temperature,
+                                      seed=gen.seed, max_length=gen.max_length, timesteps=gen.timesteps,
+                                      request_id=turn.request_id)
+        if turn.prompt is not None:
+            kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
+        lead_ms = turn.buffered_ms(now)
+        try:
+            stream = self.engine.generate(seg.text, **kwargs)
+        except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
+            return _Started(seg, None, None, now, lead_ms, error=e)
+        return _Started(seg, stream, StartedNow(anext(stream)) if eager else None, now, lead_ms)
 
     # ------------------------------------------------------------------------------------------------ turn tasks
 
@@ -393,11 +468,14 @@ class Session:
 
     async def _synthesise(self, turn: Turn) -> None:
         """Segments in order through the engine; encoded audio into the bounded frame queue."""
-        prompt: tuple[np.ndarray, str] | None = None
         gen = turn.generation
         try:
+            turn.encoder = Encoder(turn.fmt, self.model_rate)
             while True:
+                if turn.segments.empty():
+                    turn.idle = True  # the next released segment is started by its handler (`_release`)
                 item = await turn.segments.get()
+                turn.idle = False
                 if isinstance(item, _FlushMark):
                     await self._release_held(turn)
                     await turn.frames.put(item)
@@ -406,13 +484,19 @@ class Session:
                     await self._queue_packets(turn, await self._encode(turn, None), last=True)
                     await turn.frames.put(item)
                     return
-                await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
-                seg_audio = SegmentAudio(item.text, turn.fed_ms)
+                if isinstance(item, _Started):  # its request went out when it was released
+                    started = item
+                    await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
+                else:  # the mark first: a full frame queue (plenty queued for the listener) holds the request back
+                    await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
+                    started = self._start(turn, item, eager=False)
+                seg = started.segment
+                seg_audio = SegmentAudio(seg.text, turn.fed_ms)
                 turn.audio.append(seg_audio)
-                latents = await self._generate(turn, item, prompt)
+                latents = await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
                 if gen.continuation and latents:
-                    prompt = (np.stack(latents)[-gen.continuation_patches:], item.text)  # [T, P, D]
+                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.text)  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
             self._background(self._abort_turn(turn, e))
@@ -423,36 +507,43 @@ class Session:
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
 
-    async def _generate(self, turn: Turn, seg: Segment, prompt: tuple[np.ndarray, str] | None) -> list[np.ndarray]:
-        gen = turn.generation
-        turn.request_id = f"{self.id}:{turn.id}:{seg.index}"
-        kwargs: dict[str, Any] = dict(voice=turn.voice, cfg_value=gen.cfg_value, temperature=gen.temperature,
-                                      seed=gen.seed, max_length=gen.max_length, timesteps=gen.timesteps,
-                                      request_id=turn.request_id)
-        if prompt is not None:
-            kwargs.update(prompt_latents=prompt[0], prompt_text=prompt[1])
+    async def _generate(self, turn: Turn, started: _Started) -> list[np.ndarray]:
+        """Read one segment's stream to its end, encoding and queueing its audio; its latents (the next prompt)."""
+        seg = started.segment
+        timing = SegmentTiming(seg.index, self._turn_ms(turn, started.t0), started.lead_ms)
+        turn.segment_log.append(timing)
         latents: list[np.ndarray] = []
-        stream = None
+        stream = started.stream
         try:
-            stream = self.engine.generate(seg.text, **kwargs)
+            if started.error is not None:
+                raise started.error
             first = True
             while True:
-                # only the time spent waiting for the engine counts towards RTF, not waits for the listener
-                t0 = self.clock()
+                # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the
+                # first chunk is waited for since the request went out
+                t0 = started.t0 if first else self.clock()
+                waiting = started.first if first and started.first is not None else anext(stream)
                 try:
-                    chunk = await anext(stream)
+                    chunk = await waiting
                 except StopAsyncIteration:
                     break
                 finally:
-                    turn.engine_s += self.clock() - t0
+                    t1 = self.clock()
+                    turn.engine_s += t1 - t0
+                wait_ms = (t1 - t0) * 1000.0
+                timing.patches += 1
+                if chunk.is_last:
+                    timing.done_ms = self._turn_ms(turn, t1)
                 if first:
                     first = False
-                    ttfb_ms = (self.clock() - t0) * 1000.0
+                    timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
-                        turn.engine_ttfb_ms = ttfb_ms
-                        self.metrics.engine_ttfb.observe(ttfb_ms / 1000.0)
+                        turn.engine_ttfb_ms = wait_ms
+                        self.metrics.engine_ttfb.observe(wait_ms / 1000.0)
                     else:  # continuation prompts make these longer: measured to keep that cost visible
-                        turn.later_ttfb_ms.append(ttfb_ms)
+                        turn.later_ttfb_ms.append(wait_ms)
+                elif wait_ms > timing.max_wait_ms:
+                    timing.max_wait_ms, timing.max_wait_end_ms = wait_ms, self._turn_ms(turn, t1)
                 if chunk.latents is not None:
                     latents.append(np.asarray(chunk.latents))
                 turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
@@ -465,16 +556,24 @@ class Session:
         except engine_errors.EngineError as e:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
+            if started.first is not None:
+                started.first.close()  # unread when this stopped early: its request ends with the stream's
             close = getattr(stream, "aclose", None)
             if close is not None:
                 await close()  # cancels the engine request when we stop early
         return latents
 
+    def _turn_ms(self, turn: Turn, now: float) -> float:
+        """Milliseconds since the turn's first text (the origin of its TTFB)."""
+        return (now - turn.t_first_text) * 1000.0 if turn.t_first_text is not None else 0.0
+
     async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
         """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
         (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores); the
         cheap formats are encoded right here."""
-        work = turn.encoder.finish if pcm is None else turn.encoder.encode
+        encoder = turn.encoder
+        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
+        work = encoder.finish if pcm is None else encoder.encode
         args = () if pcm is None else (pcm,)
         if turn.offload is not None:
             return await turn.offload.run(work, *args, urgency=turn.buffered_ms(self.clock()))
@@ -616,7 +715,8 @@ class Session:
         later = turn.later_ttfb_ms
         metrics = {"ttfb_ms": ttfb, "engine_ttfb_ms": _round(turn.engine_ttfb_ms), "rtf": _round(rtf, 4),
                    "max_gap_ms": round(turn.max_gap_ms, 1), "segments": len(turn.audio),
-                   "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None}
+                   "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None,
+                   "segment_log": [t.to_dict() for t in turn.segment_log]}
         self._retire(turn)
         self.metrics.turns_done.labels(outcome="done").inc()
         await self._send(p.ContextDone(turn.id, round(turn.sent_ms, 1), metrics))
@@ -637,6 +737,10 @@ class Session:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+        while not turn.segments.empty():  # a request its handler started that the synthesis task never read
+            item = turn.segments.get_nowait()
+            if isinstance(item, _Started) and item.first is not None:
+                item.first.close()
         if turn.request_id is not None:
             with contextlib.suppress(Exception):
                 await self.engine.cancel(turn.request_id)
@@ -726,6 +830,58 @@ class Session:
         task.add_done_callback(self._tasks.discard)
 
 
+class StartedNow:
+    """An awaitable whose first step already ran, right where this was made: what Python 3.12 calls an eager task,
+    without the task. Await it once, from one task; `close()` it if it will never be awaited.
+
+    For the first read of an engine stream, whose first step is what submits the request: through a task, that step
+    would come only after every callback already waiting on the event loop. Its first step runs in the caller's
+    task, so it must not depend on `asyncio.current_task()` (the engine's submission does not)."""
+
+    def __init__(self, awaitable: Any):
+        self._steps: Generator[Any, Any, Any] = awaitable.__await__()
+        self._waiting: Any = None
+        self._done = False
+        self._result: Any = None
+        self._error: Exception | None = None
+        try:
+            self._waiting = self._steps.send(None)
+        except StopIteration as done:
+            self._done, self._result = True, done.value
+        except Exception as e:  # StopAsyncIteration included: the stream was empty
+            self._done, self._error = True, e
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return self._result
+        self._done = True  # from here on the awaiting task drives it: what it waits on goes up, answers come down
+        steps, waiting = self._steps, self._waiting
+        while True:
+            try:
+                sent = yield waiting
+            except GeneratorExit:
+                steps.close()
+                raise
+            except BaseException as e:  # cancellation too: the awaitable decides what it means
+                try:
+                    waiting = steps.throw(e)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    waiting = steps.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+    def close(self) -> None:
+        """Abandon it unawaited (its awaitable sees GeneratorExit where it waits, as a cancelled task would)."""
+        if not self._done:
+            self._done = True
+            self._steps.close()
+
+
 def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -> tuple[str, str]:
     """(heard, not heard) text of a turn: whole segments played, and of the segment playing, its played share cut
     back to a word end. `texts` are the turn's segments in order (then any unreleased text); `audio[i]` is where
@@ -750,6 +906,12 @@ def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -
 def voice_ids(voices: Any) -> set[str]:
     """Ids from engine.list_voices() (VoiceInfo objects or plain ids)."""
     return {getattr(v, "voice_id", v) for v in voices}
+
+
+@functools.lru_cache(maxsize=64)
+def _output_dict(fmt: OutputFormat) -> dict[str, Any]:
+    """`context.started` "output": one dict per format (read only), not a deep copy per turn."""
+    return asdict(fmt)
 
 
 def _chunking_from_dict(d: dict[str, Any]) -> ChunkingConfig:

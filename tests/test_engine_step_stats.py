@@ -65,3 +65,22 @@ def test_warm_up_leaves_serving_unchanged_and_steps_report_their_kind(tiny_v2_di
     first = timings[0]
     assert (first.kind, first.prefill_tokens, first.decode_rows, first.gpu_ms) == ("mixed", 29, 0, None)
     assert timings[-1].kind == "decode" and timings[-1].prefill_tokens == 0 and timings[-1].decode_rows >= 1
+
+
+@torch.inference_mode()
+def test_warm_up_primes_the_vae_with_every_continuation_tail_length(tiny_v2_dir):
+    """A continuation primes its VAE row with the prompt's last 1-3 patches; on a GPU a length the warm-up never ran
+    compiles Triton kernels inside a serving step (~1 s with every stream stalled: the 64-session gateway run's 1.35 s
+    gap). The warm-up runs each length once."""
+    from engine.prompt import CONTEXT_PATCHES
+
+    loaded = load_model(tiny_v2_dir)
+    cfg = WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                       num_kv_blocks=64, gpu_memory_utilization=0.9, inference_timesteps=2)
+    runner = Runner(loaded, cfg)
+    frames = []
+    decode = runner.vae.decode_stream
+    runner.vae.decode_stream = lambda latents, state: frames.append(latents.shape[-1]) or decode(latents, state)
+    runner.warm_up()
+    p = loaded.config.patch_size
+    assert {k * p for k in range(1, CONTEXT_PATCHES["voxcpm2"] + 1)} <= set(frames)
