@@ -24,7 +24,9 @@ URGENT = 200.0
 
 
 def default_threads() -> int:
-    """One encode thread per core this process may run on, up to 16."""
+    """VOXGATE_ENCODE_THREADS, or one encode thread per core this process may run on, up to 16."""
+    if os.environ.get("VOXGATE_ENCODE_THREADS"):
+        return max(1, int(os.environ["VOXGATE_ENCODE_THREADS"]))
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
