@@ -203,13 +203,14 @@ class GatewayProcess:
 
 
 def git_commit() -> str | None:
-    """HEAD, marked when the gateway, bench or engine client files differ from it."""
+    """HEAD, marked when the gateway, bench or engine client files differ from it; outside a checkout (a
+    `git archive` snapshot on the device machine) the VOXGATE_COMMIT that bench/gpu_run.sh is given."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "bench", "engine/pool.py",
                                 "engine/api.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("VOXGATE_COMMIT")
     return commit.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
 
 
