@@ -254,14 +254,19 @@ def test_bad_adapter_files(tmp_path: Path) -> None:
 
 
 # ---- slot cache --------------------------------------------------------------------------------------------------
-def test_slots_evict_least_recently_used_never_held() -> None:
+def three_adapters_two_slots() -> tuple[AdapterSlots, object]:
+    """Adapters x, y, z (their A filled with 1, 2, 3) added to two slots; and the LoRA layer they target."""
     model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
     slots = AdapterSlots(attach_lora(model, num_adapters=2, max_rank=MAX_RANK))
-    q = model.base_lm.layers[0].self_attn.q_proj.lora
     path = "base_lm.layers.0.self_attn.q_proj"
     fan_in, fan_out = layout()[path]
     for i, name in enumerate("xyz"):
         slots.add(LoRAAdapter(name, 4, 4.0, {path: (torch.full((4, fan_in), i + 1.0), torch.ones(fan_out, 4))}))
+    return slots, model.base_lm.layers[0].self_attn.q_proj.lora
+
+
+def test_slots_evict_least_recently_used_never_held() -> None:
+    slots, q = three_adapters_two_slots()
     sx = slots.acquire("x")
     sy = slots.acquire("y")
     assert {sx, sy} == {1, 2} and q.lora_A[sx, :4].eq(1).all() and q.lora_A[sx, 4:].eq(0).all()
@@ -285,13 +290,7 @@ def test_slots_evict_least_recently_used_never_held() -> None:
 def test_adapters_are_loaded_into_free_slots_when_registered() -> None:
     """While slots are free an adapter is resident from its registration: a burst of requests for many adapters
     then waits for no slot loads (each is ~400 copies)."""
-    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
-    slots = AdapterSlots(attach_lora(model, num_adapters=2, max_rank=MAX_RANK))
-    q = model.base_lm.layers[0].self_attn.q_proj.lora
-    path = "base_lm.layers.0.self_attn.q_proj"
-    fan_in, fan_out = layout()[path]
-    for i, name in enumerate("xyz"):
-        slots.add(LoRAAdapter(name, 4, 4.0, {path: (torch.full((4, fan_in), i + 1.0), torch.ones(fan_out, 4))}))
+    slots, q = three_adapters_two_slots()
     assert set(slots.slot_of) == {"x", "y"} and "z" in slots.host  # z waits in host memory for a slot
     assert q.lora_A[slots.slot_of["y"], :4].eq(2).all() and not slots.refs
     loads = []
