@@ -63,23 +63,22 @@ class LoRAAdapter:
     def num_parameters(self) -> int:
         return sum(a.numel() + b.numel() for a, b in self.weights.values())
 
+    @property
+    def shapes(self) -> Shapes:
+        """(module path, A shape, B shape) of every weight pair, in the order a packed buffer holds them."""
+        return [(path, tuple(a.shape), tuple(b.shape)) for path, (a, b) in self.weights.items()]
+
     def packed(self, dtype: torch.dtype) -> LoRAAdapter:
         """The adapter as a worker stores it: weights in `dtype` (the model's), alpha/r folded into B in float32
         before the cast (what `AdapterSlots.add` would compute, so the slots hold the same bits), all of them views
         of one flat buffer. Half the bytes of float32 in bf16, and one buffer to pickle."""
         if self.folded:
             return self
-        total = sum(a.numel() + b.numel() for a, b in self.weights.values())
-        flat = torch.empty(total, dtype=dtype)
-        weights, offset = {}, 0
+        flat = torch.empty(self.num_parameters, dtype=dtype)
+        weights = _unflatten(flat, self.shapes)
         for path, (a, b) in self.weights.items():
-            pair = []
-            for t, scale in ((a, 1.0), (b, self.scaling)):
-                view = flat[offset:offset + t.numel()].view(t.shape)
-                view.copy_(t if scale == 1.0 else t.float() * scale)
-                pair.append(view)
-                offset += t.numel()
-            weights[path] = (pair[0], pair[1])
+            weights[path][0].copy_(a)
+            weights[path][1].copy_(b.float() * self.scaling)
         return LoRAAdapter(self.name, self.rank, self.alpha, weights, folded=True, flat=flat)
 
     # Pickled by value: every weight as one byte buffer (the flat one of a packed adapter, else a concatenation)
@@ -95,9 +94,8 @@ class LoRAAdapter:
                 dtype = torch.promote_types(dtype, t.dtype)
             flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors]) if tensors else \
                 torch.empty(0, dtype=dtype)
-        shapes = [(path, tuple(a.shape), tuple(b.shape)) for path, (a, b) in self.weights.items()]
         return {"name": self.name, "rank": self.rank, "alpha": self.alpha, "folded": self.folded,
-                "dtype": str(flat.dtype).removeprefix("torch."), "shapes": shapes,
+                "dtype": str(flat.dtype).removeprefix("torch."), "shapes": self.shapes,
                 "data": flat.contiguous().view(torch.uint8).numpy()}
 
     def __setstate__(self, state: dict) -> None:
@@ -134,7 +132,7 @@ class SharedAdapter:
         self.name, self.rank, self.alpha, self.folded = adapter.name, adapter.rank, adapter.alpha, adapter.folded
         assert adapter.flat is not None
         self.dtype = str(adapter.flat.dtype).removeprefix("torch.")
-        self.shapes: Shapes = [(path, tuple(a.shape), tuple(b.shape)) for path, (a, b) in adapter.weights.items()]
+        self.shapes: Shapes = adapter.shapes
         self.segment, self.nbytes = shm.name, nbytes
         self._shm: SharedMemory | None = shm
 

@@ -360,9 +360,10 @@ class Runner:
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
-        if after is not None and not self._decode_only(seqs):
+        decode_only = self._decode_only(seqs)
+        if after is not None and not decode_only:
             raise ValueError("only a decode-only step can be launched ahead")
-        if self._decode_only(seqs):
+        if decode_only:
             n = len(seqs)
             conds = None if after is not None else [s.request.generated[-1] for s in seqs]
             rows = self._stage_rows([s.request for s in seqs], conds)

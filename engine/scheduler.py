@@ -116,21 +116,18 @@ class Scheduler:
         now = time.monotonic()
         budget = self.max_num_batched_tokens
         speaking = any(r.generated for r in self.running)
-        prefill_budget = min(budget, self.max_prefill_while_speaking) if speaking else budget
         urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
         order = sorted(self.running, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
         seqs: list[ScheduledSeq] = []
         scheduled: set[int] = set()
 
         def run(req: Request, n: int) -> None:
-            nonlocal budget, prefill_budget
+            nonlocal budget
             start = req.num_computed
             emit = start + n == req.seq_len and not req.spec.prefix_only
             seqs.append(ScheduledSeq(req, start, n, emit))
             scheduled.add(id(req))
             budget -= n
-            if req.is_prefilling:
-                prefill_budget -= n
 
         def decode(req: Request, may_preempt: bool) -> None:
             if budget < 1 or req.status is not Status.RUNNING:
@@ -148,14 +145,23 @@ class Scheduler:
         for req in decodes:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
+        # prefill positions: what the urgent decodes left, at most the cap while a listener waits on this step
+        room = min(budget, self.max_prefill_while_speaking) if speaking else budget
+
+        def prefill(req: Request) -> None:
+            nonlocal room
+            n = min(req.num_pending, room)
+            run(req, n)
+            room -= n
+
         for req in order:
-            if req.is_prefilling and req.status is Status.RUNNING and min(budget, prefill_budget) > 0:
-                run(req, min(req.num_pending, budget, prefill_budget))
+            if req.is_prefilling and req.status is Status.RUNNING and room > 0:
+                prefill(req)
         self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
-        while self.waiting and min(budget, prefill_budget) > 0 and self._admit(self.waiting[0]):
+        while self.waiting and room > 0 and self._admit(self.waiting[0]):
             req = self.waiting.pop(0)
             self.running.append(req)
-            run(req, min(req.num_pending, budget, prefill_budget))
+            prefill(req)
         for req in decodes:
             if id(req) not in scheduled:
                 decode(req, may_preempt=False)

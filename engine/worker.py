@@ -23,12 +23,16 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.request import Status
+
+if TYPE_CHECKING:
+    from engine.runner import PendingStep
+    from engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +66,8 @@ class WorkerConfig:
 class Launched:
     """A scheduled step: its sequences, the runner's handle once launched, its number, when it was launched."""
 
-    seqs: list[Any]
-    pending: Any
+    seqs: list[ScheduledSeq]
+    pending: PendingStep | None
     step: int
     launched_at: float
 

@@ -36,10 +36,14 @@ def make_spec(i: int, config, prompt_len: int) -> RequestSpec:
                        SamplingParams(seed=i, max_length=4, min_length=4, timesteps=2))
 
 
+def cpu_runner(loaded) -> Runner:
+    return Runner(loaded, WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=4, max_num_batched_tokens=64,
+                                       block_size=16, num_kv_blocks=64, gpu_memory_utilization=0.9,
+                                       inference_timesteps=2))
+
+
 def serve(loaded, warm: bool) -> tuple[list[torch.Tensor], list]:
-    cfg = WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
-                       num_kv_blocks=64, gpu_memory_utilization=0.9, inference_timesteps=2)
-    runner = Runner(loaded, cfg)
+    runner = cpu_runner(loaded)
     if warm:
         runner.warm_up()
     sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=runner.num_blocks, block_size=16,
@@ -75,9 +79,7 @@ def test_warm_up_primes_the_vae_with_every_continuation_tail_length(tiny_v2_dir)
     from engine.prompt import CONTEXT_PATCHES
 
     loaded = load_model(tiny_v2_dir)
-    cfg = WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
-                       num_kv_blocks=64, gpu_memory_utilization=0.9, inference_timesteps=2)
-    runner = Runner(loaded, cfg)
+    runner = cpu_runner(loaded)
     frames = []
     decode = runner.vae.decode_stream
     runner.vae.decode_stream = lambda latents, state: frames.append(latents.shape[-1]) or decode(latents, state)
