@@ -42,6 +42,8 @@ if compgen -G ".whl/opuslib-*.tar.gz" >/dev/null; then
     mkdir -p /tmp/opuslib && tar -xzf .whl/opuslib-*.tar.gz -C /tmp/opuslib && OPUS_PATH=$(ls -d /tmp/opuslib/opuslib-*):
 fi
 export PYTHONPATH=/tmp/site:$OPUS_PATH.
+# the Opus frame encoder's C helper, built in place as `pip install -e .` would (the gateway stages measure it)
+$PY setup.py -q build_ext --inplace >/dev/null 2>>"$OUT/smoke.log" || echo "gateway/_opus_frames.c did not build" >&2
 export TRITON_INTERPRET=0 VOXGATE_LOG=${VOXGATE_LOG:-INFO} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)
 echo "$GPU"

@@ -8,6 +8,9 @@ PyAV when installed: MP3, FLAC, AAC) come out of the same Encoder as byte chunks
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import struct
 from dataclasses import dataclass, fields
 from typing import Any
@@ -412,7 +415,7 @@ class Encoder:
         self._wav = WavStreamWriter(fmt.sample_rate) if fmt.format == "wav" else None
         self._av = _AvStream(fmt) if fmt.format in _AvStream.CONTAINERS else None
         if "opus" in fmt.format:
-            self._opus = _make_opus_encoder(fmt)
+            self._opus = OpusFrames(fmt)
             self.lookahead = self._opus.lookahead
             if fmt.format == "ogg_opus":
                 scale = 48000 // fmt.sample_rate
@@ -433,11 +436,11 @@ class Encoder:
         out = self._resampler.process(pcm)
         self._produced += len(out)
         if not self.framed:
-            return self._emit([out], end=False)
+            return self._emit(out, end=False)
         buf = np.concatenate([self._pending, out])
         n = len(buf) // self.frame_samples * self.frame_samples
         self._pending = buf[n:]
-        return self._emit(self._split(buf[:n]), end=False)
+        return self._emit(buf[:n], end=False)
 
     def finish(self) -> list[bytes]:
         """The tail: flush the resampler, pad the last frame (past the codec delay), flush the codec."""
@@ -447,24 +450,22 @@ class Encoder:
         out = self._resampler.process(np.zeros(0, dtype=np.float32), last=True)
         self._produced += len(out)
         if not self.framed:
-            return self._emit([out], end=True)
+            return self._emit(out, end=True)
         tail = np.concatenate([self._pending, out])
         # Opus output lags its input by the lookahead: encode enough padding that the last real sample comes out
         frames = -(-(len(tail) + self.lookahead) // self.frame_samples)
-        return self._emit(self._split(np.pad(tail, (0, frames * self.frame_samples - len(tail)))), end=True)
+        return self._emit(np.pad(tail, (0, frames * self.frame_samples - len(tail))), end=True)
 
-    def _split(self, buf: np.ndarray) -> list[np.ndarray]:
-        return [buf[i:i + self.frame_samples] for i in range(0, len(buf), self.frame_samples)]
-
-    def _emit(self, frames: list[np.ndarray], end: bool) -> list[bytes]:
+    def _emit(self, block: np.ndarray, end: bool) -> list[bytes]:
+        """`block`: whole frames (framed formats) or whatever arrived (WAV, PyAV containers) -> wire chunks."""
         fmt = self.fmt.format
-        if fmt == "pcm_s16le":
-            return [float_to_int16(f).astype("<i2").tobytes() for f in frames]
-        if fmt == "mulaw":
-            return [mulaw_encode(float_to_int16(f)) for f in frames]
-        if fmt == "alaw":
-            return [alaw_encode(float_to_int16(f)) for f in frames]
-        packets = [self._opus.encode_float(f.tobytes(), len(f)) for f in frames] if self._opus else []
+        if fmt in ("pcm_s16le", "mulaw", "alaw"):
+            pcm = float_to_int16(block)
+            frames = [pcm[i:i + self.frame_samples] for i in range(0, len(pcm), self.frame_samples)]
+            if fmt == "pcm_s16le":
+                return [f.astype("<i2").tobytes() for f in frames]
+            return [mulaw_encode(f) if fmt == "mulaw" else alaw_encode(f) for f in frames]
+        packets = self._opus.encode(block) if self._opus else []
         if fmt == "opus":
             return packets
         chunks = []
@@ -475,33 +476,66 @@ class Encoder:
             end_48k = self._produced * (48000 // self.fmt.sample_rate) if end else None
             chunks.append(self._ogg.write(packets, end_48k))
         elif self._wav is not None:
-            chunks += [self._wav.write(f) for f in frames]
+            chunks.append(self._wav.write(block))
         else:
-            chunks.append(self._av.write(frames[0]))
+            chunks.append(self._av.write(block))
             if end:
                 chunks.append(self._av.close())
         return [c for c in chunks if c]
 
 
-def _make_opus_encoder(fmt: OutputFormat):
-    opus_available()
-    import opuslib
-    import opuslib.api.ctl
-    import opuslib.api.encoder
+class OpusFrames:
+    """One libopus encoder (VOIP, VBR, no FEC/DTX) that encodes whole 20 ms (or `frame_ms`) frames.
 
-    enc = opuslib.Encoder(fmt.sample_rate, 1, opuslib.APPLICATION_VOIP)
-    enc.bitrate = fmt.bitrate
-    enc.vbr = 1
-    # opuslib 3.0.1's `inband_fec` and `dtx` property setters are broken; set both through the raw ctl
-    opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_inband_fec, 0)
-    opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_dtx, 0)
-    opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_complexity, fmt.complexity)
-    return enc
+    With the C helper built (gateway/_opus_frames.c) a block of frames is one call that releases the GIL once; without
+    it opuslib encodes frame by frame, each call taking and dropping the GIL (same packets, more contention)."""
+
+    def __init__(self, fmt: OutputFormat):
+        opus_available()
+        import opuslib
+        import opuslib.api.ctl
+        import opuslib.api.encoder
+
+        enc = opuslib.Encoder(fmt.sample_rate, 1, opuslib.APPLICATION_VOIP)
+        enc.bitrate = fmt.bitrate
+        enc.vbr = 1
+        # opuslib 3.0.1's `inband_fec` and `dtx` property setters are broken; set both through the raw ctl
+        opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_inband_fec, 0)
+        opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_dtx, 0)
+        opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_complexity, fmt.complexity)
+        self._encoder = enc  # owns the libopus state the addresses below point into
+        self.lookahead: int = enc.lookahead
+        self.frame_samples = fmt.frame_samples
+        self._batch = _opus_batch_encoder()
+        self._addresses = (ctypes.cast(opuslib.api.libopus.opus_encode_float, ctypes.c_void_p).value,
+                           ctypes.cast(enc.encoder_state, ctypes.c_void_p).value)
+
+    def encode(self, block: np.ndarray) -> list[bytes]:
+        """float32 samples, a whole number of frames -> one Opus packet per frame."""
+        block = np.ascontiguousarray(block, dtype=np.float32)
+        n = self.frame_samples
+        if len(block) % n:
+            raise ValueError(f"Opus input must be whole frames of {n} samples, got {len(block)}")
+        if self._batch is not None:
+            return self._batch.encode(*self._addresses, block, n)
+        return [self._encoder.encode_float(block[i:i + n].tobytes(), n) for i in range(0, len(block), n)]
+
+
+@functools.cache
+def _opus_batch_encoder() -> Any:
+    """gateway._opus_frames when it was built (`pip install` compiles it where a C compiler is found), else None;
+    VOXGATE_OPUS_BATCH=0 forces the frame-by-frame path."""
+    if os.environ.get("VOXGATE_OPUS_BATCH", "1") == "0":
+        return None
+    try:
+        from gateway import _opus_frames
+    except ImportError:
+        return None
+    return _opus_frames
 
 
 __all__ = [
     "FORMATS", "NATIVE_FORMATS", "KINDS", "HEADER_SIZE", "FLAG_LAST", "OutputFormat", "Resampler", "Encoder",
-    "OggOpusWriter", "WavStreamWriter", "pack_frame_header", "pack_frames", "unpack_frame_header", "mulaw_encode",
-    "mulaw_decode",
-    "alaw_encode", "alaw_decode", "float_to_int16", "opus_available", "av_available",
+    "OggOpusWriter", "OpusFrames", "WavStreamWriter", "pack_frame_header", "pack_frames", "unpack_frame_header",
+    "mulaw_encode", "mulaw_decode", "alaw_encode", "alaw_decode", "float_to_int16", "opus_available", "av_available",
 ]

@@ -14,6 +14,7 @@ from gateway.audio import (
     FORMATS,
     HEADER_SIZE,
     Encoder,
+    OpusFrames,
     OutputFormat,
     Resampler,
     alaw_decode,
@@ -355,3 +356,28 @@ def test_opus_complexity_is_applied_and_decodes(complexity):
     pcm = np.concatenate([np.frombuffer(decoder.decode(p, fmt.frame_samples), dtype="<i2") for p in packets])
     assert len(pcm) >= len(signal)
     assert np.abs(pcm).max() > 1000  # audible audio came back at either effort
+
+
+def test_opus_frames_in_one_c_call_match_opuslib_frame_by_frame(monkeypatch):
+    """The C helper (gateway/_opus_frames.c, built by `pip install`) gives opuslib's packets byte for byte; the
+    frame-by-frame fallback serves when it is absent."""
+    from gateway import _opus_frames  # noqa: F401  (scripts/setup.sh installs a compiler: it must be built)
+    from gateway.audio import _opus_batch_encoder
+
+    fmt = OutputFormat()
+    signal = speech_like(48000, 0.6)[:fmt.frame_samples * 28]
+    batched = OpusFrames(fmt)
+    assert batched._batch is not None
+    one_call = [p for i in range(0, 28, 8) for p in batched.encode(signal[i * 960:(i + 8) * 960])]
+    monkeypatch.setenv("VOXGATE_OPUS_BATCH", "0")
+    _opus_batch_encoder.cache_clear()
+    try:
+        fallback = OpusFrames(fmt)
+        assert fallback._batch is None
+        per_frame = fallback.encode(signal)
+    finally:
+        _opus_batch_encoder.cache_clear()
+    assert len(one_call) == 28 and one_call == per_frame
+    with pytest.raises(ValueError, match="whole frames"):
+        batched.encode(signal[:100])
+    assert batched.encode(signal[:0]) == []
