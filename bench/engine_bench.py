@@ -509,6 +509,35 @@ def _profile_mixed(runner, config, length: int) -> dict:
         return {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "kind": runner.last_step.kind,
                 "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top}
 
+    def kernel_step(label: str) -> dict:
+        """A step without cProfile: its wall time, and the GPU time its kernels took (torch.profiler). Kernel time
+        well below wall time means the step is host-bound (launches, Python), not GPU-bound."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        seqs = sched.schedule()
+        sync()
+        t0 = time.perf_counter()
+        out = runner.step(seqs)
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3
+        sched.postprocess(seqs, out.patches, out.stops)
+        for _ in range(2):
+            step()
+        add(16, f"{label}k")
+        seqs = sched.schedule()
+        gpu = runner.device.type == "cuda"
+        with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            out = runner.step(seqs)
+            sync()
+        sched.postprocess(seqs, out.patches, out.stops)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_ms = sum(e.device_time_total for e in kernels) / 1e3
+        row = {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "wall_ms": round(wall, 2),
+               "kernel_ms": round(kernel_ms, 2), "kernels": len(kernels)}
+        print(f"mixed step {label}: {row}", file=sys.stderr)
+        return row
+
     result = {}
     add(64, "warm")
     timed_step("warm-up burst")
@@ -520,6 +549,16 @@ def _profile_mixed(runner, config, length: int) -> dict:
         step()
     add(16, "join")
     result["join_16_of_80"] = timed_step("16 joining 64")
+    add(16, "again")
+    result["join_16_of_80_kernels"] = kernel_step("16 joining 80")
+    while sched.has_work:
+        step()
+    # at scale: 16 prompts joining ~224 decoding streams (their prompts admitted a few steps earlier)
+    add(runner.max_num_seqs - 32, "many")
+    while any(r.is_prefilling for r in sched.running) or sched.waiting:
+        step()
+    add(16, "joinmany")
+    result["join_16_at_scale_kernels"] = kernel_step("16 joining at scale")
     return result
 
 
