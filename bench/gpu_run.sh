@@ -84,7 +84,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             --extra "${SWEEP_EXTRA:-closed:64,poisson:16}" --duration "${SWEEP_DURATION:-15}" \
             --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
     profile)
-        stage 40 80 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
+        stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
     profile_lora)  # the same with 32 adapters in LoRA slots, rows spread over them: where LoRA's time goes
         stage 40 80 "per-module profile with 32 LoRA adapters" $PY bench/engine_bench.py --model $V2 --profile \
