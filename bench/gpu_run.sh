@@ -100,7 +100,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 70 120 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
     lora_kernels)
-        stage 30 60 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
+        stage 30 120 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
             >>"$OUT/smoke.log" ;;
     gateway)  # the gateway in its own process over the real engine: client TTFB - engine TTFB, CPU per stream
         stage 60 120 "gateway, 64 sessions" $PY bench/gateway_load.py --model $V2 ${GATEWAY_ARGS:---spawn-server \

@@ -3,7 +3,8 @@
 Cases cover blocks where every row shares one adapter (full tiles: prefill chunks), blocks mixing adapters and
 slot 0 (partial tiles with masked rows: decode rows), LocDiT-style rows repeating one index over several tokens, ranks
 below the slot width (zero padding), ragged sizes, and K split over several programs (one decode row: 9 splits of two
-K blocks, the last one ragged). Needs `triton` installed (the test extras pin it).
+K blocks, the last one ragged), each through both paths: the two launches (shrink, expand) and the one-launch kernel
+for decode sizes, and which one `fuse` picks. Needs `triton` installed (the test extras pin it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ CASES = {  # name: (slot of each index row, tokens per index row, in, out, slot 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "one_launch"])
+def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, fused: bool) -> None:
     slots, per, fan_in, fan_out, width, rank = CASES[case]
     gen = torch.Generator().manual_seed(len(slots) * 31 + per)
     index = torch.tensor(slots)
@@ -53,7 +55,7 @@ def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype) -> None:
     ref = lora_delta_add(y.double().view(len(slots), per, fan_out), x.double().view(len(slots), per, fan_in),
                          a.double(), b.double(), index).view(rows, fan_out)
     out = y.clone()
-    lora_add_(out, x, a, b, index, per)
+    lora_add_(out, x, a, b, index, per, fused=fused)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     base = torch.tensor([s == 0 for s in slots]).repeat_interleave(per)
@@ -100,12 +102,51 @@ def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torc
     torch.testing.assert_close(lora_delta_add(y.double(), x.double(), a.double(), b.double(), index, outs), ref)
 
 
-def test_no_adapter_rows_leave_y_untouched(lora_add_) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "one_launch"])
+def test_no_adapter_rows_leave_y_untouched(lora_add_, fused: bool) -> None:
     x, y = torch.randn(37, 24), torch.randn(37, 40)
     a, b = torch.randn(3, 8, 24), torch.randn(3, 40, 8)
     out = y.clone()
-    lora_add_(out, x, a, b, torch.zeros(37, dtype=torch.long), 1)
+    lora_add_(out, x, a, b, torch.zeros(37, dtype=torch.long), 1, fused=fused)
     assert torch.equal(out, y)
+
+
+ONE_LAUNCH = {  # name: (slot of each index row, tokens per index row, in, outs, slot width r_max, adapter rank)
+    # LocDiT-like: q spans two column tiles of the one-launch kernel, K ragged (136 = 128 + 8), rank 5 of 8
+    "qkv_dit_rows": ([2, 0, 1, 2, 3, 0], 3, 136, (150, 24, 40), 8, 5),
+    "o_one_row": ([3], 1, 300, (24,), 4, 4),  # K 300: two full K steps and a ragged one
+    "gate_up_full_tile": ([1] * 18 + [0, 2], 1, 48, (70, 70), 16, 16),  # slot 1: a full tile and a partial one
+}
+
+
+@pytest.mark.parametrize("case", ONE_LAUNCH)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_launch_equals_two_launches_and_torch(lora_add_, case: str, dtype: torch.dtype) -> None:
+    """Each column tile's part uses its own rank block of A (zero-padded past the adapter's rank); both paths give
+    lora_delta_add's result, slot-0 rows stay bit for bit."""
+    slots, per, fan_in, outs, width, rank = ONE_LAUNCH[case]
+    gen = torch.Generator().manual_seed(fan_in + per)
+    index = torch.tensor(slots)
+    rows, fan_out = len(slots) * per, sum(outs)
+    a = torch.zeros(4, width * len(outs), fan_in)
+    b = torch.zeros(4, fan_out, width)
+    for j in range(len(outs)):
+        a[1:, j * width:j * width + rank] = torch.randn(3, rank, fan_in, generator=gen) / fan_in ** 0.5
+    b[1:, :, :rank] = torch.randn(3, fan_out, rank, generator=gen) / rank ** 0.5
+    x, y = torch.randn(rows, fan_in, generator=gen), torch.randn(rows, fan_out, generator=gen)
+    x, y, a, b = (t.to(dtype) for t in (x, y, a, b))
+    ref = lora_delta_add(y.double().view(len(slots), per, fan_out), x.double().view(len(slots), per, fan_in),
+                         a.double(), b.double(), index, outs).view(rows, fan_out)
+    one, two = y.clone(), y.clone()
+    lora_add_(one, x, a, b, index, per, outs, fused=True)
+    lora_add_(two, x, a, b, index, per, outs, fused=False)
+    tol = (1e-5 if dtype == torch.float32 else 3e-3) * max(1.0, ref.abs().max().item())
+    assert (one.double() - ref).abs().max().item() <= tol
+    assert (two.double() - ref).abs().max().item() <= tol
+    assert (one.double() - two.double()).abs().max().item() <= tol
+    base = torch.tensor([s == 0 for s in slots]).repeat_interleave(per)
+    assert torch.equal(one[base], y[base])
+    assert (one[~base].double() - y[~base].double()).abs().max() > 1e-2
 
 
 def test_segments_group_rows_by_slot(kernels) -> None:
@@ -148,3 +189,48 @@ def test_segment_grid_bounds_the_tiles(kernels) -> None:
             seg = kernels.segment_rows(index, per, slots)
             assert seg.tiles[-1].item() <= seg.grid <= entries * per
     assert kernels.segment_rows(torch.tensor([5, 5]), 11, 33).grid == 4  # a LocDiT step of one sequence
+
+
+def fuses(kernels, rows: int, per: int, k: int, outs: tuple[int, ...], rank: int = 32, slots: int = 33) -> bool:
+    """`fuse` for rows spread over every adapter (the largest grid), bf16."""
+    seg = kernels.segment_rows(torch.arange(rows // per) % (slots - 1) + 1, per, slots)
+    return kernels.fuse(rows, k, rank, sum(-(-n // kernels.FUSED_BLOCK_N) for n in outs), seg.grid, 2)
+
+
+def test_fuse_takes_one_launch_at_decode_sizes_only(kernels) -> None:
+    """VoxCPM2 at r 32 with 32 adapters: a few LocDiT sequences (22 rows each) and LM decode at low concurrency take
+    one launch; a large batch and prefill chunks take two. A larger batch of one shape never goes back to one."""
+    qkv, lm_o, dit_o = (2048, 256, 256), (2048,), (1024,)
+    for rows in (22, 44, 88):
+        assert fuses(kernels, rows, 11, 1024, qkv) and fuses(kernels, rows, 11, 2048, dit_o)
+    assert not fuses(kernels, 22 * 64, 11, 1024, qkv) and not fuses(kernels, 22 * 64, 11, 2048, dit_o)
+    for rows in (1, 8):
+        assert fuses(kernels, rows, 1, 2048, qkv) and fuses(kernels, rows, 1, 2048, lm_o)
+    assert not fuses(kernels, 64, 1, 2048, qkv) and not fuses(kernels, 64, 1, 2048, lm_o)
+    assert not fuses(kernels, 512, 512, 2048, lm_o)  # a prefill chunk of one adapter
+    assert not fuses(kernels, kernels.FUSED_MAX_ROWS + 1, 1, 16, (8,), rank=4)  # past the rows cap, however small
+    for per, k, outs in ((11, 1024, qkv), (1, 2048, qkv), (1, 2048, lm_o)):
+        picks = [fuses(kernels, rows, per, k, outs) for rows in range(per, 300, per)]
+        assert picks == sorted(picks, reverse=True)
+
+
+class Launches:
+    """Stands in for a kernel launcher (kernel[grid](...)), recording the kernel's name."""
+
+    def __init__(self, kernel, name: str, log: list[str]) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+def test_lora_add_launches_what_fuse_picks(kernels, monkeypatch) -> None:
+    log: list[str] = []
+    for name in ("_fused_kernel", "_shrink_kernel", "_expand_kernel"):
+        monkeypatch.setattr(kernels, name, Launches(getattr(kernels, name), name, log))
+    a, b = torch.randn(3, 4, 16), torch.randn(3, 8, 4)
+    for rows, launched in ((5, ["_fused_kernel"]), (kernels.FUSED_MAX_ROWS + 1, ["_shrink_kernel", "_expand_kernel"])):
+        log.clear()
+        kernels.lora_add_(torch.zeros(rows, 8), torch.randn(rows, 16), a, b, torch.ones(rows, dtype=torch.long), 1)
+        assert log == launched
