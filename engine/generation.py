@@ -28,7 +28,8 @@ class Stream:
 
 
 class Generation(AsyncIterator[AudioChunk]):
-    """The async iterator `Engine.generate` returns: submits on first use; closing it (or dropping it) cancels."""
+    """The async iterator `Engine.generate` returns (its request already sent, or sent on first use when audio must
+    be encoded first or the worker is not up yet); closing it (or dropping it) cancels."""
 
     def __init__(self, engine: Engine, stream: Stream, spec: RequestSpec | None, args: dict | None,
                  audio: tuple[Any, Any, int | None]):
@@ -71,8 +72,8 @@ class Generation(AsyncIterator[AudioChunk]):
     def _close(self) -> None:
         if not self._finished:
             self._finished = True
-            self._engine._cancel_nowait(self._stream.request_id)
+            self._engine._cancel_nowait(self._stream.request_id, self._stream)
 
     def __del__(self) -> None:
         if not self._finished and not self._engine.loop.is_closed():
-            self._engine.loop.call_soon_threadsafe(self._engine._cancel_nowait, self._stream.request_id)
+            self._engine.loop.call_soon_threadsafe(self._engine._cancel_nowait, self._stream.request_id, self._stream)

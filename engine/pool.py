@@ -260,6 +260,8 @@ class Engine:
                  request_id: str | None = None, lora: str | None = None) -> Generation:
         """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.
 
+        The request leaves from this call when it has no audio to encode and its worker is up, else on the first
+        read: close the iterator or read it to its end (one dropped unread is cancelled only when collected).
         `lora` names a registered adapter (default: the stored voice's adapter, if it names one)."""
         params = guards.sampling_params(
             text=text, cfg_value=cfg_value, temperature=temperature,
@@ -298,12 +300,20 @@ class Engine:
             adapter.drained.clear()
         self._streams[request_id] = stream
         worker.in_flight.add(request_id)
+        if spec is not None and worker.ready.is_set():  # what `_wait_ready` waits for (a fatal error raised above)
+            # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
+            # turn's) runs only after every callback ready before it
+            self._post(worker, ("add", spec))
+            return Generation(self, stream, None, None, (None, None, None))
         audio = (prompt_audio, reference_audio, prompt_sample_rate)
         return Generation(self, stream, spec, args if spec is None else None, audio)
 
     async def _submit(self, stream: Stream, spec: RequestSpec | None, args: dict | None,
                       audio: tuple[Any, Any, int | None]) -> None:
-        """Encode the request's audio if it came as audio (the worker's VAE does it), then queue it."""
+        """At the first read: encode the request's audio if it came as audio (the worker's VAE does it), then queue
+        it. Neither spec nor args: `generate` sent it already."""
+        if spec is None and args is None:
+            return
         if spec is None:
             assert args is not None
             prompt_audio, reference_audio, sr = audio
@@ -324,9 +334,10 @@ class Engine:
         """Stop a request; its iterator ends with a chunk-less `is_last`-free stop (it just returns)."""
         self._cancel_nowait(request_id)
 
-    def _cancel_nowait(self, request_id: str) -> None:
+    def _cancel_nowait(self, request_id: str, only: Stream | None = None) -> None:
+        """Cancel `request_id` (`only`: if it still is that stream, not a later request reusing the id)."""
         stream = self._streams.get(request_id)
-        if stream is None:
+        if stream is None or (only is not None and stream is not only):
             return
         self._forget(stream)
         stream.queue.put_nowait(None)

@@ -92,6 +92,23 @@ class StepTiming:
     gpu_ms: float | None  # CUDA events around the step's device work (None on CPU)
 
 
+@dataclass
+class HostStaging:
+    """Where a decode step's inputs are written on the host before their upload (on CPU: the device inputs)."""
+
+    buffers: DecodeBuffers
+    arrays: dict[str, np.ndarray]  # numpy views of `buffers`: element writes without torch's per-call overhead
+    lora_rows: torch.Tensor  # each row's LoRA slot
+    feedback_index: torch.Tensor  # `_feed_back`: the rows of the step launched before, in this step's order
+
+    @classmethod
+    def of(cls, buffers: DecodeBuffers, rows: int, pin: bool) -> HostStaging:
+        def index() -> torch.Tensor:
+            return torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+
+        return cls(buffers, {name: t.numpy() for name, t in vars(buffers).items()}, index(), index())
+
+
 def triton_compiles() -> int:
     """Triton kernels compiled so far in this process, over every specialization of every engine kernel: a new
     one inside a serving step stalls it for 100s of ms, so after the runner's warm-up this should stay flat."""
@@ -136,11 +153,9 @@ class Runner:
         self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, self.device)
         # Two pinned host mirrors on CUDA, one per launch in turn: a step launched ahead (`launch(after=...)`) is
         # staged while the previous one's inputs may still be on their way to the device.
-        self.hosts = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True)
-                      for _ in range(2)] if cuda else [self.inputs]
-        self.hosts_np = [{name: t.numpy() for name, t in vars(h).items()} for h in self.hosts]
-        self.lora_hosts = [torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda) for _ in self.hosts]
-        self.feedback_index = [torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=cuda) for _ in self.hosts]
+        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True)
+                   for _ in range(2)] if cuda else [self.inputs]
+        self.stagings = [HostStaging.of(m, cfg.max_num_seqs, pin=cuda) for m in mirrors]
         self.host_turn = 0
         self._use_host(0)
         rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
@@ -192,8 +207,16 @@ class Runner:
 
     def _use_host(self, turn: int) -> None:
         self.host_turn = turn
-        self.host, self.host_np = self.hosts[turn], self.hosts_np[turn]
-        self.lora_rows_host = self.lora_hosts[turn]
+        self.staging = self.stagings[turn]
+
+    @property
+    def host(self) -> DecodeBuffers:
+        """The current staging's buffers (bench/engine_bench.py stages a step through them)."""
+        return self.staging.buffers
+
+    @property
+    def host_np(self) -> dict[str, np.ndarray]:
+        return self.staging.arrays
 
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
@@ -347,7 +370,7 @@ class Runner:
         return pending
 
     def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
-        if len(self.hosts) > 1:
+        if len(self.stagings) > 1:
             self._use_host(1 - self.host_turn)
         if not self.lora:
             return self._launch_step(seqs, after)
@@ -430,33 +453,34 @@ class Runner:
         return out
 
     def _decode_only(self, seqs: list[ScheduledSeq]) -> bool:
-        width = self.host.block_tables.shape[1]
+        width = self.staging.buffers.block_tables.shape[1]
         return bool(seqs) and len(seqs) <= self.max_num_seqs and all(
             s.num_tokens == 1 and s.emit and s.request.generated and len(s.request.block_table) <= width
             and s.request.spec.params.timesteps == self.timesteps for s in seqs)
 
     def _max_seqlen_k(self, n: int) -> int:
         # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
-        return self.max_positions if self.device.type == "cuda" else int(self.host.seq_lens[:n].max())
+        return self.max_positions if self.device.type == "cuda" else int(self.staging.buffers.seq_lens[:n].max())
 
     def _stage_rows(self, reqs: list, conds: list[torch.Tensor] | None) -> int:
         """Host rows of the sampling inputs (condition patch, noise, cfg, VAE row) of `reqs`, padding up to the
         bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream).
         conds None: the condition patches come later, on the device (`_feed_back`)."""
         d, p = self.config.feat_dim, self.config.patch_size
-        h = self.host_np
+        host = self.staging
+        h = host.arrays
         self._prime([r for r in reqs if not r.vae_primed])
         for j, req in enumerate(reqs):
             params = req.spec.params
             if conds is not None:
-                self.host.patches[j].copy_(conds[j])
-            noise = self.host.noise[j]
+                host.buffers.patches[j].copy_(conds[j])
+            noise = host.buffers.noise[j]
             torch.randn(d, p, generator=req.generator, out=noise)
             if params.temperature != 1.0:
                 noise.mul_(params.temperature)
             h["cfg"][j] = params.cfg_value
             h["vae_slots"][j] = req.vae_slot
-            self.lora_rows_host[j] = req.lora_slot
+            host.lora_rows[j] = req.lora_slot
         n = len(reqs)
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
@@ -472,13 +496,13 @@ class Runner:
         if index == list(range(n)):  # no request left in between: the rows line up
             self.inputs.patches[:n].copy_(after.sampled[:n])
             return
-        host = self.feedback_index[self.host_turn]
+        host = self.staging.feedback_index
         host[:n] = torch.tensor(index)
         torch.index_select(after.sampled, 0, host[:n].to(self.device, non_blocking=True), out=self.inputs.patches[:n])
 
     def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
         """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""
-        h, bs = self.host_np, self.block_size
+        h, bs = self.staging.arrays, self.block_size
         for j, seq in enumerate(seqs):
             pos, table = seq.start, seq.request.block_table
             h["positions"][j] = pos
@@ -487,10 +511,11 @@ class Runner:
             h["block_tables"][j, :len(table)] = table
 
     def _upload(self, rows: int) -> None:
-        if self.host is not self.inputs:
-            self.inputs.copy_rows_(self.host, rows)
+        host = self.staging
+        if host.buffers is not self.inputs:
+            self.inputs.copy_rows_(host.buffers, rows)
         if self.lora:
-            self.lora_rows[:rows].copy_(self.lora_rows_host[:rows], non_blocking=True)
+            self.lora_rows[:rows].copy_(host.lora_rows[:rows], non_blocking=True)
 
     def _download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
                   ) -> PendingStep:
@@ -509,7 +534,7 @@ class Runner:
 
     def _stage_padding(self, rows: int, first: int = 0) -> None:
         """Host rows [first, rows): sequences of length 1 in the scratch KV block, decoding into the scratch VAE row."""
-        h = self.host_np
+        h = self.staging.arrays
         for name in ("patches", "noise", "positions"):
             h[name][first:rows] = 0
         h["cfg"][first:rows] = 1.0
@@ -517,7 +542,7 @@ class Runner:
         h["seq_lens"][first:rows] = 1
         h["block_tables"][first:rows, 0] = self.scratch_block
         h["vae_slots"][first:rows] = self.scratch_slot
-        self.lora_rows_host[first:rows] = 0
+        self.staging.lora_rows[first:rows] = 0
 
     def _pad_all(self, rows: int) -> None:
         self._stage_padding(rows)
@@ -557,7 +582,7 @@ class Runner:
         """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets."""
         self.lm_keys = keys
         tokens, seqs = max(t for t, _ in keys), max(s for _, s in keys)
-        p, d, width = self.config.patch_size, self.config.feat_dim, self.host.block_tables.shape[1]
+        p, d, width = self.config.patch_size, self.config.feat_dim, self.staging.buffers.block_tables.shape[1]
         self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device)
         cuda = self.device.type == "cuda"
         self.flat_host = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True) \

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -85,13 +85,11 @@ class _SegmentMark:
 
 @dataclass
 class _Started:
-    """A segment whose engine request is out (`Session._start`): its stream, the stream's first read when a message
-    handler already took its first step (which submitted the request), when that was and what the listener had
-    queued then."""
+    """A segment whose engine request is out (`Session._start`): its stream, when it went out and what the listener
+    had queued then."""
 
     segment: Segment
     stream: Any
-    first: StartedNow | None  # its first read, already under way; None: read like the others
     t0: float
     lead_ms: float
     error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
@@ -429,13 +427,12 @@ class Session:
         for seg in segments:
             if turn.idle and turn.segments.empty() and not self.closed:
                 turn.idle = False
-                turn.segments.put_nowait(self._start(turn, seg, eager=True))
+                turn.segments.put_nowait(self._start(turn, seg))
             else:
                 turn.segments.put_nowait(seg)
 
-    def _start(self, turn: Turn, seg: Segment, eager: bool) -> _Started:
-        """Send one segment's request to the engine, with the turn's continuation prompt. `eager`: also take the
-        stream's first step now (`StartedNow`), which is what submits it; otherwise its first read does."""
+    def _start(self, turn: Turn, seg: Segment) -> _Started:
+        """Send one segment's request to the engine (`generate` sends it), with the turn's continuation prompt."""
         gen = turn.generation
         now = self.clock()
         turn.request_id = f"{self.id}:{turn.id}:{seg.index}"
@@ -448,8 +445,8 @@ class Session:
         try:
             stream = self.engine.generate(seg.text, **kwargs)
         except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
-            return _Started(seg, None, None, now, lead_ms, error=e)
-        return _Started(seg, stream, StartedNow(anext(stream)) if eager else None, now, lead_ms)
+            return _Started(seg, None, now, lead_ms, error=e)
+        return _Started(seg, stream, now, lead_ms)
 
     # ------------------------------------------------------------------------------------------------ turn tasks
 
@@ -486,10 +483,14 @@ class Session:
                     return
                 if isinstance(item, _Started):  # its request went out when it was released
                     started = item
-                    await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
+                    try:
+                        await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
+                    except BaseException:  # stopped while the frame queue was full: nothing else will close it
+                        await _aclose(item.stream)
+                        raise
                 else:  # the mark first: a full frame queue (plenty queued for the listener) holds the request back
                     await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
-                    started = self._start(turn, item, eager=False)
+                    started = self._start(turn, item)
                 seg = started.segment
                 seg_audio = SegmentAudio(seg.text, turn.fed_ms)
                 turn.audio.append(seg_audio)
@@ -522,9 +523,8 @@ class Session:
                 # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the
                 # first chunk is waited for since the request went out
                 t0 = started.t0 if first else self.clock()
-                waiting = started.first if first and started.first is not None else anext(stream)
                 try:
-                    chunk = await waiting
+                    chunk = await anext(stream)
                 except StopAsyncIteration:
                     break
                 finally:
@@ -556,11 +556,7 @@ class Session:
         except engine_errors.EngineError as e:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
-            if started.first is not None:
-                started.first.close()  # unread when this stopped early: its request ends with the stream's
-            close = getattr(stream, "aclose", None)
-            if close is not None:
-                await close()  # cancels the engine request when we stop early
+            await _aclose(stream)  # cancels the engine request when we stop early
         return latents
 
     def _turn_ms(self, turn: Turn, now: float) -> float:
@@ -739,8 +735,8 @@ class Session:
             await asyncio.wait(tasks, timeout=5.0)
         while not turn.segments.empty():  # a request its handler started that the synthesis task never read
             item = turn.segments.get_nowait()
-            if isinstance(item, _Started) and item.first is not None:
-                item.first.close()
+            if isinstance(item, _Started):
+                await _aclose(item.stream)
         if turn.request_id is not None:
             with contextlib.suppress(Exception):
                 await self.engine.cancel(turn.request_id)
@@ -830,58 +826,6 @@ class Session:
         task.add_done_callback(self._tasks.discard)
 
 
-class StartedNow:
-    """An awaitable whose first step already ran, right where this was made: what Python 3.12 calls an eager task,
-    without the task. Await it once, from one task; `close()` it if it will never be awaited.
-
-    For the first read of an engine stream, whose first step is what submits the request: through a task, that step
-    would come only after every callback already waiting on the event loop. Its first step runs in the caller's
-    task, so it must not depend on `asyncio.current_task()` (the engine's submission does not)."""
-
-    def __init__(self, awaitable: Any):
-        self._steps: Generator[Any, Any, Any] = awaitable.__await__()
-        self._waiting: Any = None
-        self._done = False
-        self._result: Any = None
-        self._error: Exception | None = None
-        try:
-            self._waiting = self._steps.send(None)
-        except StopIteration as done:
-            self._done, self._result = True, done.value
-        except Exception as e:  # StopAsyncIteration included: the stream was empty
-            self._done, self._error = True, e
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            return self._result
-        self._done = True  # from here on the awaiting task drives it: what it waits on goes up, answers come down
-        steps, waiting = self._steps, self._waiting
-        while True:
-            try:
-                sent = yield waiting
-            except GeneratorExit:
-                steps.close()
-                raise
-            except BaseException as e:  # cancellation too: the awaitable decides what it means
-                try:
-                    waiting = steps.throw(e)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    waiting = steps.send(sent)
-                except StopIteration as done:
-                    return done.value
-
-    def close(self) -> None:
-        """Abandon it unawaited (its awaitable sees GeneratorExit where it waits, as a cancelled task would)."""
-        if not self._done:
-            self._done = True
-            self._steps.close()
-
-
 def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -> tuple[str, str]:
     """(heard, not heard) text of a turn: whole segments played, and of the segment playing, its played share cut
     back to a word end. `texts` are the turn's segments in order (then any unreleased text); `audio[i]` is where
@@ -930,3 +874,10 @@ def _round(x: float | None, digits: int = 1) -> float | None:
 
 async def _maybe_await(x: Any) -> Any:
     return await x if asyncio.iscoroutine(x) else x
+
+
+async def _aclose(stream: Any) -> None:
+    """Close an engine stream (None: `generate` raised) whatever it is: a `Generation` cancels its request."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()

@@ -1,17 +1,18 @@
 """A released segment's engine request leaves from the handler of the message that released it, not from the turn's
 synthesis task: through a task it waited behind every other ready callback, which in a burst of new turns is every
-other session's message handling (~6 ms of the gateway's TTFB share at 64 sessions). `StartedNow` takes an
-awaitable's first step on the spot and lets one task await the rest."""
+other session's message handling (~6 ms of the gateway's TTFB share at 64 sessions). `Engine.generate` sends it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from gateway.session import Session, StartedNow
+from gateway.session import Session
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -23,34 +24,21 @@ class Events:
         self.log: list[tuple[str, str]] = []
 
 
-class SubmitLog:
-    """The real engine; the first read of each stream (which is what submits its request) is logged."""
+@contextlib.contextmanager
+def submits_logged(engine: Any, events: Events) -> Iterator[None]:
+    """The real engine, its submissions (the "add" messages `generate` posts for its worker) logged."""
+    post = engine._post
 
-    def __init__(self, engine: Any, events: Events):
-        self._engine, self._events = engine, events
+    def logged(worker: Any, msg: tuple) -> None:
+        if msg[0] == "add":
+            events.log.append(("submit", msg[1].request_id.split(":")[1]))  # the context id
+        post(worker, msg)
 
-    def generate(self, text: str, **kwargs: Any) -> Any:
-        return _LoggedStream(self._engine.generate(text, **kwargs), kwargs["request_id"], self._events)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-
-class _LoggedStream:
-    def __init__(self, stream: Any, request_id: str, events: Events):
-        self._stream, self._rid, self._events, self._first = stream, request_id, events, True
-
-    def __aiter__(self) -> _LoggedStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._first:
-            self._first = False
-            self._events.log.append(("submit", self._rid.split(":")[1]))  # the context id
-        return await self._stream.__anext__()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    engine._post = logged
+    try:
+        yield
+    finally:
+        del engine._post  # the class's method again
 
 
 class Transport:
@@ -77,80 +65,73 @@ class Transport:
 async def test_each_turn_is_submitted_before_the_next_message_is_handled(engine):
     events = Events()
     transport = Transport(events)
-    session = Session(SubmitLog(engine, events), transport)
-    session.open()
-    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"},
-                                      "generation": {"seed": 3}}))
-    # two new turns handled back to back, as a burst of messages is: no task runs in between. The text's first
-    # clause is a segment as soon as it arrives (the next word follows its comma).
-    for cid in ("a", "b"):
-        await session.receive(json.dumps({"type": "text.append", "context_id": cid,
-                                          "text": "Hello there, how are you today?"}))
-        await session.receive(json.dumps({"type": "context.end", "context_id": cid}))
-    log = list(events.log)
-    for cid in ("a", "b"):
-        transport.done.setdefault(cid, asyncio.Event())
-        await asyncio.wait_for(transport.done[cid].wait(), 60)
-    await session.close()
+    with submits_logged(engine, events):
+        session = Session(engine, transport)
+        session.open()
+        await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"},
+                                          "generation": {"seed": 3}}))
+        # two new turns handled back to back, as a burst of messages is: no task runs in between. The text's first
+        # clause is a segment as soon as it arrives (the next word follows its comma).
+        for cid in ("a", "b"):
+            await session.receive(json.dumps({"type": "text.append", "context_id": cid,
+                                              "text": "Hello there, how are you today?"}))
+            await session.receive(json.dumps({"type": "context.end", "context_id": cid}))
+        log = list(events.log)
+        for cid in ("a", "b"):
+            transport.done.setdefault(cid, asyncio.Event())
+            await asyncio.wait_for(transport.done[cid].wait(), 60)
+        await session.close()
     # turn a's request was out before turn b's message was handled (b's context.started is sent by its handler),
     # and each turn's request went out before its own context.started
     assert log.index(("submit", "a")) < log.index(("context.started", "a")) < log.index(("submit", "b")) \
         < log.index(("context.started", "b")), log
 
 
-async def test_started_now_takes_the_first_step_on_the_spot():
-    steps: list[str] = []
-    gate = asyncio.Event()
+class Recorded:
+    """The real engine; the streams `generate` returned are kept, and whether each was closed."""
 
-    async def work() -> str:
-        steps.append("first")
-        await gate.wait()
-        steps.append("rest")
-        return "done"
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.streams: list[_Closable] = []
 
-    started = StartedNow(work())
-    assert steps == ["first"]  # before any task ran
-    waiter = asyncio.create_task(_await(started))
-    await asyncio.sleep(0)
-    assert steps == ["first"] and not waiter.done()
-    gate.set()
-    assert await waiter == "done" and steps == ["first", "rest"]
+    def generate(self, text: str, **kwargs: Any) -> Any:
+        self.streams.append(_Closable(self._engine.generate(text, **kwargs)))
+        return self.streams[-1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
-async def test_started_now_that_finished_or_failed_on_the_spot():
-    async def value() -> int:
-        return 7
+class _Closable:
+    def __init__(self, stream: Any):
+        self._stream, self.closed = stream, False
 
-    async def empty() -> None:
-        raise StopAsyncIteration
+    def __aiter__(self) -> _Closable:
+        return self
 
-    assert await StartedNow(value()) == 7
-    with pytest.raises(StopAsyncIteration):
-        await StartedNow(empty())
+    async def __anext__(self) -> Any:
+        return await self._stream.__anext__()
 
-
-async def test_started_now_passes_cancellation_and_close_to_the_awaitable():
-    seen: list[str] = []
-
-    async def work() -> None:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-        except GeneratorExit:
-            seen.append("closed")
-            raise
-
-    waiter = asyncio.create_task(_await(StartedNow(work())))
-    await asyncio.sleep(0)
-    waiter.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiter
-    abandoned = StartedNow(work())
-    abandoned.close()
-    assert seen == ["cancelled", "closed"]
+    async def aclose(self) -> None:
+        self.closed = True
+        await self._stream.aclose()
 
 
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
+async def test_a_request_started_by_a_handler_is_closed_when_its_turn_stops_unread(engine):
+    events = Events()
+    recorded = Recorded(engine)
+    session = Session(recorded, Transport(events))
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
+    await session.receive(json.dumps({"type": "text.append", "context_id": "a",
+                                      "text": "Hello there, how are you today?"}))
+    assert len(recorded.streams) == 1  # out from the handler; the turn's synthesis task has not run yet
+    await session.receive(json.dumps({"type": "context.cancel", "context_id": "a"}))
+    assert recorded.streams[0].closed and engine.stats().in_flight == 0
+    assert ("context.cancelled", "a") in events.log
+    await session.close()
+    for _ in range(200):  # the worker drops what it admitted
+        if not engine.stats().running and not engine.stats().waiting:
+            break
+        await asyncio.sleep(0.02)
+    assert (engine.stats().running, engine.stats().waiting) == (0, 0)

@@ -337,7 +337,7 @@ async def test_engine_serves_mixed_adapters_refuses_unknown_and_drains(tiny_v2_d
         # a request is in flight from generate() on (before it even reaches the worker): unregister waits for it
         gen = eng.generate("Hello there, how are you?", lora="a", seed=1, max_length=4, min_length=4)
         unregister = asyncio.create_task(eng.unregister_lora("a"))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # its request is on its way to the worker, unread
         assert not unregister.done() and [i.in_flight for i in eng.list_loras()] == [0, 0]
         with pytest.raises(UnknownLoRA):  # but refuses new requests at once
             eng.generate("Hi.", lora="a")

@@ -1,14 +1,18 @@
 """The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, expanded zero
 patches, deferred sends) gives exactly what the reference path (one vocabulary lookup per token string, tensors for
 every position, as the code before it) gives: the same token ids and the same `RequestSpec`, before and after the
-pickle that carries it to a worker."""
+pickle that carries it to a worker. `generate` sends a request from the call when it has no audio to encode and its
+worker is up (else at the first read); an unread request is still cancelled and freed when closed or dropped."""
 
 from __future__ import annotations
 
 import asyncio
 import pickle
 import re
+import time
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,3 +226,121 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
         await asyncio.sleep(0.02)
     assert not worker.stats.get("running") and not worker.stats.get("waiting")
     assert engine.stats().in_flight == 0
+
+
+async def _until(done: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def _idle(engine: Any) -> bool:
+    s = engine.stats()
+    return (s.running, s.waiting, s.in_flight) == (0, 0, 0) and s.free_blocks == s.total_blocks - s.voice_blocks
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_generate_sends_the_request_before_any_read(engine):
+    """With nothing to encode and the worker up, the request is under way from `generate`: it runs to its end with
+    nobody reading, its chunks waiting for the reader."""
+    gen = engine.generate("Sent without being read.", seed=5, max_length=3, min_length=3)
+    await _until(lambda: engine.stats().in_flight == 0)  # the pool forgets a request after its last chunk
+    assert engine.stats().in_flight == 0 and not engine._workers[0].in_flight
+    chunks = [c async for c in gen]
+    assert [c.index for c in chunks] == [0, 1, 2] and chunks[-1].is_last
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_an_unread_generation_closed_or_dropped_is_cancelled(engine):
+    worker = engine._workers[0]
+    for how in ("closed", "dropped"):
+        gen = engine.generate("Long enough to be running still.", seed=6, max_length=400, min_length=400)
+        await _until(lambda: worker.stats.get("running") == 1)
+        assert worker.stats.get("running") == 1, how
+        if how == "closed":
+            await gen.aclose()
+            assert engine.stats().in_flight == 0 and not worker.in_flight  # the pool lets go at once
+            assert [c async for c in gen] == []
+        else:
+            del gen  # its finalizer cancels it (on the loop's next pass)
+        await _until(lambda: _idle(engine))
+        assert _idle(engine), (how, engine.stats())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_closing_a_finished_generation_spares_a_later_request_with_its_id(engine):
+    old = engine.generate("Short.", seed=7, max_length=2, min_length=2, request_id="reused")
+    await _until(lambda: _idle(engine))  # it ran to its end unread; the pool forgot it
+    new = engine.generate("Longer, still running.", seed=8, max_length=400, min_length=400, request_id="reused")
+    await old.aclose()  # late: must not cancel the request now holding the id
+    first = await new.__anext__()
+    assert first.audio.size and engine.stats().in_flight == 1
+    await new.aclose()
+    await _until(lambda: _idle(engine))
+    assert _idle(engine)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_prompt_audio_or_a_worker_not_up_is_sent_at_the_first_read(engine):
+    worker = engine._workers[0]
+    sent: list[str] = []
+    send = worker.send
+    worker.send = lambda msg: (sent.append(msg[0]), send(msg))
+    try:
+        audio = np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1
+        gen = engine.generate("After the prompt.", prompt_audio=audio, prompt_sample_rate=16000,
+                              prompt_text="A prompt.", seed=1, max_length=2, min_length=2)
+        await asyncio.sleep(0.1)
+        assert sent == []  # neither the audio to encode nor the request
+        assert len([c async for c in gen]) == 2
+        assert sent == ["encode", "add"]
+
+        sent.clear()
+        worker.ready.clear()  # as while it loads
+        gen = engine.generate("Once the worker is up.", seed=2, max_length=2, min_length=2)
+        await asyncio.sleep(0.1)
+        assert sent == []
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.1)
+        assert sent == []  # the first read waits for the worker
+        worker.ready.set()
+        assert (await first).index == 0 and len([c async for c in gen]) == 1
+        assert sent == ["add"]
+    finally:
+        worker.send = send
+        worker.ready.set()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(120)
+async def test_unread_generations_of_an_adapter_let_it_drain(tiny_v2_dir, config):
+    """An adapter's users are requests in flight, read or not: one closed unread and one that ran to its end unread
+    both leave it, so unregistering it does not wait for a reader."""
+    from engine import Engine
+    from engine.lora import lora_layout
+
+    gen_t = torch.Generator().manual_seed(0)
+    tensors = {}
+    for path, (fan_in, fan_out) in lora_layout(config).items():
+        tensors[f"{path}.lora_A"] = torch.randn(4, fan_in, generator=gen_t)
+        tensors[f"{path}.lora_B"] = torch.randn(fan_out, 4, generator=gen_t) / 3
+    eng = Engine(str(tiny_v2_dir), max_num_seqs=2, num_kv_blocks=32, block_size=4, max_num_batched_tokens=32,
+                 inference_timesteps=2, max_loras=1, max_lora_rank=4)
+    try:
+        await eng.wait_for_ready()
+        await eng.register_lora("a", tensors, {"r": 4, "alpha": 8.0})
+        closed = eng.generate("Closed before it is read.", lora="a", seed=1, max_length=200, min_length=200)
+        ran = eng.generate("Runs to its end unread.", lora="a", seed=2, max_length=2, min_length=2)
+        assert eng.list_loras()[0].in_flight == 2
+        await closed.aclose()
+        assert eng.list_loras()[0].in_flight == 1
+        await asyncio.wait_for(eng.unregister_lora("a"), 30)
+        assert eng.list_loras() == [] and len([c async for c in ran]) == 2
+        await _until(lambda: _idle(eng))
+        assert _idle(eng)
+    finally:
+        await eng.stop()
