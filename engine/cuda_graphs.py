@@ -9,10 +9,11 @@ sequences plus padding rows that write only to a scratch KV block and a scratch 
 The graphs never need recapture as sequences grow: the attention grid is sized by a fixed bound (the model's
 maximum positions) and the kernel loops only over each sequence's real length, read from the buffers.
 
-Steps with prefill chunks run both LMs over a flat batch of any shape. Large ones keep the GPU busy eagerly, but a
-small one (a single new prompt, or a few joining a small batch) spends far longer launching ~500 kernels than running
-them: those replay an LM graph keyed by (tokens, sequences) buckets (`FlatBuffers`, `lm_graph_key`). The padding
-tokens form one extra sequence whose K/V go to the scratch block; buckets' other sequences are empty.
+Steps with prefill chunks run both LMs over a flat batch (`FlatBuffers`, staged from pinned memory). A small one (a
+single new prompt, or a few joining a small batch) spends far longer launching ~500 kernels than running them: it
+replays an LM graph keyed by (tokens, sequences) buckets (`lm_graph_key`). Larger ones run eagerly over the same
+buffers, padded to coarser buckets (`eager_flat_key`) so that cuBLAS sees recurring shapes. The padding tokens form
+one extra sequence whose K/V go to the scratch block; buckets' other sequences are empty.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # runs LocEnc on all its rows (a few ms at 2048), still far below the ~30-50 ms of eager launches it replaces.
 LM_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
 LM_GRAPH_SEQS = (2, 4, 8, 16, 32, 64)
+EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions (`eager_flat_key`)
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
@@ -88,6 +90,26 @@ def lm_graph_keys(max_num_seqs: int) -> list[tuple[int, int]]:
 def lm_graph_key(tokens: int, seqs: int, keys: list[tuple[int, int]]) -> tuple[int, int] | None:
     """The smallest LM graph for a flat batch of `tokens` positions in `seqs` sequences (plus the padding one)."""
     return next(((t, s) for t, s in keys if t >= tokens and s > seqs), None)
+
+
+def eager_flat_key(tokens: int, seqs: int) -> tuple[int, int]:
+    """The padded flat batch of an eager mixed step (beyond the LM graphs): positions rounded up to 1/8 of their
+    power of two (at least EAGER_TOKEN_STEP), sequences (plus the padding one) to a multiple of 16.
+
+    cuBLAS picks a GEMM kernel per new shape: measured on an H200, a bf16 linear whose row count it has not seen
+    costs ~230 us of host time against ~30 us for a known one, so a mixed step of a fresh token count spent ~40 ms
+    launching its ~200 linears while the GPU idled. Padding (at most 1/8 more work) makes a few dozen shapes recur;
+    the multiple of 16 keeps Triton's integer specializations the warm-up compiled."""
+    step = max(EAGER_TOKEN_STEP, 1 << max(0, tokens.bit_length() - 4))
+    return -(-tokens // step) * step, -(-(seqs + 1) // 16) * 16
+
+
+def eager_flat_token_buckets(max_tokens: int) -> list[int]:
+    """Every token count `eager_flat_key` rounds to, up to the one holding `max_tokens`."""
+    out = [eager_flat_key(1, 0)[0]]
+    while out[-1] < max_tokens:
+        out.append(eager_flat_key(out[-1] + 1, 0)[0])
+    return out
 
 
 @dataclass

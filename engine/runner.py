@@ -34,6 +34,8 @@ from engine.cuda_graphs import (
     StepGraphs,
     bucket_for,
     buckets_for,
+    eager_flat_key,
+    eager_flat_token_buckets,
     lm_graph_key,
     lm_graph_keys,
 )
@@ -187,10 +189,13 @@ class Runner:
         self.lm_graphs: StepGraphs | None = None
         self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
         self.lm_keys: list[tuple[int, int]] = []
+        self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
+        if cuda:
+            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cfg.cuda_graphs else [],
+                               eager_flat_key(min(cfg.max_num_batched_tokens, self.max_positions), cfg.max_num_seqs))
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
-            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs))
             with torch.inference_mode():
                 self.graphs, self.sample_graphs, self.lm_graphs = self._capture_graphs(pool)
                 if self.lora:  # steps whose rows all use no adapter replay these and launch no LoRA kernel
@@ -255,8 +260,8 @@ class Runner:
     @torch.inference_mode()
     def _measure_activations(self, cfg: WorkerConfig) -> tuple[int, int]:
         """Peak bytes of (a prefill step of max_num_batched_tokens tokens, a decode step of max_num_seqs rows),
-        run eagerly on a scratch KV cache that every sequence shares."""
-        tokens = cfg.max_num_batched_tokens
+        run eagerly on a scratch KV cache that every sequence shares (prefill at its padded eager bucket's size)."""
+        tokens = eager_flat_key(cfg.max_num_batched_tokens, 0)[0]
         seqs = min(cfg.max_num_seqs, tokens)
         lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
         blocks = -(-max(lens) // self.block_size)
@@ -304,6 +309,7 @@ class Runner:
     # so these cover every class a serving step can hit; each new class would otherwise compile inside a step.
     WARM_SHAPES = ((1, 1), (16, 1), (17, 2), (16, 16), (5, 17), (16, 33))
     WARM_SEQS = (1, 2, 3)
+    WARM_EAGER_TOKENS = 8192
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -337,6 +343,13 @@ class Runner:
             self.model.stop_flags(h)
             slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
             self._vae_decode(slots, sampled)
+        # eager mixed steps: every flat bucket up to WARM_EAGER_TOKENS once, all padding (one sequence in the scratch
+        # block), so each GEMM shape has met cuBLAS before a step does (larger ones come in bursts whose GPU work
+        # hides that first meeting)
+        if self.eager_flat is not None:
+            for tokens in eager_flat_token_buckets(min(self.eager_flat[0], self.WARM_EAGER_TOKENS, self.max_positions)):
+                self._pad_flat((tokens, 16))
+                self.lm_body((tokens, 16), eager=True)
         # a continuation primes its VAE row with the prompt's last 1..CONTEXT_PATCHES patches, eagerly: lengths
         # whose kernels (Triton specializations, ~1 s to compile) the decodes above never run
         for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
@@ -412,7 +425,7 @@ class Runner:
         reqs = [seqs[k].request for k in emit]
         rows = self._stage_rows(reqs, [r.cond for r in reqs])
         self._upload(rows)
-        index = torch.tensor(emit, device=self.device)
+        index = torch.from_numpy(np.asarray(emit)).to(self.device, non_blocking=True)  # pageable: no stream sync
         n = len(emit)
         self.lm_h[:n].copy_(lm_h.index_select(0, index))
         self.res_h[:n].copy_(res_h.index_select(0, index))
@@ -578,10 +591,12 @@ class Runner:
                             torch.empty(rows, c.samples_per_patch, pin_memory=True))
 
     # ---- LM graphs of small mixed steps -------------------------------------------------------------------------
-    def allocate_flat(self, keys: list[tuple[int, int]]) -> None:
-        """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets."""
-        self.lm_keys = keys
-        tokens, seqs = max(t for t, _ in keys), max(s for _, s in keys)
+    def allocate_flat(self, keys: list[tuple[int, int]], eager: tuple[int, int] | None = None) -> None:
+        """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets and, with
+        `eager` (the largest `eager_flat_key`), for eager mixed steps up to that size."""
+        self.lm_keys, self.eager_flat = keys, eager
+        sizes = keys + ([eager] if eager else [])
+        tokens, seqs = max(t for t, _ in sizes), max(s for _, s in sizes)
         p, d, width = self.config.patch_size, self.config.feat_dim, self.staging.buffers.block_tables.shape[1]
         self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device)
         cuda = self.device.type == "cuda"
@@ -589,11 +604,21 @@ class Runner:
             if cuda else self.flat
         self.flat_np = {name: t.numpy() for name, t in vars(self.flat_host).items()}
 
+    def flat_key(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The padded flat batch of a mixed step: the smallest LM graph bucket holding it, else its eager bucket
+        when the buffers hold that; None: neither (the unpadded eager path)."""
+        key = lm_graph_key(tokens, seqs, self.lm_keys)
+        if key is None and self.eager_flat is not None:
+            key = eager_flat_key(tokens, seqs)
+            if key[0] > self.eager_flat[0] or key[1] > self.eager_flat[1]:
+                return None
+        return key
+
     def stage_flat(self, seqs: list[ScheduledSeq]) -> tuple[int, int] | None:
-        """Stage the scheduled chunks into the flat buffers, padded to the smallest LM graph bucket (the padding
+        """Stage the scheduled chunks into the flat buffers, padded to their bucket (`flat_key`; the padding
         positions form one extra sequence in the scratch KV block); the bucket, or None when none holds them."""
         tokens = sum(s.num_tokens for s in seqs)
-        key = lm_graph_key(tokens, len(seqs), self.lm_keys)
+        key = self.flat_key(tokens, len(seqs))
         if key is None:
             return None
         h, bs, pos = self.flat_np, self.block_size, 0
@@ -636,29 +661,44 @@ class Runner:
         if self.flat_host is not self.flat:
             self.flat.copy_(self.flat_host, *key)
 
-    def lm_body(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def lm_body(self, key: tuple[int, int], eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the staged flat buffers of bucket `key` (what an LM graph captures); (lm_h, res_h) [S, H]
-        with row j the state of scheduled sequence j (rows past the real sequences are padding)."""
+        with row j the state of scheduled sequence j (rows past the real sequences are padding).
+
+        `eager` (not captured): the attention grid and KV splits from the staged batch's real lengths, and LocEnc
+        on its audio rows only (padded to a multiple of 64 with a repeat, so their GEMM shapes recur too)."""
         tokens, seqs = key
         f = self.flat
         if self.lora:
             self.model.set_lora_indices(tokens=f.lora[:tokens])
-        max_k = self.max_positions if self.device.type == "cuda" else int(f.seq_lens[:seqs].max())
+        max_q, max_k, audio_rows = tokens, self.max_positions, None
+        if eager or self.device.type != "cuda":
+            h = self.flat_np
+            max_q, max_k = int(np.diff(h["cu_seqlens"][:seqs + 1]).max()), int(h["seq_lens"][:seqs].max())
+        if eager:
+            audio = np.flatnonzero(h["masks"][:tokens])
+            if len(audio):
+                audio = np.concatenate((audio, np.full(-len(audio) % 64, audio[0])))
+            audio_rows = torch.from_numpy(audio).to(self.device, non_blocking=True)  # pageable: no stream sync
         meta = AttentionMetadata(cu_seqlens_q=f.cu_seqlens[:seqs + 1], seq_lens=f.seq_lens[:seqs],
                                  slot_mapping=f.slots[:tokens], block_tables=f.block_tables[:seqs],
-                                 max_seqlen_q=tokens, max_seqlen_k=max_k)
+                                 max_seqlen_q=max_q, max_seqlen_k=max_k)
         return self.model.forward_lms(f.ids[:tokens], f.patches[:tokens].to(self.dtype), f.masks[:tokens],
-                                      f.positions[:tokens], meta, self.caches, last_index=f.last_index[:seqs])
+                                      f.positions[:tokens], meta, self.caches, last_index=f.last_index[:seqs],
+                                      audio_rows=audio_rows)
 
     def _forward_lms(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the flat batch of every scheduled chunk: an LM graph replay when a bucket holds it, else
-        eagerly; (lm_h, res_h) with row j the state of seqs[j] (at least len(seqs) rows)."""
-        if self.lm_keys:  # CUDA with graphs; on CPU only when a test allocates the flat buffers
+        eagerly over the padded flat buffers, else (larger than those) unpadded; (lm_h, res_h) with row j the state
+        of seqs[j] (at least len(seqs) rows)."""
+        if self.lm_keys or self.eager_flat:  # CUDA; on CPU only when a test allocates the flat buffers
             key = self.stage_flat(seqs)
             if key is not None:
                 self._upload_flat(key)
                 lm_graphs = self._graph_sets()[2]
-                return lm_graphs.replay(key) if lm_graphs is not None else self.lm_body(key)
+                if lm_graphs is not None and key in lm_graphs.graphs:
+                    return lm_graphs.replay(key)
+                return self.lm_body(key, eager=key not in self.lm_keys)
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []

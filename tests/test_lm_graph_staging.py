@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.checkpoint import load_model
-from engine.cuda_graphs import lm_graph_key, lm_graph_keys
+from engine.cuda_graphs import eager_flat_key, eager_flat_token_buckets, lm_graph_key, lm_graph_keys
 from engine.request import RequestSpec, SamplingParams
 from engine.runner import Runner
 from engine.scheduler import Scheduler
@@ -25,12 +25,26 @@ def test_lm_graph_buckets_fit_the_batch_plus_a_padding_sequence():
     assert lm_graph_key(2049, 1, keys) is None and lm_graph_key(10, 9, keys) is None
 
 
-def serve(loaded, flat: bool) -> tuple[list[torch.Tensor], int]:
+def test_eager_flat_batches_round_to_recurring_shapes():
+    assert eager_flat_key(1, 0) == (256, 16) and eager_flat_key(256, 15) == (256, 16)
+    assert eager_flat_key(2000, 255) == (2048, 256) and eager_flat_key(2049, 3) == (2304, 16)
+    assert eager_flat_key(5000, 100) == (5120, 112) and eager_flat_key(20000, 1) == (20480, 16)
+    for tokens in (1, 300, 2047, 4097, 9000, 31000):  # at most 1/8 (or one 256 step) of padding
+        t = eager_flat_key(tokens, 0)[0]
+        assert tokens <= t <= max(tokens * 9 / 8, tokens + 255) and t in eager_flat_token_buckets(32768)
+    buckets = eager_flat_token_buckets(32768)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == 32768 and len(buckets) == 40
+
+
+def serve(loaded, flat: bool, eager_only: bool = False) -> tuple[list[torch.Tensor], int]:
+    """`flat`: through the padded flat buffers (graph buckets and, past them, eager buckets); `eager_only`: eager
+    buckets alone (as on CUDA past the LM graphs)."""
     cfg = WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=6, max_num_batched_tokens=80, block_size=16,
                        num_kv_blocks=64, gpu_memory_utilization=0.9, inference_timesteps=2)
     runner = Runner(loaded, cfg)
     if flat:
-        runner.allocate_flat(lm_graph_keys(cfg.max_num_seqs))
+        keys = [] if eager_only else [k for k in lm_graph_keys(cfg.max_num_seqs) if k[0] <= 64]
+        runner.allocate_flat(keys, eager_flat_key(cfg.max_num_batched_tokens, cfg.max_num_seqs))
     staged = 0
     stage = runner.stage_flat
 
@@ -61,8 +75,9 @@ def serve(loaded, flat: bool) -> tuple[list[torch.Tensor], int]:
 def test_padded_flat_lm_batches_serve_the_same_audio_as_eager_steps(tiny_v2_dir):
     loaded = load_model(tiny_v2_dir)
     eager, _ = serve(loaded, flat=False)
-    padded, staged = serve(loaded, flat=True)
-    assert staged >= 4  # every prefill step went through the padded buffers
-    assert len(eager) == len(padded) == 25
-    for a, b in zip(eager, padded, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for eager_only in (False, True):  # graph buckets up to 64 positions, eager buckets past them; eager ones alone
+        padded, staged = serve(loaded, flat=True, eager_only=eager_only)
+        assert staged >= 4  # every prefill step went through the padded buffers
+        assert len(eager) == len(padded) == 25
+        for a, b in zip(eager, padded, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
