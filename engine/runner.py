@@ -789,9 +789,10 @@ class Runner:
     def _prime_context(self, slot: int, context: torch.Tensor) -> None:
         """Replay a continuation's prompt tail [k, P, D] into VAE row `slot` (its audio is the previous segment's)."""
         dev = self.vae_state.buffers[0].device
-        rows = torch.tensor([slot], device=dev)
+        rows = torch.full((1,), slot, device=dev)  # a fill on the device: a pageable copy would wait for the stream
         part = self.vae_state.gather(rows)
-        latents = context.to(self.device, self.vae_dtype).reshape(1, -1, self.config.feat_dim).transpose(1, 2)
+        latents = context.to(self.device, non_blocking=True).to(self.vae_dtype)
+        latents = latents.reshape(1, -1, self.config.feat_dim).transpose(1, 2)
         self.vae.decode_stream(latents, part)
         self.vae_state.scatter_(rows, part)
 
