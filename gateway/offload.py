@@ -3,7 +3,7 @@
 `asyncio.to_thread` per chunk costs a thread wakeup and a loop wakeup per call, and under a burst (one engine step
 hands a chunk to every stream at once) those hops pile up on the loop and fight it for the GIL. Here every call made
 during one loop iteration is collected, cut into a few parts, and each part is one job for a worker thread and one
-wakeup of the loop when it is done. libopus runs without the GIL (ctypes releases it), so the threads use every core.
+wakeup of the loop when it is done. libopus runs without the GIL, so the threads spread over the cores.
 """
 
 from __future__ import annotations
@@ -24,16 +24,18 @@ URGENT = 200.0
 
 
 def default_threads() -> int:
-    """VOXGATE_ENCODE_THREADS, or one encode thread per core this process may run on, up to 8: every frame's
-    encode call takes and drops the GIL around libopus, and on a 16-core H200 host 16 threads convoyed on it
-    (17.6 ms of CPU per stream-second and 12,972 underruns at 250 sessions, against 12.3 ms and 122 with 8)."""
+    """VOXGATE_ENCODE_THREADS, or three encode threads per four cores this process may run on, up to 12. A chunk's
+    frames are one C call that releases the GIL once, so threads scale, but not onto every core: the event loop
+    thread (~45% busy at 500 sessions) and the socket writes need the rest. On a 16-core H200 host at 500 Opus
+    sessions (bench/gateway_capacity.py): 8 threads 2804 underruns (frame lateness p99 126 ms), 12 threads 831
+    (101 ms), 16 threads 1161 (120 ms, event-loop lag p99 59 ms)."""
     if os.environ.get("VOXGATE_ENCODE_THREADS"):
         return max(1, int(os.environ["VOXGATE_ENCODE_THREADS"]))
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return max(1, min(12, cores - cores // 4))
 
 
 _Job = tuple[float, Callable[..., Any], tuple[Any, ...], asyncio.Future]

@@ -1,11 +1,12 @@
 """The gateway's thread pool for Opus encoding: calls of one loop iteration go out together, most urgent first."""
 
 import asyncio
+import os
 import threading
 
 import pytest
 
-from gateway.offload import OffloadPool
+from gateway.offload import OffloadPool, default_threads
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,3 +45,15 @@ async def test_the_most_urgent_calls_of_one_iteration_run_first():
     finally:
         pool.shutdown()
     assert order == sorted(urgencies)
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (4, 3), (8, 6), (16, 12), (64, 12)])
+def test_default_threads_leave_a_quarter_of_the_cores_to_the_loop_up_to_12(monkeypatch, cores, threads):
+    monkeypatch.delenv("VOXGATE_ENCODE_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_threads() == threads
+
+
+def test_the_environment_overrides_the_default_threads(monkeypatch):
+    monkeypatch.setenv("VOXGATE_ENCODE_THREADS", "16")
+    assert default_threads() == 16

@@ -1,0 +1,284 @@
+"""First frames first: for a listener short of audio, an Opus chunk is encoded as two pool calls, its first frames
+(sent as soon as they are encoded) then the rest; in a burst every short stream's first frames go before anyone's
+rest. The bytes are those of one call per chunk; a well-buffered listener keeps one call per chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.api import AudioChunk, ModelInfo
+from gateway import session as session_module
+from gateway.audio import FLAG_LAST, Encoder, OutputFormat, float_to_int16
+from gateway.offload import OffloadPool
+from gateway.protocol import AudioFrame, unpack_frame
+from gateway.session import Session, _encode_head
+
+pytestmark = pytest.mark.timeout(60)
+
+RATE = 48000  # VoxCPM2's, and Opus's default: no resampling in the session tests
+CHUNK = RATE * 160 // 1000  # one 160 ms patch
+
+
+def speech(seconds: float, rate: int, seed: int = 0) -> np.ndarray:
+    """Something Opus has to work on: a modulated tone in noise."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * 140 * t) * (1 + np.sin(2 * np.pi * 3 * t))
+    return (tone + 0.05 * np.random.default_rng(seed).standard_normal(len(t))).astype(np.float32)
+
+
+SOURCE = speech(2.0, RATE)
+
+
+@pytest.mark.parametrize("model_rate, output", [
+    (48000, {"format": "opus"}),
+    (16000, {"format": "opus"}),  # VoxCPM v1's rate: soxr's output comes in blocks
+    (44100, {"format": "opus"}),  # VoxCPM1.5's
+    (48000, {"format": "opus", "sample_rate": 24000, "frame_ms": 40}),
+    (48000, {"format": "opus", "sample_rate": 16000, "frame_ms": 10}),
+])
+def test_a_chunk_split_into_head_and_rest_encodes_to_the_same_bytes(model_rate: int, output: dict) -> None:
+    fmt = OutputFormat.from_dict(output, model_rate)
+    pcm = speech(1.6, model_rate)
+    chunk, step = model_rate * 160 // 1000, model_rate * fmt.frame_ms // 1000
+    whole, split = Encoder(fmt, model_rate), Encoder(fmt, model_rate)
+    want: list[bytes] = []
+    got: list[bytes] = []
+    for i, start in enumerate(range(0, len(pcm), chunk)):
+        piece = pcm[start:start + chunk]
+        want += whole.encode(piece)
+        frames = 3 if i == 0 else 2
+        head, used = _encode_head(split, piece, frames, step)
+        assert len(head) >= frames or used == len(piece)
+        got += head + split.encode(piece[used:])
+    assert got + split.finish() == want + whole.finish()
+
+
+# ---------------------------------------------------------------------------------------------- through a session
+
+class TickEngine:
+    """Each `tick()` hands every running request its next 160 ms chunk, all in one go, as one engine step does."""
+
+    def __init__(self, chunks: int):
+        self.chunks = chunks
+        self.queues: list[asyncio.Queue] = []
+        self.ticks = 0
+        self.cancelled: list[str] = []
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("tick", "stand-in", RATE, CHUNK, 160.0, 4096, True, "float32", "cpu")
+
+    def list_voices(self) -> list[str]:
+        return []
+
+    def update_buffered(self, request_id: str, buffered_ms: float) -> None:
+        pass
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def generate(self, text: str, **kwargs: Any) -> AsyncIterator[AudioChunk]:
+        self.queues.append(asyncio.Queue())
+        return self._stream(self.queues[-1], kwargs["request_id"])
+
+    async def _stream(self, queue: asyncio.Queue, request_id: str) -> AsyncIterator[AudioChunk]:
+        for i in range(self.chunks):
+            pcm = await queue.get()
+            yield AudioChunk(pcm, RATE, i, np.zeros((4, 64), np.float32), i == self.chunks - 1, None, request_id)
+
+    def tick(self) -> None:
+        pcm = SOURCE[self.ticks * CHUNK:(self.ticks + 1) * CHUNK]
+        self.ticks += 1
+        for queue in self.queues:
+            queue.put_nowait(pcm)
+
+
+class Transport:
+    """Messages and frames one session sent; frame sends also go to the shared log."""
+
+    def __init__(self, name: str, log: list[tuple]):
+        self.name, self.log = name, log
+        self.messages: list[dict] = []
+        self.frames: list[AudioFrame] = []
+
+    async def send_text(self, data: str) -> None:
+        self.messages.append(json.loads(data))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.send_frames([data])
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        self.log.append(("send", self.name, len(frames)))
+        self.frames += [unpack_frame(f) for f in frames]
+
+    def send_ready(self) -> bool:
+        return True
+
+    async def close(self, code: int, reason: str) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def got(self, kind: str) -> bool:
+        return any(m["type"] == kind for m in self.messages)
+
+
+class LoggedPool(OffloadPool):
+    """One worker thread; each call logged as it runs: (call, urgency, encoder). Heads wait for `gate` if set."""
+
+    def __init__(self, log: list[tuple], gate: threading.Event | None = None):
+        super().__init__(threads=1)
+        self.log, self.gate = log, gate
+        self.head_running = threading.Event()
+
+    async def run(self, fn: Callable[..., Any], *args: Any, urgency: float = 0.0) -> Any:
+        name = fn.__name__
+        encoder = args[0] if name == "_encode_head" else fn.__self__
+
+        def logged(*a: Any) -> Any:
+            if name == "_encode_head" and self.gate is not None:
+                self.head_running.set()
+                self.gate.wait(10)
+            self.log.append((name, urgency, encoder))
+            return fn(*a)
+
+        return await super().run(logged, *args, urgency=urgency)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.002)
+
+
+async def open_turn(engine: TickEngine, transport: Transport, output: dict | None = None,
+                    clock: Callable[[], float] | None = None) -> Session:
+    session = Session(engine, transport, **({"clock": clock} if clock else {}))
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": output or {"format": "opus"}}))
+    await session.receive(json.dumps({"type": "text.append", "context_id": "t", "text": "Hello there."}))
+    await session.receive(json.dumps({"type": "context.end", "context_id": "t"}))
+    turn = session.turns["t"]
+    await until(lambda: bool(turn.segment_log))  # the synthesis task waits for the engine's first chunk
+    return session
+
+
+def reference(chunks: int) -> list[bytes]:
+    encoder = Encoder(OutputFormat(), RATE)
+    out = [p for i in range(chunks) for p in encoder.encode(SOURCE[i * CHUNK:(i + 1) * CHUNK])]
+    return out + encoder.finish()
+
+
+def check_frames(frames: list[AudioFrame], chunks: int) -> None:
+    assert [f.payload for f in frames] == reference(chunks)
+    assert [f.seq for f in frames] == list(range(len(frames)))
+    assert [f.flags & FLAG_LAST for f in frames] == [0] * (len(frames) - 1) + [FLAG_LAST]
+
+
+async def test_short_listeners_first_frames_go_out_before_anyones_rest(monkeypatch):
+    log: list[tuple] = []
+    pool = LoggedPool(log)
+    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+    engine = TickEngine(chunks=3)
+    transports = {name: Transport(name, log) for name in "ab"}
+    try:
+        sessions = {name: await open_turn(engine, t) for name, t in transports.items()}
+        who = {id(s.turns["t"].encoder): name for name, s in sessions.items()}
+        engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
+        await until(lambda: sum(e[0] == "encode" for e in log) == 2)
+        calls = [(e[0], who[id(e[2])], e[1]) for e in log if e[0] != "send"]
+        # both heads (3 frames: one is held back for FLAG_LAST, 2 leave) before either rest, which waits for the
+        # head's frames to be sent
+        assert sorted(calls[:2]) == [("_encode_head", "a", 0.0), ("_encode_head", "b", 0.0)]
+        assert sorted(calls[2:]) == [("encode", "a", 60.0), ("encode", "b", 60.0)]
+        for name in "ab":
+            rest = next(i for i, e in enumerate(log) if e[0] == "encode" and who[id(e[2])] == name)
+            assert ("send", name, 2) in log[:rest]
+        for _ in range(2):
+            engine.tick()
+        await until(lambda: all(t.got("context.done") for t in transports.values()))
+        for session in sessions.values():
+            await session.close()
+    finally:
+        pool.shutdown()
+    for t in transports.values():
+        check_frames(t.frames, 3)
+
+
+async def test_a_well_buffered_listener_gets_one_call_per_chunk(monkeypatch):
+    log: list[tuple] = []
+    pool = LoggedPool(log)
+    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+    engine = TickEngine(chunks=5)
+    transport = Transport("a", log)
+    try:
+        # time stands still: the listener plays nothing, so what was sent stays buffered
+        session = await open_turn(engine, transport, clock=lambda: 1000.0)
+        for k in range(1, 5):
+            engine.tick()
+            await until(lambda k=k: len(transport.frames) == 8 * k - 1)  # the newest frame is held back
+        engine.tick()  # the last chunk
+        await until(lambda: transport.got("context.done"))
+        await session.close()
+    finally:
+        pool.shutdown()
+    calls = [(e[0], e[1]) for e in log if e[0] != "send"]
+    assert calls == [
+        ("_encode_head", 0.0), ("encode", 60.0),  # the first chunk: 2 of its 3 head frames leave at once
+        ("_encode_head", 160.0), ("encode", 200.0),  # 160 ms buffered: still short; the held frame leaves too
+        ("encode", 320.0), ("encode", 480.0), ("encode", 640.0),  # enough buffered: one call per chunk
+        ("finish", 800.0),
+    ]
+    # frames per write: each head's go out at once (the first chunk's newest held back, later the previous one's with
+    # them); the end releases the last held frame with the tail
+    assert [e[2] for e in log if e[0] == "send"] == [2, 5, 2, 6, 8, 8, 8, 2]
+    check_frames(transport.frames, 5)
+
+
+async def test_formats_encoded_on_the_loop_make_no_pool_calls(monkeypatch):
+    log: list[tuple] = []
+    pool = LoggedPool(log)
+    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+    engine = TickEngine(chunks=2)
+    transport = Transport("a", log)
+    try:
+        session = await open_turn(engine, transport, output={"format": "pcm_s16le", "sample_rate": RATE})
+        engine.tick()
+        engine.tick()
+        await until(lambda: transport.got("context.done"))
+        await session.close()
+    finally:
+        pool.shutdown()
+    assert [e for e in log if e[0] != "send"] == []
+    assert b"".join(f.payload for f in transport.frames) == float_to_int16(SOURCE[:2 * CHUNK]).astype("<i2").tobytes()
+
+
+async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_rest(monkeypatch):
+    log: list[tuple] = []
+    gate = threading.Event()
+    pool = LoggedPool(log, gate)
+    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+    engine = TickEngine(chunks=3)
+    transport = Transport("a", log)
+    try:
+        session = await open_turn(engine, transport)
+        engine.tick()
+        await until(pool.head_running.is_set)
+        await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
+        assert transport.got("context.cancelled") and not session.turns
+        assert engine.cancelled == [f"{session.id}:t:0"]
+        gate.set()
+        await session.close()
+    finally:
+        gate.set()
+        pool.shutdown()  # after the head's encode has run
+    await asyncio.sleep(0.05)  # its result (for nobody) delivered
+    assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
+    assert transport.frames == []
