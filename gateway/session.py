@@ -22,7 +22,7 @@ from engine import errors as engine_errors
 from gateway import protocol as p
 from gateway.audio import Encoder, OutputFormat, opus_available
 from gateway.metrics import GatewayMetrics
-from gateway.offload import URGENT, OffloadPool, shared_pool
+from gateway.offload import OffloadPool, shared_pool
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.segmenter import ChunkingConfig, Segment, Segmenter
 
@@ -36,14 +36,11 @@ PACE_QUANTUM_MS = 160.0
 # Formats whose encoding is worth a thread hop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz, without the GIL). PCM and
 # G.711 cost ~0.05 ms per chunk: cheaper on the loop than any hop.
 OFFLOADED_FORMATS = ("opus",)
-# A listener with less audio than this left (ms, as `Turn.buffered_ms` counts it) gets each chunk's first frames
-# encoded and sent ahead of the rest (`Session._encode_chunk`). One engine step's chunks for every stream are encoded
-# within about a tick (160 ms) while the gateway keeps up at all (~70-100 ms at 500 streams on 16 cores): a listener
-# with more than this left gets the whole chunk in time, and a split would only add a hop. The pool's URGENT: its
-# calls come back one by one.
-SPLIT_BELOW_MS = URGENT
-# Frames a short listener's head sends at once. One (20 ms) would be spent before the rest of a burst is encoded;
-# two give it 40 ms, and the head stays a quarter of a chunk's encoding.
+# A turn's first chunk is encoded in two pool calls: HEAD_FRAMES frames (sent as soon as they are encoded), then the
+# rest (`Session._encode_chunk`). A burst of new turns then gets every turn's first audio out before anyone's rest.
+# Later chunks stay one call: on the H200 host at 500 Opus sessions, splitting every short listener's chunk doubled
+# the event loop's hops and writes (loop lag p99 11 -> 52 ms) and made underruns worse (831 -> 2,562), not better.
+# Two frames, not one: 20 ms would be spent before the rest of a burst is encoded.
 HEAD_FRAMES = 2
 
 
@@ -574,8 +571,8 @@ class Session:
 
     async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
         """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
-        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a short
-        listener's chunk takes two: `_encode_chunk`); the cheap formats are encoded right here."""
+        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a turn's
+        first chunk takes two: `_encode_chunk`); the cheap formats are encoded right here."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         work = encoder.finish if pcm is None else encoder.encode
@@ -585,19 +582,19 @@ class Session:
         return work(*args)
 
     async def _encode_chunk(self, turn: Turn, pcm: np.ndarray) -> None:
-        """One engine chunk -> its frames queued. For a listener short of audio (below SPLIT_BELOW_MS) an offloaded
-        chunk is two calls, one after the other (the encoder is not thread-safe): its first frames, queued as soon as
-        they are encoded, then the rest. One engine step hands every stream a chunk at once and the pool runs each
-        loop iteration's calls most urgent first on FIFO threads, so every short listener's first frames are encoded
-        before anyone's rest: the stream encoded last no longer waits for every other stream's whole chunk."""
+        """One engine chunk -> its frames queued. A turn's first offloaded chunk is two calls, one after the other
+        (the encoder is not thread-safe): its first frames, queued as soon as they are encoded, then the rest. A
+        burst of new turns arrives in one engine step and the pool runs each loop iteration's calls most urgent
+        first on FIFO threads, so every new turn's first frames are encoded before anyone's rest."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         buffered = turn.buffered_ms(self.clock())
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
         # `_queue_packets` holds the newest frame back (it may be the turn's last): HEAD_FRAMES leave only when the
-        # head brings one more than that, unless an earlier chunk's held frame goes out with them
-        frames = HEAD_FRAMES + (turn.held is None)
-        if turn.offload is None or buffered >= SPLIT_BELOW_MS or len(pcm) <= frames * step:
+        # head brings one more than that
+        frames = HEAD_FRAMES + 1
+        first = turn.queued_ms == 0 and turn.held is None
+        if turn.offload is None or not first or len(pcm) <= frames * step:
             await self._queue_packets(turn, await self._encode(turn, pcm))
             return
         head, used = await turn.offload.run(_encode_head, encoder, pcm, frames, step, urgency=buffered)

@@ -1,6 +1,6 @@
-"""First frames first: for a listener short of audio, an Opus chunk is encoded as two pool calls, its first frames
-(sent as soon as they are encoded) then the rest; in a burst every short stream's first frames go before anyone's
-rest. The bytes are those of one call per chunk; a well-buffered listener keeps one call per chunk."""
+"""First frames first: a turn's first Opus chunk is encoded as two pool calls, its first frames (sent as soon as they
+are encoded) then the rest; in a burst every new turn's first frames go before anyone's rest. The bytes are those of
+one call per chunk; later chunks are one call each."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def check_frames(frames: list[AudioFrame], chunks: int) -> None:
     assert [f.flags & FLAG_LAST for f in frames] == [0] * (len(frames) - 1) + [FLAG_LAST]
 
 
-async def test_short_listeners_first_frames_go_out_before_anyones_rest(monkeypatch):
+async def test_new_turns_first_frames_go_out_before_anyones_rest(monkeypatch):
     log: list[tuple] = []
     pool = LoggedPool(log)
     monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
@@ -212,7 +212,7 @@ async def test_short_listeners_first_frames_go_out_before_anyones_rest(monkeypat
         check_frames(t.frames, 3)
 
 
-async def test_a_well_buffered_listener_gets_one_call_per_chunk(monkeypatch):
+async def test_only_a_turns_first_chunk_is_split(monkeypatch):
     log: list[tuple] = []
     pool = LoggedPool(log)
     monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
@@ -232,13 +232,12 @@ async def test_a_well_buffered_listener_gets_one_call_per_chunk(monkeypatch):
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     assert calls == [
         ("_encode_head", 0.0), ("encode", 60.0),  # the first chunk: 2 of its 3 head frames leave at once
-        ("_encode_head", 160.0), ("encode", 200.0),  # 160 ms buffered: still short; the held frame leaves too
-        ("encode", 320.0), ("encode", 480.0), ("encode", 640.0),  # enough buffered: one call per chunk
+        ("encode", 160.0), ("encode", 320.0), ("encode", 480.0), ("encode", 640.0),  # then one call per chunk
         ("finish", 800.0),
     ]
-    # frames per write: each head's go out at once (the first chunk's newest held back, later the previous one's with
-    # them); the end releases the last held frame with the tail
-    assert [e[2] for e in log if e[0] == "send"] == [2, 5, 2, 6, 8, 8, 8, 2]
+    # frames per write: the head's go out at once (its newest held back), then each chunk's with the previous held
+    # frame; the end releases the last held frame with the tail
+    assert [e[2] for e in log if e[0] == "send"] == [2, 5, 8, 8, 8, 8, 2]
     check_frames(transport.frames, 5)
 
 
