@@ -22,7 +22,6 @@ import itertools
 import json
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -226,11 +225,9 @@ async def main(args: argparse.Namespace) -> dict:
             levels.append(await run_level(engine, args, c, m))
     finally:
         await engine.stop()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    from gateway_proc import git_commit  # bench/ is on the path: this file's folder
+
+    commit = git_commit()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU {platform.processor()}"
     return {"command": " ".join(sys.argv), "git_commit": commit, "device": device,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -40,6 +40,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gateway_proc import git_commit  # noqa: E402  (bench/ is on the path: this file's folder)
+
 from engine.model import lora_triton  # noqa: E402
 
 ADAPTERS = 32
@@ -229,7 +231,8 @@ def main() -> None:
     sms = lora_triton.sm_count(torch.device(device))
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
               "sms": sms, "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "dtype": str(dtype).removeprefix("torch."), "repeat": REPEAT, "tiny": args.tiny,
+              "git_commit": git_commit(), "dtype": str(dtype).removeprefix("torch."), "repeat": REPEAT,
+              "tiny": args.tiny,
               "fused_tiles": tiles, "fused_max_bytes": lora_triton.FUSED_MAX_BYTES, "results": results,
               "step_us": {f"c={c} adapters={n}": step_estimate(results, c, n)
                           for c in CONCURRENCY for n in (0, 1, ADAPTERS)},
