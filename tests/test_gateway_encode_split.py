@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,6 +152,17 @@ class LoggedPool(OffloadPool):
         return await super().run(logged, *args, urgency=urgency)
 
 
+@pytest.fixture
+def pool(monkeypatch) -> Iterator[LoggedPool]:
+    """The sessions' encode pool: one thread, each call logged in `pool.log` (transports log their sends there too)."""
+    logged = LoggedPool([])
+    monkeypatch.setattr(session_module, "shared_pool", lambda: logged)
+    yield logged
+    if logged.gate is not None:
+        logged.gate.set()
+    logged.shutdown()
+
+
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
@@ -182,53 +193,43 @@ def check_frames(frames: list[AudioFrame], chunks: int) -> None:
     assert [f.flags & FLAG_LAST for f in frames] == [0] * (len(frames) - 1) + [FLAG_LAST]
 
 
-async def test_new_turns_first_frames_go_out_before_anyones_rest(monkeypatch):
-    log: list[tuple] = []
-    pool = LoggedPool(log)
-    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+async def test_new_turns_first_frames_go_out_before_anyones_rest(pool):
+    log = pool.log
     engine = TickEngine(chunks=3)
     transports = {name: Transport(name, log) for name in "ab"}
-    try:
-        sessions = {name: await open_turn(engine, t) for name, t in transports.items()}
-        who = {id(s.turns["t"].encoder): name for name, s in sessions.items()}
-        engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
-        await until(lambda: sum(e[0] == "encode" for e in log) == 2)
-        calls = [(e[0], who[id(e[2])], e[1]) for e in log if e[0] != "send"]
-        # both heads (3 frames: one is held back for FLAG_LAST, 2 leave) before either rest, which waits for the
-        # head's frames to be sent
-        assert sorted(calls[:2]) == [("_encode_head", "a", 0.0), ("_encode_head", "b", 0.0)]
-        assert sorted(calls[2:]) == [("encode", "a", 60.0), ("encode", "b", 60.0)]
-        for name in "ab":
-            rest = next(i for i, e in enumerate(log) if e[0] == "encode" and who[id(e[2])] == name)
-            assert ("send", name, 2) in log[:rest]
-        for _ in range(2):
-            engine.tick()
-        await until(lambda: all(t.got("context.done") for t in transports.values()))
-        for session in sessions.values():
-            await session.close()
-    finally:
-        pool.shutdown()
+    sessions = {name: await open_turn(engine, t) for name, t in transports.items()}
+    who = {id(s.turns["t"].encoder): name for name, s in sessions.items()}
+    engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
+    await until(lambda: sum(e[0] == "encode" for e in log) == 2)
+    calls = [(e[0], who[id(e[2])], e[1]) for e in log if e[0] != "send"]
+    # both heads (3 frames: one is held back for FLAG_LAST, 2 leave) before either rest, which waits for the
+    # head's frames to be sent
+    assert sorted(calls[:2]) == [("_encode_head", "a", 0.0), ("_encode_head", "b", 0.0)]
+    assert sorted(calls[2:]) == [("encode", "a", 60.0), ("encode", "b", 60.0)]
+    for name in "ab":
+        rest = next(i for i, e in enumerate(log) if e[0] == "encode" and who[id(e[2])] == name)
+        assert ("send", name, 2) in log[:rest]
+    for _ in range(2):
+        engine.tick()
+    await until(lambda: all(t.got("context.done") for t in transports.values()))
+    for session in sessions.values():
+        await session.close()
     for t in transports.values():
         check_frames(t.frames, 3)
 
 
-async def test_only_a_turns_first_chunk_is_split(monkeypatch):
-    log: list[tuple] = []
-    pool = LoggedPool(log)
-    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+async def test_only_a_turns_first_chunk_is_split(pool):
+    log = pool.log
     engine = TickEngine(chunks=5)
     transport = Transport("a", log)
-    try:
-        # time stands still: the listener plays nothing, so what was sent stays buffered
-        session = await open_turn(engine, transport, clock=lambda: 1000.0)
-        for k in range(1, 5):
-            engine.tick()
-            await until(lambda k=k: len(transport.frames) == 8 * k - 1)  # the newest frame is held back
-        engine.tick()  # the last chunk
-        await until(lambda: transport.got("context.done"))
-        await session.close()
-    finally:
-        pool.shutdown()
+    # the clock stands still: the listener plays nothing, so the urgencies are what was sent
+    session = await open_turn(engine, transport, clock=lambda: 1000.0)
+    for k in range(1, 5):
+        engine.tick()
+        await until(lambda k=k: len(transport.frames) == 8 * k - 1)  # the newest frame is held back
+    engine.tick()  # the last chunk
+    await until(lambda: transport.got("context.done"))
+    await session.close()
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     assert calls == [
         ("_encode_head", 0.0), ("encode", 60.0),  # the first chunk: 2 of its 3 head frames leave at once
@@ -241,43 +242,33 @@ async def test_only_a_turns_first_chunk_is_split(monkeypatch):
     check_frames(transport.frames, 5)
 
 
-async def test_formats_encoded_on_the_loop_make_no_pool_calls(monkeypatch):
-    log: list[tuple] = []
-    pool = LoggedPool(log)
-    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+async def test_formats_encoded_on_the_loop_make_no_pool_calls(pool):
+    log = pool.log
     engine = TickEngine(chunks=2)
     transport = Transport("a", log)
-    try:
-        session = await open_turn(engine, transport, output={"format": "pcm_s16le", "sample_rate": RATE})
-        engine.tick()
-        engine.tick()
-        await until(lambda: transport.got("context.done"))
-        await session.close()
-    finally:
-        pool.shutdown()
+    session = await open_turn(engine, transport, output={"format": "pcm_s16le", "sample_rate": RATE})
+    engine.tick()
+    engine.tick()
+    await until(lambda: transport.got("context.done"))
+    await session.close()
     assert [e for e in log if e[0] != "send"] == []
     assert b"".join(f.payload for f in transport.frames) == float_to_int16(SOURCE[:2 * CHUNK]).astype("<i2").tobytes()
 
 
-async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_rest(monkeypatch):
-    log: list[tuple] = []
-    gate = threading.Event()
-    pool = LoggedPool(log, gate)
-    monkeypatch.setattr(session_module, "shared_pool", lambda: pool)
+async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_rest(pool):
+    log = pool.log
+    pool.gate = threading.Event()
     engine = TickEngine(chunks=3)
     transport = Transport("a", log)
-    try:
-        session = await open_turn(engine, transport)
-        engine.tick()
-        await until(pool.head_running.is_set)
-        await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
-        assert transport.got("context.cancelled") and not session.turns
-        assert engine.cancelled == [f"{session.id}:t:0"]
-        gate.set()
-        await session.close()
-    finally:
-        gate.set()
-        pool.shutdown()  # after the head's encode has run
+    session = await open_turn(engine, transport)
+    engine.tick()
+    await until(pool.head_running.is_set)
+    await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
+    assert transport.got("context.cancelled") and not session.turns
+    assert engine.cancelled == [f"{session.id}:t:0"]
+    pool.gate.set()
+    await session.close()
+    await until(lambda: any(e[0] == "_encode_head" for e in log))  # the head's encode ran
     await asyncio.sleep(0.05)  # its result (for nobody) delivered
     assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
     assert transport.frames == []
