@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,7 @@ class PendingStep:
     emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
     kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
-    sampled: torch.Tensor | None = None  # a decode step's patches where it made them (on the device), row j = seq j
+    sampled: torch.Tensor | None = None  # its patches where it made them (on the device), row j = seq emit[j]
 
 
 @dataclass
@@ -96,19 +97,18 @@ class StepTiming:
 
 @dataclass
 class HostStaging:
-    """Where a decode step's inputs are written on the host before their upload (on CPU: the device inputs)."""
+    """Where a step's inputs are written on the host before their upload (on CPU: the device inputs)."""
 
     buffers: DecodeBuffers
     arrays: dict[str, np.ndarray]  # numpy views of `buffers`: element writes without torch's per-call overhead
     lora_rows: torch.Tensor  # each row's LoRA slot
-    feedback_index: torch.Tensor  # `_feed_back`: the rows of the step launched before, in this step's order
+    flat: FlatBuffers | None = None  # a mixed step's flat batch (`Runner.allocate_flat`), and its numpy views
+    flat_arrays: dict[str, np.ndarray] | None = None
 
     @classmethod
     def of(cls, buffers: DecodeBuffers, rows: int, pin: bool) -> HostStaging:
-        def index() -> torch.Tensor:
-            return torch.zeros(rows, dtype=torch.long, pin_memory=pin)
-
-        return cls(buffers, {name: t.numpy() for name, t in vars(buffers).items()}, index(), index())
+        return cls(buffers, {name: t.numpy() for name, t in vars(buffers).items()},
+                   torch.zeros(rows, dtype=torch.long, pin_memory=pin))
 
 
 def triton_compiles() -> int:
@@ -163,6 +163,7 @@ class Runner:
         rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
         self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
         self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
+        self._zero_patch = torch.zeros(1, p, d)  # a fed row's staged input (`stage_flat`)
         hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
         self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
         self.res_h = torch.zeros_like(self.lm_h)
@@ -190,9 +191,9 @@ class Runner:
         self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
         self.lm_keys: list[tuple[int, int]] = []
         self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
-        if cuda:
-            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cfg.cuda_graphs else [],
-                               eager_flat_key(min(cfg.max_num_batched_tokens, self.max_positions), cfg.max_num_seqs))
+        if cuda or cfg.async_mixed:  # on CPU the flat batch only serves steps launched ahead (padding buys nothing)
+            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cuda and cfg.cuda_graphs else [],
+                               eager_flat_key(cfg.max_num_batched_tokens, cfg.max_num_seqs))
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
@@ -368,9 +369,10 @@ class Runner:
     def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None) -> PendingStep:
         """Start a step; on the graph paths the device works on it after this returns.
 
-        `after`: a decode step not yet collected whose requests this decode-only step continues
-        (`Scheduler.schedule_ahead`). Its sampled patches become this step's inputs on the device, so this step is
-        staged and queued while that one runs, and the device never waits for the host between the two."""
+        `after`: a step not yet collected whose sampling requests this step continues, one decode position each
+        (`Scheduler.schedule_ahead`; it may also admit new prompts, `launchable_ahead`). Its sampled patches become
+        this step's inputs on the device, so this step is staged and queued while that one runs, and the device
+        never waits for the host between the two."""
         start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
@@ -396,17 +398,16 @@ class Runner:
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
-        decode_only = self._decode_only(seqs)
-        if after is not None and not decode_only:
-            raise ValueError("only a decode-only step can be launched ahead")
-        if decode_only:
+        # the seqs that continue `after` (still on the device): seq k's input patch is row fed[k] of its samples
+        fed = self._fed_rows(seqs, after) if after is not None else {}
+        if self._decode_only(seqs):
             n = len(seqs)
             conds = None if after is not None else [s.request.generated[-1] for s in seqs]
             rows = self._stage_rows([s.request for s in seqs], conds)
             self._stage_positions(seqs)
             self._upload(rows)
             if after is not None:
-                self._feed_back(seqs, after)
+                self._gather(self.inputs.patches, list(range(n)), after, [fed[k] for k in range(n)])
             if decode_graphs is not None:
                 result = decode_graphs.replay(rows)
             else:
@@ -416,15 +417,22 @@ class Runner:
             pending.sampled = result.patches
             return pending
         if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
+            if after is not None:
+                raise ValueError("a step sampling at other timesteps runs eagerly, never ahead")
             return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
-        lm_h, res_h = self._forward_lms(seqs)
         emit = [k for k, s in enumerate(seqs) if s.emit]
+        rows = n = 0
+        if emit:  # the sampling inputs first: the LM graph may reuse the memory `after` sampled into
+            reqs = [seqs[k].request for k in emit]
+            rows = self._stage_rows(reqs, [None if k in fed else seqs[k].request.cond for k in emit])
+            self._upload(rows)
+            conds = [j for j, k in enumerate(emit) if k in fed]
+            if conds:
+                self._gather(self.inputs.patches, conds, after, [fed[emit[j]] for j in conds])
+        lm_h, res_h = self._forward_lms(seqs, after, fed)
         if not emit:
             return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)),
                                kind="mixed")
-        reqs = [seqs[k].request for k in emit]
-        rows = self._stage_rows(reqs, [r.cond for r in reqs])
-        self._upload(rows)
         index = torch.from_numpy(np.asarray(emit)).to(self.device, non_blocking=True)  # pageable: no stream sync
         n = len(emit)
         self.lm_h[:n].copy_(lm_h.index_select(0, index))
@@ -434,7 +442,13 @@ class Runner:
         result = sample_graphs.replay(rows) if sample_graphs is not None else self._sample_body(rows)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
+        pending.sampled = result.patches
         return pending
+
+    def launchable_ahead(self, request) -> bool:
+        """Whether a step launched ahead (`launch(after=...)`) may admit `request`: its prompt goes through the
+        flat buffers (where the continuing rows' patches are fed on the device) and it samples like the graphs."""
+        return self.eager_flat is not None and request.spec.params.timesteps == self.timesteps
 
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's outputs (and note its timing in `last_step`)."""
@@ -475,17 +489,17 @@ class Runner:
         # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
         return self.max_positions if self.device.type == "cuda" else int(self.staging.buffers.seq_lens[:n].max())
 
-    def _stage_rows(self, reqs: list, conds: list[torch.Tensor] | None) -> int:
+    def _stage_rows(self, reqs: list, conds: list[torch.Tensor | None] | None) -> int:
         """Host rows of the sampling inputs (condition patch, noise, cfg, VAE row) of `reqs`, padding up to the
         bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream).
-        conds None: the condition patches come later, on the device (`_feed_back`)."""
+        conds None (or a None entry): the condition patches come later, on the device (`_gather`)."""
         d, p = self.config.feat_dim, self.config.patch_size
         host = self.staging
         h = host.arrays
         self._prime([r for r in reqs if not r.vae_primed])
         for j, req in enumerate(reqs):
             params = req.spec.params
-            if conds is not None:
+            if conds is not None and conds[j] is not None:
                 host.buffers.patches[j].copy_(conds[j])
             noise = host.buffers.noise[j]
             torch.randn(d, p, generator=req.generator, out=noise)
@@ -499,19 +513,29 @@ class Runner:
         self._stage_padding(rows, first=n)
         return rows
 
-    def _feed_back(self, seqs: list[ScheduledSeq], after: PendingStep) -> None:
-        """This step's input patches are the patches `after` (still running) sampled for the same requests: copied
-        on the device, behind that step's work and this step's upload on the one stream."""
-        assert after.sampled is not None, "a decode step's sampled patches"
-        row = {id(s.request): j for j, s in enumerate(after.seqs)}
-        index = [row[id(s.request)] for s in seqs]
-        n = len(index)
-        if index == list(range(n)):  # no request left in between: the rows line up
-            self.inputs.patches[:n].copy_(after.sampled[:n])
+    @staticmethod
+    def _fed_rows(seqs: list[ScheduledSeq], after: PendingStep) -> dict[int, int]:
+        """{k: j}: seqs[k] continues a request that sampled row j of `after` (a step still on the device)."""
+        assert after.sampled is not None, "a step that sampled"
+        emit = after.emit if after.emit is not None else range(len(after.seqs))
+        row = {id(after.seqs[k].request): j for j, k in enumerate(emit)}
+        return {k: row[id(s.request)] for k, s in enumerate(seqs) if id(s.request) in row}
+
+    def _gather(self, dst: torch.Tensor, dst_rows: list[int], after: PendingStep, rows: list[int]) -> None:
+        """dst[dst_rows] = the patches `after` sampled at `rows`: on the device, behind that step's work and this
+        step's uploads on the one stream."""
+        assert after.sampled is not None
+        n = len(rows)
+        if dst_rows == rows == list(range(n)):  # no request left in between: the rows line up
+            dst[:n].copy_(after.sampled[:n])
             return
-        host = self.staging.feedback_index
-        host[:n] = torch.tensor(index)
-        torch.index_select(after.sampled, 0, host[:n].to(self.device, non_blocking=True), out=self.inputs.patches[:n])
+        # pageable indices, copied to a driver staging buffer at once (no stream sync): a launch may gather twice,
+        # so one pinned index buffer would be rewritten before its first copy ran
+        src = after.sampled.index_select(0, torch.from_numpy(np.asarray(rows)).to(self.device, non_blocking=True))
+        if dst_rows == list(range(n)):
+            dst[:n].copy_(src)
+        else:
+            dst.index_copy_(0, torch.from_numpy(np.asarray(dst_rows)).to(self.device, non_blocking=True), src)
 
     def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
         """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""
@@ -600,9 +624,21 @@ class Runner:
         p, d, width = self.config.patch_size, self.config.feat_dim, self.staging.buffers.block_tables.shape[1]
         self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device)
         cuda = self.device.type == "cuda"
-        self.flat_host = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True) \
-            if cuda else self.flat
-        self.flat_np = {name: t.numpy() for name, t in vars(self.flat_host).items()}
+        for staging in self.stagings:  # one pinned mirror per staging: a step launched ahead stages into the other
+            staging.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True) \
+                if cuda else self.flat
+            staging.flat_arrays = {name: t.numpy() for name, t in vars(staging.flat).items()}
+
+    @property
+    def flat_host(self) -> FlatBuffers:
+        """The current staging's flat batch."""
+        assert self.staging.flat is not None, "allocate_flat first"
+        return self.staging.flat
+
+    @property
+    def flat_np(self) -> dict[str, np.ndarray]:
+        assert self.staging.flat_arrays is not None, "allocate_flat first"
+        return self.staging.flat_arrays
 
     def flat_key(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The padded flat batch of a mixed step: the smallest LM graph bucket holding it, else its eager bucket
@@ -614,9 +650,10 @@ class Runner:
                 return None
         return key
 
-    def stage_flat(self, seqs: list[ScheduledSeq]) -> tuple[int, int] | None:
+    def stage_flat(self, seqs: list[ScheduledSeq], fed: Container[int] = ()) -> tuple[int, int] | None:
         """Stage the scheduled chunks into the flat buffers, padded to their bucket (`flat_key`; the padding
-        positions form one extra sequence in the scratch KV block); the bucket, or None when none holds them."""
+        positions form one extra sequence in the scratch KV block); the bucket, or None when none holds them.
+        `fed`: seqs (one audio position each) whose patch is still on the device: zeros here, fed in later."""
         tokens = sum(s.num_tokens for s in seqs)
         key = self.flat_key(tokens, len(seqs))
         if key is None:
@@ -624,7 +661,7 @@ class Runner:
         h, bs, pos = self.flat_np, self.block_size, 0
         for j, seq in enumerate(seqs):
             n, start, req = seq.num_tokens, seq.start, seq.request
-            ids, patches, masks = req.inputs(start, start + n)
+            ids, patches, masks = ([0], self._zero_patch, [1]) if j in fed else req.inputs(start, start + n)
             at = np.arange(start, start + n)
             table = np.asarray(req.block_table)
             h["ids"][pos:pos + n], h["masks"][pos:pos + n], h["positions"][pos:pos + n] = ids, masks, at
@@ -687,18 +724,25 @@ class Runner:
                                       f.positions[:tokens], meta, self.caches, last_index=f.last_index[:seqs],
                                       audio_rows=audio_rows)
 
-    def _forward_lms(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_lms(self, seqs: list[ScheduledSeq], after: PendingStep | None = None,
+                     fed: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the flat batch of every scheduled chunk: an LM graph replay when a bucket holds it, else
         eagerly over the padded flat buffers, else (larger than those) unpadded; (lm_h, res_h) with row j the state
-        of seqs[j] (at least len(seqs) rows)."""
-        if self.lm_keys or self.eager_flat:  # CUDA; on CPU only when a test allocates the flat buffers
-            key = self.stage_flat(seqs)
+        of seqs[j] (at least len(seqs) rows). `fed` (`_fed_rows`): seqs whose input patch `after` sampled."""
+        if self.lm_keys or self.eager_flat:  # CUDA (and CPU with async_mixed, or when a test allocates them)
+            key = self.stage_flat(seqs, fed or {})
             if key is not None:
                 self._upload_flat(key)
+                if fed:
+                    assert after is not None
+                    first = np.cumsum([0] + [s.num_tokens for s in seqs])
+                    self._gather(self.flat.patches, [int(first[k]) for k in fed], after, list(fed.values()))
                 lm_graphs = self._graph_sets()[2]
                 if lm_graphs is not None and key in lm_graphs.graphs:
                     return lm_graphs.replay(key)
                 return self.lm_body(key, eager=key not in self.lm_keys)
+        if fed:
+            raise ValueError(f"a step launched ahead must fit the flat buffers (up to {self.eager_flat})")
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []

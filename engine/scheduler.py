@@ -22,6 +22,7 @@ its audio continues seamlessly. Stored voices hold their prefix blocks; requests
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -168,20 +169,35 @@ class Scheduler:
         self.num_steps += 1 if seqs else 0
         return seqs
 
-    def schedule_ahead(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
-        """The decode step after `seqs`, a decode-only step still on the device, assuming each of its requests comes
-        out of it running (one that stops turns out one wasted row, dropped at collection). None unless that step
-        is what `schedule` would pick: nothing waiting, every running request in it, a KV block for each."""
-        if self.waiting or {id(r) for r in self.running} - {id(s.request) for s in seqs}:
-            return None  # admissions due, or a running request that `seqs` did not run (prefilling, sat out)
+    def schedule_ahead(self, seqs: list[ScheduledSeq], admit: Callable[[Request], bool] | None = None
+                       ) -> list[ScheduledSeq] | None:
+        """The step after `seqs`, a step still on the device, assuming each of its requests comes out of it running
+        (one that stops turns out one wasted row, dropped at collection): one decode position for each request
+        that samples in `seqs`. None unless that is what `schedule` would pick: every running request in `seqs`
+        and sampling there, a KV block for each, and nothing waiting, or (`admit`) waiting requests that `admit`
+        accepts, admitted with their prompt chunks under the prefill cap, as `schedule` admits them."""
+        if (self.waiting and admit is None) or any(not s.emit for s in seqs) \
+                or {id(r) for r in self.running} - {id(s.request) for s in seqs}:
+            return None  # admissions due, a prompt chunk whose next one depends on it, a request `seqs` did not run
         nxt = []
         for seq in seqs:
             req = seq.request
             if req.status is not Status.RUNNING or len(req.generated) + 1 >= req.spec.params.max_length:
                 continue  # finished since, or ends with `seqs`
-            if not self.blocks.grow(req.block_table, seq.start + 2):
+            start = seq.start + seq.num_tokens
+            if not self.blocks.grow(req.block_table, start + 1):
                 return None  # a preemption may be due: the synchronous path decides
-            nxt.append(ScheduledSeq(req, seq.start + 1, 1, True))
+            nxt.append(ScheduledSeq(req, start, 1, True))
+        room = min(self.max_num_batched_tokens - len(nxt), self.max_prefill_while_speaking)
+        if admit is not None:
+            self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
+            while self.waiting and room > 0 and admit(self.waiting[0]) and self._admit(self.waiting[0]):
+                req = self.waiting.pop(0)
+                self.running.append(req)
+                n = min(req.num_pending, room)
+                nxt.append(ScheduledSeq(req, req.num_computed, n,
+                                        req.num_computed + n == req.seq_len and not req.spec.prefix_only))
+                room -= n
         if not nxt or len(nxt) > self.max_num_batched_tokens:
             return None
         self.num_steps += 1

@@ -60,6 +60,10 @@ class WorkerConfig:
     # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
     # a time, the host preparing each step while the device waits)
     async_scheduling: bool = field(default_factory=lambda: os.environ.get("VOXGATE_ASYNC_SCHEDULING", "1") != "0")
+    # with async_scheduling: a step launched ahead may also admit waiting prompts (True, or VOXGATE_ASYNC_MIXED=1),
+    # so under steady arrivals the host stages mixed steps while the device runs the one before. Off by default
+    # until measured on a GPU (built in session 4 without device time left)
+    async_mixed: bool = field(default_factory=lambda: os.environ.get("VOXGATE_ASYNC_MIXED", "0") == "1")
 
 
 @dataclass
@@ -104,6 +108,7 @@ class StepStats:
         self.compiles = 0
         self.gpu_ms_total = 0.0  # device time between each step's start and end events (idle launch gaps included)
         self.ahead_steps = 0  # steps launched before the previous one ended (`Worker.step`)
+        self.ahead_admitting = 0  # of those, steps that also admitted prompts (`WorkerConfig.async_mixed`)
 
     def record(self, kind: str, wall_ms: float, gpu_ms: float | None, prefill_tokens: int, decode_rows: int,
                compiles: int) -> None:
@@ -121,7 +126,8 @@ class StepStats:
     def stats(self) -> dict[str, Any]:
         return {"last_step": dict(self.last), "step_hist": {k: dict(v) for k, v in self.hist.items()},
                 "prefill_tokens": self.prefill_tokens, "triton_compiles": self.compiles,
-                "gpu_ms_total": round(self.gpu_ms_total, 3), "ahead_steps": self.ahead_steps}
+                "gpu_ms_total": round(self.gpu_ms_total, 3), "ahead_steps": self.ahead_steps,
+                "ahead_admitting": self.ahead_admitting}
 
 
 class AudioRing:
@@ -293,11 +299,11 @@ class Worker:
     def step(self) -> None:
         """Collect one step, with the device kept busy meanwhile.
 
-        Steady decoding (`async_scheduling`): step N+1 (the same requests, `Scheduler.schedule_ahead`) is staged
-        and launched while the device runs step N, fed N's patches on the device; the host collects N, publishes
-        it and prepares N+2 while N+1 runs. A request that stops at N runs one wasted row in N+1, dropped here.
-        Otherwise (admissions, prefills, preemptions): schedule and launch step N, publish step N-1 while the
-        device runs N, then collect N."""
+        Steady decoding (`async_scheduling`): step N+1 (the same requests, `Scheduler.schedule_ahead`, with
+        `async_mixed` also admitting waiting prompts) is staged and launched while the device runs step N, fed N's
+        patches on the device; the host collects N, publishes it and prepares N+2 while N+1 runs. A request that
+        stops at N runs one wasted row in N+1, dropped here. Otherwise (admissions, prefills, preemptions): schedule
+        and launch step N, publish step N-1 while the device runs N, then collect N."""
         sched = self.scheduler
         current = self.ahead
         self.ahead = None
@@ -311,7 +317,9 @@ class Worker:
                     self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
                 return
             current = Launched(seqs, None, sched.num_steps, time.perf_counter())
-        self.step_stats.ahead_steps += current.pending is not None
+        if current.pending is not None:
+            self.step_stats.ahead_steps += 1
+            self.step_stats.ahead_admitting += any(not s.request.generated for s in current.seqs)
         try:
             if current.pending is None:
                 if self.tp is not None:
@@ -354,11 +362,15 @@ class Worker:
             self.publish()
 
     def _launch_ahead(self, current: Launched) -> Launched | None:
-        """Launch the step after `current` (a decode step still on the device) when it is plain decoding."""
+        """Launch the step after `current` (a step still on the device) when it continues every request that
+        `current` samples for: plain decoding, or (`async_mixed`) decoding plus waiting prompts admitted."""
         pending = current.pending
         if not self.cfg.async_scheduling or self.tp is not None or pending is None or pending.sampled is None:
             return None
-        seqs = self.scheduler.schedule_ahead(current.seqs)
+        if not self.cfg.async_mixed and pending.kind == "mixed":
+            return None  # what follows a mixed step feeds a new stream's first patch: the flat path only
+        admit = self.runner.launchable_ahead if self.cfg.async_mixed else None
+        seqs = self.scheduler.schedule_ahead(current.seqs, admit)
         if seqs is None:
             return None
         return Launched(seqs, self.runner.launch(seqs, after=pending), self.scheduler.num_steps, time.perf_counter())

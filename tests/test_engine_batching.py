@@ -222,3 +222,55 @@ async def test_killed_worker_fails_in_flight_requests_fast_and_is_restarted(engi
     assert time.monotonic() - start < 1.0
     audio, chunks = await asyncio.wait_for(collect(engine.generate("Back again.", seed=1, max_length=3)), 30)
     assert len(chunks) == 3 and engine.stats().worker_restarts == 1
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def mixed_ahead_engine(tiny_v2_dir):
+    """The engine of this module with `async_mixed`: steps launched ahead also admit waiting prompts."""
+    os.environ["VOXGATE_ASYNC_MIXED"] = "1"  # read when the pool builds its WorkerConfig
+    try:
+        eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
+                     max_num_batched_tokens=48, inference_timesteps=STEPS)
+    finally:
+        del os.environ["VOXGATE_ASYNC_MIXED"]
+    await eng.wait_for_ready()
+    yield eng
+    await eng.stop()
+
+
+def admitting_ahead(engine) -> int:
+    return sum(w["stats"].get("ahead_admitting", 0) for w in engine.health()["workers"])
+
+
+async def test_prompts_admitted_by_steps_launched_ahead_keep_every_stream_exact(mixed_ahead_engine, synth):
+    """With `async_mixed`, a step launched while the one before still runs also admits the prompts that arrived:
+    the running streams' inputs come from the device, the new prompts' from the host, some prompts are cut into
+    chunks, some streams stop mid-way. Every stream must still equal its run alone."""
+    engine = mixed_ahead_engine
+    before = admitting_ahead(engine)
+    joined = [asyncio.Event() for _ in range(4)]
+    texts = ["Streaming speech should start quickly and never stop.", "Hi there.",
+             "The quick brown fox jumps over the lazy dog. " * 4, "Good morning!"]  # the third is cut in chunks
+    cases = [dict(seed=1, max_length=14, min_length=14)] + [dict(seed=s, max_length=8, min_length=0)
+                                                            for s in (2, 3, 4)]
+
+    async def run(i: int):
+        if i:
+            await joined[i - 1].wait()  # joins once the stream before it is speaking
+
+        async def on_chunk(chunk):
+            if chunk.index == 1:
+                joined[i].set()
+
+        return await collect(engine.generate(texts[i], timesteps=STEPS, **cases[i]), on_chunk)
+
+    results = await asyncio.gather(*(run(i) for i in range(4)))
+    assert admitting_ahead(engine) - before >= 2  # joins went out while the step before them ran
+    for text, case, (audio, chunks) in zip(texts, cases, results, strict=True):
+        alone = np.concatenate(list(synth.stream(text, seed=case["seed"], max_len=case["max_length"],
+                                                 min_len=case["min_length"], timesteps=STEPS)))
+        assert audio.shape == alone.shape
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+        assert [c.index for c in chunks] == list(range(len(chunks))) and sum(c.is_last for c in chunks) == 1
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0

@@ -48,9 +48,9 @@ def serve(loaded, flat: bool, eager_only: bool = False) -> tuple[list[torch.Tens
     staged = 0
     stage = runner.stage_flat
 
-    def counting(seqs):
+    def counting(seqs, fed=()):
         nonlocal staged
-        key = stage(seqs)
+        key = stage(seqs, fed)
         staged += key is not None
         return key
 

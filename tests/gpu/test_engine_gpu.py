@@ -215,6 +215,46 @@ async def test_steps_launched_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir, 
 
 
 @gpu
+async def test_prompts_admitted_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeypatch):
+    """`async_mixed`: prompts that arrive while streams speak are admitted by a step launched ahead (the speaking
+    streams' patches fed on the device into the flat batch and the sampling inputs, through the LM graphs or the
+    padded eager path). The streams equal those of one step at a time (lengths fixed: arrival timing may change
+    batch partners, so bf16 audio is compared within the batch-invariance tolerance)."""
+    texts = ["Streaming speech should start quickly and never stop.", "Hi there.",
+             "The quick brown fox jumps over the lazy dog. " * 12, "Good morning!"]
+
+    async def run(mixed: bool) -> tuple[list[list], int]:
+        monkeypatch.setenv("VOXGATE_ASYNC_SCHEDULING", "1" if mixed else "0")
+        monkeypatch.setenv("VOXGATE_ASYNC_MIXED", "1" if mixed else "0")
+        engine = Engine(str(tiny_v2_dir), max_num_seqs=16, num_kv_blocks=256, inference_timesteps=4,
+                        max_num_batched_tokens=256)
+        await engine.wait_for_ready()
+        joined = [asyncio.Event() for _ in texts]
+        try:
+            async def one(i: int) -> list:
+                if i:
+                    await joined[i - 1].wait()
+                chunks = []
+                async for c in engine.generate(texts[i], seed=i, max_length=12, min_length=12):
+                    chunks.append(c)
+                    joined[i].set()
+                return chunks
+
+            results = await asyncio.gather(*(one(i) for i in range(len(texts))))
+            return results, sum(w["stats"]["ahead_admitting"] for w in engine.health()["workers"])
+        finally:
+            await engine.stop()
+
+    ahead, admitted = await run(True)
+    sync, admitted_sync = await run(False)
+    assert admitted > 0 and admitted_sync == 0
+    for a, s in zip(ahead, sync, strict=True):
+        assert [c.index for c in a] == [c.index for c in s] == list(range(12))
+        np.testing.assert_allclose(np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in s]),
+                                   atol=5e-2)
+
+
+@gpu
 @pytest.mark.timeout(420)
 async def test_512_concurrent_streams_fit_at_utilization_09(cuda, voxcpm2_dir):
     engine = Engine(str(voxcpm2_dir), max_num_seqs=512, max_waiting=512, gpu_memory_utilization=0.9,
