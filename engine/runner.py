@@ -191,9 +191,12 @@ class Runner:
         self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
         self.lm_keys: list[tuple[int, int]] = []
         self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
+        self.ahead_tokens = 0  # positions a step launched ahead may hold (its flat batch must take it)
         if cuda or cfg.async_mixed:  # on CPU the flat batch only serves steps launched ahead (padding buys nothing)
+            # the padding sequence (at most 1/8 of a bucket) must fit one sequence's positions
+            self.ahead_tokens = min(cfg.max_num_batched_tokens, self.max_positions)
             self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cuda and cfg.cuda_graphs else [],
-                               eager_flat_key(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+                               eager_flat_key(self.ahead_tokens, cfg.max_num_seqs))
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()

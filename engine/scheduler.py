@@ -169,13 +169,14 @@ class Scheduler:
         self.num_steps += 1 if seqs else 0
         return seqs
 
-    def schedule_ahead(self, seqs: list[ScheduledSeq], admit: Callable[[Request], bool] | None = None
-                       ) -> list[ScheduledSeq] | None:
+    def schedule_ahead(self, seqs: list[ScheduledSeq], admit: Callable[[Request], bool] | None = None,
+                       max_tokens: int | None = None) -> list[ScheduledSeq] | None:
         """The step after `seqs`, a step still on the device, assuming each of its requests comes out of it running
         (one that stops turns out one wasted row, dropped at collection): one decode position for each request
         that samples in `seqs`. None unless that is what `schedule` would pick: every running request in `seqs`
         and sampling there, a KV block for each, and nothing waiting, or (`admit`) waiting requests that `admit`
-        accepts, admitted with their prompt chunks under the prefill cap, as `schedule` admits them."""
+        accepts, admitted with their prompt chunks under the prefill cap (and `max_tokens` positions in all), as
+        `schedule` admits them."""
         if (self.waiting and admit is None) or any(not s.emit for s in seqs) \
                 or {id(r) for r in self.running} - {id(s.request) for s in seqs}:
             return None  # admissions due, a prompt chunk whose next one depends on it, a request `seqs` did not run
@@ -188,7 +189,8 @@ class Scheduler:
             if not self.blocks.grow(req.block_table, start + 1):
                 return None  # a preemption may be due: the synchronous path decides
             nxt.append(ScheduledSeq(req, start, 1, True))
-        room = min(self.max_num_batched_tokens - len(nxt), self.max_prefill_while_speaking)
+        room = min(min(self.max_num_batched_tokens, max_tokens or self.max_num_batched_tokens) - len(nxt),
+                   self.max_prefill_while_speaking)
         if admit is not None:
             self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
             while self.waiting and room > 0 and admit(self.waiting[0]) and self._admit(self.waiting[0]):

@@ -370,7 +370,7 @@ class Worker:
         if not self.cfg.async_mixed and pending.kind == "mixed":
             return None  # what follows a mixed step feeds a new stream's first patch: the flat path only
         admit = self.runner.launchable_ahead if self.cfg.async_mixed else None
-        seqs = self.scheduler.schedule_ahead(current.seqs, admit)
+        seqs = self.scheduler.schedule_ahead(current.seqs, admit, self.runner.ahead_tokens)
         if seqs is None:
             return None
         return Launched(seqs, self.runner.launch(seqs, after=pending), self.scheduler.num_steps, time.perf_counter())
