@@ -86,11 +86,11 @@ class _Request:
 
 
 class PacedStream(AsyncIterator[AudioChunk]):
-    """What `generate` returns: submits on first use, `aclose()` cancels (as `engine.generation.Generation`)."""
+    """What `generate` returns, its request already running: `aclose()` cancels (as `engine.generation.Generation`
+    of a request with no audio to encode: `Engine.generate` sends those at once)."""
 
     def __init__(self, engine: PacedEngine, request: _Request):
         self._engine, self._request = engine, request
-        self._submitted = False
         self._finished = False
 
     @property
@@ -103,9 +103,6 @@ class PacedStream(AsyncIterator[AudioChunk]):
     async def __anext__(self) -> AudioChunk:
         if self._finished:
             raise StopAsyncIteration
-        if not self._submitted:
-            self._submitted = True
-            self._engine._submit(self._request)
         try:
             chunk = await self._request.queue.get()
         except BaseException:
@@ -169,7 +166,9 @@ class PacedEngine:
         patches = max(1, math.ceil(len(text) * self.ms_per_char / self.patch_ms))
         if max_length is not None:
             patches = min(patches, max_length)
-        return PacedStream(self, _Request(request_id or uuid.uuid4().hex, patches, prompt_latents is not None))
+        request = _Request(request_id or uuid.uuid4().hex, patches, prompt_latents is not None)
+        self._submit(request)
+        return PacedStream(self, request)
 
     def _submit(self, request: _Request) -> None:
         self._running[request.request_id] = request
