@@ -90,7 +90,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 40 80 "per-module profile with 32 LoRA adapters" $PY bench/engine_bench.py --model $V2 --profile \
             --lora 32 --out "$OUT/profile_lora32.json" 2>>"$OUT/smoke.log" >/dev/null ;;
     tests)
-        stage 60 150 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
+        stage 60 220 "GPU tests" $PY -m pytest -q -m gpu -p no:cacheprovider -s --timeout 120 $TESTS \
             >"$OUT/gpu_tests.log" 2>&1
         tail -25 "$OUT/gpu_tests.log" ;;
     lora)
