@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -436,7 +436,7 @@ class Runner:
         if not emit:
             return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)),
                                kind="mixed")
-        index = torch.from_numpy(np.asarray(emit)).to(self.device, non_blocking=True)  # pageable: no stream sync
+        index = self._device_index(emit)
         n = len(emit)
         self.lm_h[:n].copy_(lm_h.index_select(0, index))
         self.res_h[:n].copy_(res_h.index_select(0, index))
@@ -532,13 +532,17 @@ class Runner:
         if dst_rows == rows == list(range(n)):  # no request left in between: the rows line up
             dst[:n].copy_(after.sampled[:n])
             return
-        # pageable indices, copied to a driver staging buffer at once (no stream sync): a launch may gather twice,
-        # so one pinned index buffer would be rewritten before its first copy ran
-        src = after.sampled.index_select(0, torch.from_numpy(np.asarray(rows)).to(self.device, non_blocking=True))
+        src = after.sampled.index_select(0, self._device_index(rows))
         if dst_rows == list(range(n)):
             dst[:n].copy_(src)
         else:
-            dst.index_copy_(0, torch.from_numpy(np.asarray(dst_rows)).to(self.device, non_blocking=True), src)
+            dst.index_copy_(0, self._device_index(dst_rows), src)
+
+    def _device_index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Host ints as a device index, from pageable memory: the driver copies them to a staging buffer at once
+        (no stream sync, unlike torch.tensor(..., device=)), and nothing pinned is reused before its copy ran (a
+        launch may gather twice)."""
+        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
 
     def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
         """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""
@@ -719,7 +723,7 @@ class Runner:
             audio = np.flatnonzero(h["masks"][:tokens])
             if len(audio):
                 audio = np.concatenate((audio, np.full(-len(audio) % 64, audio[0])))
-            audio_rows = torch.from_numpy(audio).to(self.device, non_blocking=True)  # pageable: no stream sync
+            audio_rows = self._device_index(audio)
         meta = AttentionMetadata(cu_seqlens_q=f.cu_seqlens[:seqs + 1], seq_lens=f.seq_lens[:seqs],
                                  slot_mapping=f.slots[:tokens], block_tables=f.block_tables[:seqs],
                                  max_seqlen_q=max_q, max_seqlen_k=max_k)

@@ -48,6 +48,11 @@ class VoicePrefix:
     length: int  # prefix positions
 
 
+def _admission_order(req: Request) -> tuple:
+    """Preempted requests first (they were speaking), then by priority, then first come first served."""
+    return not req.generated, -req.spec.params.priority, req.arrival
+
+
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None,
@@ -124,9 +129,7 @@ class Scheduler:
 
         def run(req: Request, n: int) -> None:
             nonlocal budget
-            start = req.num_computed
-            emit = start + n == req.seq_len and not req.spec.prefix_only
-            seqs.append(ScheduledSeq(req, start, n, emit))
+            seqs.append(self._chunk(req, n))
             scheduled.add(id(req))
             budget -= n
 
@@ -158,10 +161,8 @@ class Scheduler:
         for req in order:
             if req.is_prefilling and req.status is Status.RUNNING and room > 0:
                 prefill(req)
-        self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
-        while self.waiting and room > 0 and self._admit(self.waiting[0]):
-            req = self.waiting.pop(0)
-            self.running.append(req)
+        self.waiting.sort(key=_admission_order)
+        while room > 0 and (req := self._admit_next()) is not None:
             prefill(req)
         for req in decodes:
             if id(req) not in scheduled:
@@ -189,21 +190,31 @@ class Scheduler:
             if not self.blocks.grow(req.block_table, start + 1):
                 return None  # a preemption may be due: the synchronous path decides
             nxt.append(ScheduledSeq(req, start, 1, True))
-        room = min(min(self.max_num_batched_tokens, max_tokens or self.max_num_batched_tokens) - len(nxt),
-                   self.max_prefill_while_speaking)
+        budget = min(self.max_num_batched_tokens, max_tokens) if max_tokens else self.max_num_batched_tokens
+        room = min(budget - len(nxt), self.max_prefill_while_speaking)
         if admit is not None:
-            self.waiting.sort(key=lambda r: (not r.generated, -r.spec.params.priority, r.arrival))
-            while self.waiting and room > 0 and admit(self.waiting[0]) and self._admit(self.waiting[0]):
-                req = self.waiting.pop(0)
-                self.running.append(req)
-                n = min(req.num_pending, room)
-                nxt.append(ScheduledSeq(req, req.num_computed, n,
-                                        req.num_computed + n == req.seq_len and not req.spec.prefix_only))
-                room -= n
+            self.waiting.sort(key=_admission_order)
+            while room > 0 and (req := self._admit_next(admit)) is not None:
+                nxt.append(self._chunk(req, min(req.num_pending, room)))
+                room -= nxt[-1].num_tokens
         if not nxt or len(nxt) > self.max_num_batched_tokens:
             return None
         self.num_steps += 1
         return nxt
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> ScheduledSeq:
+        """The next `n` positions of `req`; it samples when they end its pending ones (a voice prefix never does)."""
+        start = req.num_computed
+        return ScheduledSeq(req, start, n, start + n == req.seq_len and not req.spec.prefix_only)
+
+    def _admit_next(self, accept: Callable[[Request], bool] | None = None) -> Request | None:
+        """The first waiting request, admitted and running, when it can be (and `accept` takes it); else None."""
+        if not self.waiting or (accept is not None and not accept(self.waiting[0])) or not self._admit(self.waiting[0]):
+            return None
+        req = self.waiting.pop(0)
+        self.running.append(req)
+        return req
 
     def _admit(self, req: Request) -> bool:
         needs_slot = req.vae_slot is None and not req.spec.prefix_only

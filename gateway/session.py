@@ -588,15 +588,14 @@ class Session:
         first on FIFO threads, so every new turn's first frames are encoded before anyone's rest."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        buffered = turn.buffered_ms(self.clock())
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
         # `_queue_packets` holds the newest frame back (it may be the turn's last): HEAD_FRAMES leave only when the
-        # head brings one more than that
+        # head brings one more than that (a first chunk has no earlier frame held back to go with them)
         frames = HEAD_FRAMES + 1
-        first = turn.queued_ms == 0 and turn.held is None
-        if turn.offload is None or not first or len(pcm) <= frames * step:
+        if turn.offload is None or turn.queued_ms or len(pcm) <= frames * step:  # not a first chunk to split
             await self._queue_packets(turn, await self._encode(turn, pcm))
             return
+        buffered = turn.buffered_ms(self.clock())
         head, used = await turn.offload.run(_encode_head, encoder, pcm, frames, step, urgency=buffered)
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over (and pops)
         urgency = buffered + len(head) * turn.fmt.frame_ms
