@@ -331,7 +331,7 @@ def kernel_count(fn) -> int:
 def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) -> dict[str, float]:
     from engine.model.attention import AttentionMetadata
 
-    net, h, dtype = runner.model, runner.host_np, runner.dtype
+    net, h, dtype = runner.model, runner.staging.arrays, runner.dtype
     runner._stage_padding(b)
     for j in range(b):
         table = list(range(j * blocks, (j + 1) * blocks))
@@ -340,7 +340,7 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
         h["block_tables"][j, :blocks] = table
     h["noise"][:b] = np.random.default_rng(b).standard_normal(h["noise"][:b].shape)
     h["patches"][:b] = np.random.default_rng(b + 1).standard_normal(h["patches"][:b].shape) * 0.5
-    runner.inputs.copy_rows_(runner.host, b)
+    runner.inputs.copy_rows_(runner.staging.buffers, b)
     runner.lora_rows[:b].copy_(_lora_rows(runner, b))
     net.set_lora_indices(tokens=runner.lora_rows[:b], seqs=runner.lora_rows[:b])
     i = runner.inputs

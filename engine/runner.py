@@ -218,15 +218,6 @@ class Runner:
         self.host_turn = turn
         self.staging = self.stagings[turn]
 
-    @property
-    def host(self) -> DecodeBuffers:
-        """The current staging's buffers (bench/engine_bench.py stages a step through them)."""
-        return self.staging.buffers
-
-    @property
-    def host_np(self) -> dict[str, np.ndarray]:
-        return self.staging.arrays
-
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
         return (StepGraphs(lambda rows: self._decode_body(rows, self.max_positions), self.buckets or [],
