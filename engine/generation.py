@@ -32,9 +32,9 @@ class Generation(AsyncIterator[AudioChunk]):
     be encoded first or the worker is not up yet); closing it (or dropping it) cancels."""
 
     def __init__(self, engine: Engine, stream: Stream, spec: RequestSpec | None, args: dict | None,
-                 audio: tuple[Any, Any, int | None]):
+                 audio: tuple[Any, Any, int | None], submitted: bool = False):
         self._engine, self._stream, self._spec, self._args, self._audio = engine, stream, spec, args, audio
-        self._submitted = False
+        self._submitted = submitted  # True: `Engine.generate` sent the request already
         self._finished = False
 
     @property

@@ -304,16 +304,14 @@ class Engine:
             # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
             # turn's) runs only after every callback ready before it
             self._post(worker, ("add", spec))
-            return Generation(self, stream, None, None, (None, None, None))
+            return Generation(self, stream, spec, None, (None, None, None), submitted=True)
         audio = (prompt_audio, reference_audio, prompt_sample_rate)
         return Generation(self, stream, spec, args if spec is None else None, audio)
 
     async def _submit(self, stream: Stream, spec: RequestSpec | None, args: dict | None,
                       audio: tuple[Any, Any, int | None]) -> None:
         """At the first read: encode the request's audio if it came as audio (the worker's VAE does it), then queue
-        it. Neither spec nor args: `generate` sent it already."""
-        if spec is None and args is None:
-            return
+        it."""
         if spec is None:
             assert args is not None
             prompt_audio, reference_audio, sr = audio
