@@ -506,7 +506,7 @@ def _profile_mixed(runner, config, length: int) -> dict:
         return {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "kind": runner.last_step.kind,
                 "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top}
 
-    def kernel_step(label: str) -> dict:
+    def kernel_step(label: str, timeline: bool = False) -> dict:
         """A step without cProfile: its wall time, and the GPU time its kernels took (torch.profiler). Kernel time
         well below wall time means the step is host-bound (launches, Python), not GPU-bound."""
         from torch.profiler import ProfilerActivity
@@ -533,6 +533,17 @@ def _profile_mixed(runner, config, length: int) -> dict:
         row = {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "wall_ms": round(wall, 2),
                "kernel_ms": round(kernel_ms, 2), "kernels": len(kernels)}
         print(f"mixed step {label}: {row}", file=sys.stderr)
+        if gpu and timeline:  # one more such step on a CPU+CUDA timeline: where the GPU waits, and on what
+            for _ in range(2):
+                step()
+            add(16, f"{label}t")
+            seqs = sched.schedule()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+                out = runner.step(seqs)
+                sync()
+            sched.postprocess(seqs, out.patches, out.stops)
+            row["timeline"] = gpu_idle_timeline(prof.events())
+            print(f"mixed step {label} timeline: " + json.dumps(row["timeline"])[:3000], file=sys.stderr)
         return row
 
     result = {}
@@ -555,8 +566,67 @@ def _profile_mixed(runner, config, length: int) -> dict:
     while any(r.is_prefilling for r in sched.running) or sched.waiting:
         step()
     add(16, "joinmany")
-    result["join_16_at_scale_kernels"] = kernel_step("16 joining at scale")
+    result["join_16_at_scale_kernels"] = kernel_step("16 joining at scale", timeline=True)
     return result
+
+
+def gpu_idle_timeline(events, top: int = 12, min_gap_us: float = 100.0) -> dict:
+    """Where a step leaves the GPU idle, from torch.profiler events with CPU and CUDA activity (with_stack): the
+    step's span (first CPU event to last GPU activity), GPU busy time (union of kernels and copies), the idle gaps
+    over `min_gap_us` with the CPU work under each (innermost op, CUDA runtime call, our own code's frame), and the
+    host's CUDA runtime calls by total time."""
+    cuda, cpu_type = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    cpu = [e for e in events if e.device_type == cpu_type]
+    if not gpu or not cpu:
+        return {}
+    busy: list[list[float]] = []
+    for a, b in gpu:
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    start = min(e.time_range.start for e in cpu)
+    end = busy[-1][1]
+    edges = [start] + [x for iv in busy for x in iv] + [end]
+    gaps = [(edges[i], edges[i + 1]) for i in range(0, len(edges) - 1, 2) if edges[i + 1] - edges[i] >= min_gap_us]
+
+    def own_frame(e) -> str:
+        for frame in getattr(e, "stack", None) or []:
+            if any(part in frame for part in ("engine/", "engine\\")):
+                return frame
+        return ""
+
+    def under(t0: float, t1: float) -> dict:
+        """The CPU events overlapping [t0, t1]: the longest of our frames, ops and runtime calls inside it."""
+        inside = [e for e in cpu if e.time_range.start < t1 and e.time_range.end > t0]
+        overlap = {id(e): min(e.time_range.end, t1) - max(e.time_range.start, t0) for e in inside}
+        runtime = sorted((e for e in inside if e.name.startswith("cuda")), key=lambda e: -overlap[id(e)])
+        ops = sorted((e for e in inside if not e.name.startswith("cuda")),
+                     key=lambda e: (e.time_range.end - e.time_range.start))  # innermost first
+        frames: dict[str, float] = {}
+        for e in inside:
+            f = own_frame(e)
+            if f:
+                frames[f] = max(frames.get(f, 0.0), overlap[id(e)])
+        return {"runtime": [f"{e.name} {overlap[id(e)] / 1e3:.2f} ms" for e in runtime[:3]],
+                "ops": [e.name for e in ops[:4]],
+                "frames": [f for f, _ in sorted(frames.items(), key=lambda kv: -kv[1])[:4]]}
+
+    runtime_totals: dict[str, list[float]] = {}
+    for e in cpu:
+        if e.name.startswith("cuda"):
+            t = runtime_totals.setdefault(e.name, [0, 0.0])
+            t[0] += 1
+            t[1] += (e.time_range.end - e.time_range.start) / 1e3
+    busy_ms = sum(b - a for a, b in busy) / 1e3
+    return {"span_ms": round((end - start) / 1e3, 2), "gpu_busy_ms": round(busy_ms, 2),
+            "gpu_idle_ms": round((end - start) / 1e3 - busy_ms, 2), "gaps_over_min": len(gaps),
+            "idle_in_gaps_ms": round(sum(b - a for a, b in gaps) / 1e3, 2),
+            "top_gaps": [{"at_ms": round((a - start) / 1e3, 2), "ms": round((b - a) / 1e3, 2), **under(a, b)}
+                         for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
+            "cuda_runtime": {k: {"calls": int(v[0]), "ms": round(v[1], 2)}
+                             for k, v in sorted(runtime_totals.items(), key=lambda kv: -kv[1][1])[:8]}}
 
 
 def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:

@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
+#   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity)
 #   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,7 +80,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             --concurrency 1,8,64,256 --requests-factor 1 --max-num-seqs 256 --timeline \
             --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
     sweep)
-        stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency 1,8,32,64,128,256,512 \
+        stage 120 260 "VoxCPM2 sweep, closed loop, Poisson" $BENCH --concurrency "${SWEEP_LEVELS:-1,8,32,64,128,256,512}" \
             --requests-factor "${SWEEP_FACTOR:-2}" --max-requests 512 --max-num-seqs 512 \
             --extra "${SWEEP_EXTRA:-closed:64,poisson:16}" --duration "${SWEEP_DURATION:-15}" \
             --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
@@ -108,8 +109,8 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             --json "$OUT/gateway_load_64.json" >"$OUT/gateway.log" 2>&1
         tail -12 "$OUT/gateway.log" ;;
     gateway_capacity)  # Opus sessions over the stand-in engine (no GPU): the gateway's own CPU per stream
-        stage 60 120 "gateway capacity, 250 and 500 Opus sessions" $PY bench/gateway_capacity.py \
-            --sessions 250,500 --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
+        stage 60 120 "gateway capacity, Opus sessions over the stand-in" $PY bench/gateway_capacity.py \
+            ${CAP_ARGS:---sessions 250,500} --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
             >"$OUT/gateway_capacity.log" 2>&1
         tail -12 "$OUT/gateway_capacity.log" ;;
     v15)
