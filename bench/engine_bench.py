@@ -648,7 +648,36 @@ def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:
         t16 = gpu_ms(lambda x=x16, s=s16, m=vae16: m.decode_stream(x, s))
         out[b] = {"fp32_ms": round(t32, 3), "bf16_ms": round(t16, 3), "bf16_rel_err": round(err, 5)}
         print(f"vae batch {b}: fp32 {t32:.2f} ms, bf16 {t16:.2f} ms, rel err {err:.4f}", file=sys.stderr)
+    b = max(batches)  # where the fp32 decode's time goes, by op and input shape, and whether cuDNN's autotuner helps
+    x, s = torch.randn(b, c.feat_dim, c.patch_size, device="cuda") * 0.5, vae.stream_state(b)
+    out["ops_fp32"] = top_ops(lambda: vae.decode_stream(x, s))
+    torch.backends.cudnn.benchmark = True
+    try:
+        out["fp32_ms_cudnn_benchmark"] = round(gpu_ms(lambda: vae.decode_stream(x, s)), 3)
+    finally:
+        torch.backends.cudnn.benchmark = False
+    print(f"vae batch {b}: fp32 with cudnn.benchmark {out['fp32_ms_cudnn_benchmark']:.2f} ms; top ops "
+          + "; ".join(f"{o['op']} {o['shapes']} {o['ms']}" for o in out["ops_fp32"][:6]), file=sys.stderr)
     return out
+
+
+def top_ops(fn, top: int = 12) -> list[dict]:
+    """The `top` torch ops of one eager call of `fn` by their own GPU time, grouped by input shapes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+
+    def own_gpu_us(a) -> float:
+        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+
+    ranked = sorted(prof.key_averages(group_by_input_shape=True), key=lambda a: -own_gpu_us(a))[:top]
+    return [{"op": a.key, "shapes": str(a.input_shapes)[:160], "calls": a.count, "ms": round(own_gpu_us(a) / 1e3, 3)}
+            for a in ranked]
 
 
 def top_kernels(fn, top: int = 15) -> list[dict]:

@@ -192,7 +192,7 @@ class Runner:
         self.lm_keys: list[tuple[int, int]] = []
         self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
         self.ahead_tokens = 0  # positions a step launched ahead may hold (its flat batch must take it)
-        if cuda or cfg.async_mixed:  # on CPU the flat batch only serves steps launched ahead (padding buys nothing)
+        if cuda or cfg.mixed_ahead(cuda):  # on CPU the flat batch serves only steps launched ahead (no padding gain)
             # the padding sequence (at most 1/8 of a bucket) must fit one sequence's positions
             self.ahead_tokens = min(cfg.max_num_batched_tokens, self.max_positions)
             self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cuda and cfg.cuda_graphs else [],
