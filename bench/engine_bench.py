@@ -215,7 +215,19 @@ async def main(args: argparse.Namespace) -> dict:
     # otherwise land inside a burst, as a server's would (gateway/cli.py does the same once serving)
     gc.collect()
     gc.freeze()
-    levels = []
+    from gateway_proc import git_commit  # bench/ is on the path: this file's folder
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU {platform.processor()}"
+    levels: list[dict] = []
+
+    def result(done: bool) -> dict:
+        return {"command": " ".join(sys.argv), "git_commit": git_commit(), "device": device,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
+                "prompt_positions": positions,
+                "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
+                "lora_rank": args.lora_rank if args.lora else None, "levels": levels, "complete": done}
+
     try:
         mode = "poisson" if args.poisson else "closed" if args.closed_loop else "batch"
         plan = [(mode, float(c)) for c in ([args.poisson] if args.poisson else args.concurrency)]
@@ -223,18 +235,11 @@ async def main(args: argparse.Namespace) -> dict:
         for m, c in plan:
             print(f"{m} {c} ...", file=sys.stderr)
             levels.append(await run_level(engine, args, c, m))
+            if args.out:  # what is measured survives a run cut short (a device call's time limit)
+                Path(args.out).write_text(json.dumps(result(False), indent=2))
     finally:
         await engine.stop()
-    from gateway_proc import git_commit  # bench/ is on the path: this file's folder
-
-    commit = git_commit()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU {platform.processor()}"
-    return {"command": " ".join(sys.argv), "git_commit": commit, "device": device,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
-            "prompt_positions": positions,
-            "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
-            "lora_rank": args.lora_rank if args.lora else None, "levels": levels}
+    return result(True)
 
 
 async def register_random_loras(engine: Engine, count: int, rank: int, concurrency: int = 8) -> None:
