@@ -705,7 +705,9 @@ def profile_table(result: dict) -> str:
     for seqs, p in result.get("prefill", {}).items():
         rows.append(f"prefill {seqs} seqs, {p['positions']} positions: {p['ms']} ms ({p['positions_per_s']}/s)")
     for b, v in result.get("vae_dtypes", {}).items():
-        rows.append(f"VAE batch {b}: fp32 {v['fp32_ms']} ms, bf16 {v['bf16_ms']} ms, bf16 rel err {v['bf16_rel_err']}")
+        if isinstance(v, dict) and "fp32_ms" in v:  # the batches; beside them the op breakdown and cuDNN autotune
+            rows.append(f"VAE batch {b}: fp32 {v['fp32_ms']} ms, bf16 {v['bf16_ms']} ms, bf16 rel err "
+                        f"{v['bf16_rel_err']}")
     for name, kernels in result.get("top_kernels", {}).items():
         rows.append(f"top kernels, {name}: " + "; ".join(f"{k['kernel'][:40]} x{k['calls']} {k['ms']}"
                                                          for k in kernels[:6]))
