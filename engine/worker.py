@@ -82,37 +82,6 @@ class Launched:
     launched_at: float
 
 
-class LaunchClock:
-    """When to launch the step after one still on the device (`async_mixed`): shortly before that one is expected
-    to end, so the new step admits the prompts that arrived meanwhile, as a step launched after collection would,
-    and the device still never waits for the host. Launched at once, a burst's late arrivals would wait a whole
-    extra step (H200, 64 prompts at once: TTFB p50 94 ms against 84 launched after collection).
-
-    Expected device time: decode steps' GPU ms by graph bucket (an average); a mixed step takes longer than the
-    decode step of its bucket, so for it the estimate errs early, which costs only admission latency."""
-
-    def __init__(self) -> None:
-        self.decode_ms: dict[int, float] = {}  # graph bucket -> device ms of a decode step (moving average)
-        self.host_ms = {"decode": 1.0, "mixed": 4.0}  # host ms to stage and launch a step (moving average)
-
-    def note_device(self, bucket: int, ms: float) -> None:
-        old = self.decode_ms.get(bucket)
-        self.decode_ms[bucket] = ms if old is None else 0.8 * old + 0.2 * ms
-
-    def note_host(self, mixed: bool, ms: float) -> None:
-        key = "mixed" if mixed else "decode"
-        self.host_ms[key] = 0.8 * self.host_ms[key] + 0.2 * ms
-
-    def deadline(self, started: float, bucket: int, admitting: bool) -> float | None:
-        """perf_counter time to launch the next step by, for a step that started on the device at `started`
-        (None: no estimate yet, launch now). `admitting`: prompts are waiting, so the next step stages more."""
-        expected = self.decode_ms.get(bucket)
-        if expected is None:
-            return None
-        margin = 1.5 * self.host_ms["mixed" if admitting else "decode"] + 0.5
-        return started + (expected - margin) / 1e3
-
-
 STEP_MS_EDGES = tuple(0.25 * 10 ** (i / 20) for i in range(100))  # 0.25 ms .. 22 s, 12% apart
 
 
@@ -265,8 +234,6 @@ class Worker:
         self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
         self.last_collected = time.perf_counter()
         self.step_stats = StepStats()
-        self.clock = LaunchClock()
-        self.stopping: str | None = None  # "stop" (publish, then end) or "eof" (the pool is gone) seen mid-step
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
                                 "pid": os.getpid(), "memory": self.runner.memory}))
@@ -277,30 +244,21 @@ class Worker:
                 self.publish()
                 self.commands.poll(None)
             changed = False
-            while self.stopping is None and self.commands.poll():
-                self.receive()
+            while self.commands.poll():
+                try:
+                    batch = self.commands.recv()  # a list of commands (engine.worker_handle sends them in batches)
+                except EOFError:  # the pool is gone
+                    return
+                for msg in batch:
+                    if msg[0] == "stop":
+                        self.publish()
+                        return
+                    self.handle(msg)
                 changed = True
-            if self.stopping is not None:
-                if self.stopping == "stop":
-                    self.publish()
-                return
             if self.scheduler.has_work or self.ahead is not None:
                 self.step()
             elif changed:
                 self.results.send(("stats", self.stats()))
-
-    def receive(self) -> None:
-        """Handle one batch of commands (engine.worker_handle sends them in batches); note a stop or a lost pool."""
-        try:
-            batch = self.commands.recv()
-        except EOFError:
-            self.stopping = "eof"
-            return
-        for msg in batch:
-            if msg[0] == "stop":
-                self.stopping = "stop"
-                return
-            self.handle(msg)
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -372,15 +330,11 @@ class Worker:
             if current.pending is None:
                 if self.tp is not None:
                     self.tp.send_step(current.seqs, sched)
-                current.pending = self._launch(current.seqs, None)
+                current.pending = self.runner.launch(current.seqs)
             self.publish()  # step N-1's audio leaves while the device runs N
-            self._take_arrivals(current)
             self.ahead = self._launch_ahead(current)
             out = self.runner.collect(current.pending)
             now = time.perf_counter()
-            timing = self.runner.last_step
-            if timing is not None and timing.kind == "graph" and timing.gpu_ms is not None:
-                self.clock.note_device(self._bucket(current.seqs), timing.gpu_ms)
             # wall: launch to collection, or since the last collection when this step was queued behind it
             self._note_step(1000 * (now - max(current.launched_at, self.last_collected)))
             self.last_collected = now
@@ -413,37 +367,6 @@ class Worker:
         if self.ahead is not None:  # now, while the device runs it: its launch after this one reuses these buffers
             self.publish()
 
-    def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
-        t = time.perf_counter()
-        pending = self.runner.launch(seqs, after=after)
-        self.clock.note_host(pending.kind == "mixed", 1000 * (time.perf_counter() - t))
-        return pending
-
-    def _bucket(self, seqs: list[ScheduledSeq]) -> int:
-        """The decode graph bucket of a step's sampling rows (their count where there are no graphs)."""
-        from engine.cuda_graphs import bucket_for
-
-        rows = sum(1 for s in seqs if s.emit)
-        return bucket_for(rows, self.runner.buckets) if self.runner.buckets and rows else rows
-
-    def _take_arrivals(self, current: Launched) -> None:
-        """Before launching the step after `current` (`async_mixed`, on a device that runs it asynchronously):
-        handle the commands that arrive until shortly before `current` is expected to end (`LaunchClock`)."""
-        pending = current.pending
-        if (pending is None or pending.events is None or not self.cfg.async_scheduling or self.tp is not None
-                or not self.cfg.mixed_ahead(True)):
-            return
-        # on the device since its launch, or since the step before it ended (collected just now) if queued behind
-        started = max(current.launched_at, self.last_collected)
-        deadline = self.clock.deadline(started, self._bucket(current.seqs), bool(self.scheduler.waiting))
-        while deadline is not None and self.stopping is None:
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self.commands.poll(left):
-                return
-            self.receive()
-            if self.scheduler.waiting:  # a prompt to stage: the next launch takes longer, so it starts sooner
-                deadline = self.clock.deadline(started, self._bucket(current.seqs), True)
-
     def _launch_ahead(self, current: Launched) -> Launched | None:
         """Launch the step after `current` (a step still on the device) when it continues every request that
         `current` samples for: plain decoding, or (`async_mixed`) decoding plus waiting prompts admitted."""
@@ -457,7 +380,7 @@ class Worker:
         seqs = self.scheduler.schedule_ahead(current.seqs, admit, self.runner.ahead_tokens)
         if seqs is None:
             return None
-        return Launched(seqs, self._launch(seqs, pending), self.scheduler.num_steps, time.perf_counter())
+        return Launched(seqs, self.runner.launch(seqs, after=pending), self.scheduler.num_steps, time.perf_counter())
 
     def _note_step(self, wall_ms: float) -> None:
         from engine.runner import triton_compiles

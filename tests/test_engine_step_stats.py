@@ -9,7 +9,7 @@ from engine.checkpoint import load_model
 from engine.request import RequestSpec, SamplingParams
 from engine.runner import Runner
 from engine.scheduler import Scheduler
-from engine.worker import STEP_MS_EDGES, LaunchClock, StepStats, WorkerConfig, hist_percentile, ms_bucket
+from engine.worker import STEP_MS_EDGES, StepStats, WorkerConfig, hist_percentile, ms_bucket
 
 
 def test_histogram_percentiles_track_numpy_within_one_bucket():
@@ -86,21 +86,3 @@ def test_warm_up_primes_the_vae_with_every_continuation_tail_length(tiny_v2_dir)
     runner.warm_up()
     p = loaded.config.patch_size
     assert {k * p for k in range(1, CONTEXT_PATCHES["voxcpm2"] + 1)} <= set(frames)
-
-
-def test_launch_clock_launches_before_the_running_step_ends_by_the_staging_time():
-    clock = LaunchClock()
-    assert clock.deadline(100.0, 64, admitting=False) is None  # no estimate for the bucket yet: launch now
-    for _ in range(50):
-        clock.note_device(64, 20.0)
-        clock.note_host(mixed=False, ms=1.0)
-        clock.note_host(mixed=True, ms=6.0)
-    decode = clock.deadline(100.0, 64, admitting=False)
-    mixed = clock.deadline(100.0, 64, admitting=True)
-    assert decode is not None and mixed is not None
-    # ends at 100.020; a decode launch (1 ms) is started 2 ms before, a launch staging prompts (6 ms) 9.5 ms before
-    assert abs((100.020 - decode) * 1e3 - 2.0) < 0.05
-    assert abs((100.020 - mixed) * 1e3 - 9.5) < 0.2
-    assert clock.deadline(100.0, 128, admitting=False) is None  # buckets are timed apart
-    clock.note_device(64, 40.0)  # a moving average: one slow step moves it a fifth of the way
-    assert abs(clock.decode_ms[64] - 24.0) < 1e-6
