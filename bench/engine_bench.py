@@ -390,7 +390,8 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
         block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
         inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank))
     out: dict = {"model": model, "dtype": str(runner.dtype), "timesteps": timesteps, "context": context,
-                 "device": torch.cuda.get_device_name(0), "loras": loras, "batches": {}}
+                 "device": torch.cuda.get_device_name(0), "loras": loras, "batches": {},
+                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     for b in batches:
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
         print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
