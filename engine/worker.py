@@ -234,6 +234,7 @@ class Worker:
         self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
         self.last_collected = time.perf_counter()
         self.step_stats = StepStats()
+        self.stopping: str | None = None  # "stop" (publish, then end) or "eof" (the pool is gone), seen mid-step
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
                                 "pid": os.getpid(), "memory": self.runner.memory}))
@@ -244,21 +245,30 @@ class Worker:
                 self.publish()
                 self.commands.poll(None)
             changed = False
-            while self.commands.poll():
-                try:
-                    batch = self.commands.recv()  # a list of commands (engine.worker_handle sends them in batches)
-                except EOFError:  # the pool is gone
-                    return
-                for msg in batch:
-                    if msg[0] == "stop":
-                        self.publish()
-                        return
-                    self.handle(msg)
+            while self.stopping is None and self.commands.poll():
+                self.receive()
                 changed = True
+            if self.stopping is not None:
+                if self.stopping == "stop":
+                    self.publish()
+                return
             if self.scheduler.has_work or self.ahead is not None:
                 self.step()
             elif changed:
                 self.results.send(("stats", self.stats()))
+
+    def receive(self) -> None:
+        """Handle one batch of commands (engine.worker_handle sends them in batches); note a stop or a lost pool."""
+        try:
+            batch = self.commands.recv()
+        except EOFError:
+            self.stopping = "eof"
+            return
+        for msg in batch:
+            if msg[0] == "stop":
+                self.stopping = "stop"
+                return
+            self.handle(msg)
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -332,6 +342,11 @@ class Worker:
                     self.tp.send_step(current.seqs, sched)
                 current.pending = self.runner.launch(current.seqs)
             self.publish()  # step N-1's audio leaves while the device runs N
+            if self.cfg.mixed_ahead(self.runner.device.type == "cuda"):
+                # prompts already in the pipe join the step launched ahead, not the one after it (a burst's
+                # first request wakes the worker; the rest arrive while that step is staged)
+                while self.stopping is None and self.commands.poll():
+                    self.receive()
             self.ahead = self._launch_ahead(current)
             out = self.runner.collect(current.pending)
             now = time.perf_counter()
