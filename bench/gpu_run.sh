@@ -8,7 +8,7 @@
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
 #   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity)
-#   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -100,6 +100,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
         stage 70 120 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
+    lora_step)  # every LoRA kernel variant inside a graph of a whole step's layers (cold weights), vs no LoRA
+        stage 40 150 "LoRA step-like bench" $PY bench/lora_bench.py --step --out "$OUT/lora_step.json" \
+            >"$OUT/lora_step.log" 2>&1
+        tail -25 "$OUT/lora_step.log" ;;
     lora_kernels)
         stage 30 120 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
             >>"$OUT/smoke.log" ;;

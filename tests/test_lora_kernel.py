@@ -3,8 +3,11 @@
 Cases cover blocks where every row shares one adapter (full tiles: prefill chunks), blocks mixing adapters and
 slot 0 (partial tiles with masked rows: decode rows), LocDiT-style rows repeating one index over several tokens, ranks
 below the slot width (zero padding), ragged sizes, and K split over several programs (one decode row: 9 splits of two
-K blocks, the last one ragged), each through both paths: the two launches (shrink, expand) and the one-launch kernel
-for decode sizes, and which one `fuse` picks. Needs `triton` installed (the test extras pin it).
+K blocks, the last one ragged), each through every variant (`VARIANTS`: two launches, shrink and expand, at several
+tiles; one launch walking all of K; one launch with K split and the last arrival adding) and the legacy `fused` flag,
+and which one `choose` picks. The split kernel's counters are back to zero after each linear (segments shared by the
+linears of a step stay usable). PDL is a GPU launch attribute: in the interpreter its variant runs without it. Needs
+`triton` installed (the test extras pin it).
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import sys
 import pytest
 import torch
 
+from engine.model import lora_triton as _collected
 from engine.model.lora import lora_delta_add
 from tests.conftest import interpreted
+
+VARIANTS = list(_collected.VARIANTS)  # names only: the kernels run from the module the fixture re-imports
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -39,9 +45,10 @@ CASES = {  # name: (slot of each index row, tokens per index row, in, out, slot 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "one_launch"])
-def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, fused: bool) -> None:
+@pytest.mark.parametrize("how", [*VARIANTS, "fused=False", "fused=True"])
+def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, how: str) -> None:
     slots, per, fan_in, fan_out, width, rank = CASES[case]
+    choice = {"fused": how == "fused=True"} if how.startswith("fused=") else {"variant": how}
     gen = torch.Generator().manual_seed(len(slots) * 31 + per)
     index = torch.tensor(slots)
     rows = len(slots) * per
@@ -55,7 +62,7 @@ def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, fused: b
     ref = lora_delta_add(y.double().view(len(slots), per, fan_out), x.double().view(len(slots), per, fan_in),
                          a.double(), b.double(), index).view(rows, fan_out)
     out = y.clone()
-    lora_add_(out, x, a, b, index, per, fused=fused)
+    lora_add_(out, x, a, b, index, per, **choice)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     base = torch.tensor([s == 0 for s in slots]).repeat_interleave(per)
@@ -77,7 +84,8 @@ FUSED = {  # name: (slot of each row, in, outs of the linears sharing x, rank)
 
 @pytest.mark.parametrize("case", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", ["two", "one", "split", "split_n64"])
+def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torch.dtype, variant: str) -> None:
     """One shrink over stacked A's + one expand into the fused output == each linear's LoRA on its own columns."""
     slots, fan_in, outs, rank = FUSED[case]
     gen = torch.Generator().manual_seed(len(slots) + fan_in)
@@ -96,18 +104,18 @@ def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torc
         start += n
     ref = torch.cat(parts, dim=1)
     out = y.clone()
-    lora_add_(out, x, a, b, index, 1, outs)
+    lora_add_(out, x, a, b, index, 1, outs, variant=variant)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(lora_delta_add(y.double(), x.double(), a.double(), b.double(), index, outs), ref)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "one_launch"])
-def test_no_adapter_rows_leave_y_untouched(lora_add_, fused: bool) -> None:
-    x, y = torch.randn(37, 24), torch.randn(37, 40)
-    a, b = torch.randn(3, 8, 24), torch.randn(3, 40, 8)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_adapter_rows_leave_y_untouched(lora_add_, variant: str) -> None:
+    x, y = torch.randn(37, 300), torch.randn(37, 40)  # K 300: the split variants split it
+    a, b = torch.randn(3, 8, 300), torch.randn(3, 40, 8)
     out = y.clone()
-    lora_add_(out, x, a, b, torch.zeros(37, dtype=torch.long), 1, fused=fused)
+    lora_add_(out, x, a, b, torch.zeros(37, dtype=torch.long), 1, variant=variant)
     assert torch.equal(out, y)
 
 
@@ -159,6 +167,54 @@ def test_segments_group_rows_by_slot(kernels) -> None:
     tiles = [0] + [-(-c // kernels.BLOCK_M) for c in counts[1:]]  # slot 0 rows get no tile
     assert seg.tiles.tolist() == [sum(tiles[:s]) for s in range(5)]
     assert seg.grid >= seg.tiles[-1].item()
+    assert seg.counters.shape == (seg.grid * kernels.COUNTER_COLS,) and not seg.counters.any()
+
+
+def test_tile_table_lists_each_tiles_slot_and_rows(kernels) -> None:
+    """Tile i's entries, slot << SLOT_SHIFT | row + 1: the slot whose tiles cover i and its BLOCK_M rows from `order`
+    (-1 past them); past the last tile, slot S (none) and no rows. 40 rows of slot 1 take three tiles, the last one
+    partial."""
+    index = torch.tensor([1] * 40 + [0, 3, 3, 0, 2])
+    seg = kernels.segment_rows(index, 1, 5)
+    expected_slots, expected_rows = [], []
+    for slot in range(1, 5):
+        rows = seg.order[seg.starts[slot]:seg.starts[slot + 1]].tolist()
+        for first in range(0, len(rows), kernels.BLOCK_M):
+            chunk = rows[first:first + kernels.BLOCK_M]
+            expected_slots.append(slot)
+            expected_rows.append(chunk + [-1] * (kernels.BLOCK_M - len(chunk)))
+    spare = seg.grid - len(expected_slots)
+    assert spare >= 0
+    assert seg.table.dtype == torch.int32 and seg.table.shape == (seg.grid, kernels.BLOCK_M)
+    shift = kernels.SLOT_SHIFT
+    assert (seg.table >> shift).tolist() == [[slot] * kernels.BLOCK_M for slot in expected_slots + [5] * spare]
+    assert ((seg.table & ((1 << shift) - 1)) - 1).tolist() == expected_rows + [[-1] * kernels.BLOCK_M] * spare
+
+
+@pytest.mark.parametrize("variant", ["split", "split_n64", "split_4sm"])
+def test_split_counters_reset_for_the_next_linear(kernels, variant: str) -> None:
+    """The last arrival of each (tile, column tile) zeroes its counter: q|k|v then o sharing one segments, twice,
+    each equal to the reference; the K really is split (else the counters are never touched)."""
+    gen = torch.Generator().manual_seed(7)
+    index, fan_in = torch.tensor([2, 0, 1, 2, 2, 1, 0]), 600
+    seg = kernels.segment_rows(index, 3, 4)
+    tiles = kernels.col_tiles((40, 8, 8), kernels.VARIANTS[variant].block_n)
+    v = kernels.VARIANTS[variant]
+    assert kernels.plan(fan_in, seg.grid * tiles, torch.device("cpu"), v.block_k, v.per_sm).splits > 1
+    x = torch.randn(21, fan_in, generator=gen)
+    a_qkv, b_qkv = torch.randn(4, 12, fan_in, generator=gen) / fan_in ** 0.5, torch.randn(4, 56, 4, generator=gen)
+    a_o, b_o = torch.randn(4, 4, 40, generator=gen) / 40 ** 0.5, torch.randn(4, 24, 4, generator=gen)
+    for w in (a_qkv, b_qkv, a_o, b_o):
+        w[0] = 0  # slot 0: no adapter
+    for _ in range(2):
+        qkv, o = torch.zeros(21, 56), torch.zeros(21, 24)
+        kernels.lora_add_(qkv, x, a_qkv, b_qkv, index, 3, (40, 8, 8), seg, variant=variant)
+        kernels.lora_add_(o, qkv[:, :40], a_o, b_o, index, 3, None, seg, variant=variant)
+        assert not seg.counters.any()
+        ref_qkv = lora_delta_add(torch.zeros(7, 3, 56), x.view(7, 3, -1), a_qkv, b_qkv, index, (40, 8, 8))
+        torch.testing.assert_close(qkv, ref_qkv.view(21, 56), atol=1e-4, rtol=1e-4)
+        ref_o = lora_delta_add(torch.zeros(7, 3, 24), qkv[:, :40].reshape(7, 3, 40), a_o, b_o, index)
+        torch.testing.assert_close(o, ref_o.view(21, 24), atol=1e-4, rtol=1e-4)
 
 
 def test_k_splits_used_by_the_split_cases(kernels) -> None:
@@ -188,13 +244,14 @@ def test_segment_grid_bounds_the_tiles(kernels) -> None:
             index = torch.randint(0, slots, (entries,), generator=gen)
             seg = kernels.segment_rows(index, per, slots)
             assert seg.tiles[-1].item() <= seg.grid <= entries * per
+            assert seg.grid == kernels.tile_grid(entries, per, slots)
     assert kernels.segment_rows(torch.tensor([5, 5]), 11, 33).grid == 4  # a LocDiT step of one sequence
 
 
 def fuses(kernels, rows: int, per: int, k: int, outs: tuple[int, ...], rank: int = 32, slots: int = 33) -> bool:
     """`fuse` for rows spread over every adapter (the largest grid), bf16."""
-    seg = kernels.segment_rows(torch.arange(rows // per) % (slots - 1) + 1, per, slots)
-    return kernels.fuse(rows, k, rank, sum(-(-n // kernels.FUSED_BLOCK_N) for n in outs), seg.grid, 2)
+    grid = kernels.tile_grid(rows // per, per, slots)
+    return kernels.fuse(rows, k, rank, sum(-(-n // kernels.FUSED_BLOCK_N) for n in outs), grid, 2)
 
 
 def test_fuse_takes_one_launch_at_decode_sizes_only(kernels) -> None:
@@ -225,12 +282,22 @@ class Launches:
         return self.kernel[grid]
 
 
-def test_lora_add_launches_what_fuse_picks(kernels, monkeypatch) -> None:
+def test_lora_add_launches_what_choose_picks(kernels, monkeypatch) -> None:
+    """Decode sizes: SMALL_VARIANT's kernels (a split variant: the split kernel where K splits, the one-launch kernel
+    where it does not); past `fuse`: LARGE_VARIANT's."""
+    def kernels_of(name: str, splits: bool) -> list[str]:
+        path = kernels.VARIANTS[name].path
+        if path == "two":
+            return ["_shrink_kernel", "_expand_kernel"]
+        return ["_split_kernel" if path == "split" and splits else "_fused_kernel"]
+
     log: list[str] = []
-    for name in ("_fused_kernel", "_shrink_kernel", "_expand_kernel"):
+    for name in ("_fused_kernel", "_split_kernel", "_shrink_kernel", "_expand_kernel"):
         monkeypatch.setattr(kernels, name, Launches(getattr(kernels, name), name, log))
-    a, b = torch.randn(3, 4, 16), torch.randn(3, 8, 4)
-    for rows, launched in ((5, ["_fused_kernel"]), (kernels.FUSED_MAX_ROWS + 1, ["_shrink_kernel", "_expand_kernel"])):
+    for rows, k, launched in ((5, 16, kernels_of(kernels.SMALL_VARIANT, False)),
+                              (5, 300, kernels_of(kernels.SMALL_VARIANT, True)),
+                              (kernels.FUSED_MAX_ROWS + 1, 16, kernels_of(kernels.LARGE_VARIANT, False))):
+        a, b = torch.randn(3, 4, k), torch.randn(3, 8, 4)
         log.clear()
-        kernels.lora_add_(torch.zeros(rows, 8), torch.randn(rows, 16), a, b, torch.ones(rows, dtype=torch.long), 1)
+        kernels.lora_add_(torch.zeros(rows, 8), torch.randn(rows, k), a, b, torch.ones(rows, dtype=torch.long), 1)
         assert log == launched
