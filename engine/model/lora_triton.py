@@ -95,8 +95,11 @@ VARIANTS: dict[str, Variant] = {
     "split_4sm": Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K, per_sm=4),  # twice the K splits: shorter K walks
 }
 # What `lora_add_` runs by default (see `choose`): flip these after bench/lora_bench.py --step has measured them.
-SMALL_VARIANT = "split"  # where `fuse` allows one launch (decode sizes)
-LARGE_VARIANT = "two"  # everywhere else
+# H200 (bench/results/2026-11-29-h200-s5d/lora_step.json), us per op in a graph of a step's layers, batch 1 DiT / LM:
+# one_k256 5.3 / 6.4, split 6.3 / 7.5, one 7.1 / 8.9, two 8.7 / 8.1; batch 64: two_pdl 13.9 / 12.6, two_n256_w8
+# 15.7 / 12.6, two 16.9 / 15.4, split 25.5 / 19.0
+SMALL_VARIANT = "one_k256"  # where `fuse` allows one launch (decode sizes)
+LARGE_VARIANT = "two_pdl"  # everywhere else
 
 
 class Segments(NamedTuple):
@@ -422,10 +425,11 @@ def _planes(split: Plan) -> int:
     return triton.next_power_of_2(split.splits)
 
 
-def _pdl(v: Variant) -> bool:
-    """Whether the expand launches as a programmatic dependent: a GPU launch attribute (sm_90+), so not in Triton's
-    interpreter, which has no griddepcontrol (it runs the variant's tiles without it)."""
-    return v.pdl and isinstance(_expand_kernel, triton.runtime.JITFunction)
+def _pdl(v: Variant, device: torch.device) -> bool:
+    """Whether the expand launches as a programmatic dependent: a GPU launch attribute of sm_90+ (griddepcontrol),
+    so neither before Hopper nor in Triton's interpreter (which run the variant's tiles without it)."""
+    return (v.pdl and isinstance(_expand_kernel, triton.runtime.JITFunction) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
@@ -434,7 +438,7 @@ def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tu
     m, k = x.shape
     rank, slots = lora_b.shape[2], lora_a.shape[0]
     split = plan(k, seg.grid, x.device, v.block_k, v.per_sm)
-    pdl = _pdl(v)
+    pdl = _pdl(v, x.device)
     shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
     # empty: every plane a tile's rows read is written by its split; slot-0 rows are neither written nor read
     t = torch.empty((split.splits, m, shrink_r), device=x.device, dtype=torch.float32)
