@@ -427,9 +427,10 @@ def _planes(split: Plan) -> int:
 
 def _pdl(v: Variant, device: torch.device) -> bool:
     """Whether the expand launches as a programmatic dependent: a GPU launch attribute of sm_90+ (griddepcontrol),
-    so neither before Hopper nor in Triton's interpreter (which run the variant's tiles without it)."""
-    return (v.pdl and isinstance(_expand_kernel, triton.runtime.JITFunction) and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    so neither before Hopper nor in Triton's interpreter (which run the variant's tiles without it). CPU tensors
+    outside the interpreter only stand in for an H200 (the compile cases)."""
+    return (v.pdl and isinstance(_expand_kernel, triton.runtime.JITFunction)
+            and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9))
 
 
 def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
