@@ -95,10 +95,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             >"$OUT/gpu_tests.log" 2>&1
         tail -25 "$OUT/gpu_tests.log" ;;
     lora)
-        stage 50 90 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
+        stage 50 120 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
-        stage 70 120 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 1 \
+        stage 70 150 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
     lora_step)  # every LoRA kernel variant inside a graph of a whole step's layers (cold weights), vs no LoRA
         stage 40 150 "LoRA step-like bench" $PY bench/lora_bench.py --step --out "$OUT/lora_step.json" \
