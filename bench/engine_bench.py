@@ -122,12 +122,16 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     seeds = iter(range(10**9))
 
     peak = [0]  # the most streams running at once (sampled every 0.25 s)
+    samples: list[tuple[float, int]] = []  # (s since the level began, streams running)
+    wall0 = time.time()
+    arrivals_end = 0.0  # Poisson: when the last request was sent
 
     async def report():
         for tick in itertools.count(1):
             await asyncio.sleep(0.25)
             running = engine.stats().running
             peak[0] = max(peak[0], running)
+            samples.append((time.perf_counter() - t0, running))
             if tick % 8 == 0:
                 print(f"  ... {len(results)} requests done, {running} running", file=sys.stderr)
 
@@ -139,6 +143,7 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
             tasks.append(asyncio.create_task(one_request(engine, args.patches, next(seeds), args.timesteps)))
             tasks[-1].add_done_callback(lambda t: results.append(t.result()))
             await asyncio.sleep(rng.expovariate(level))
+        arrivals_end = time.perf_counter() - t0
         await asyncio.gather(*tasks)
     elif mode == "closed":
         end = t0 + args.duration
@@ -160,10 +165,21 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     progress.cancel()
     elapsed = time.perf_counter() - t0
     ttfb = [r["ttfb"] * 1000 for r in results]
+    # steady state: the last two thirds of the arrivals (Poisson) or of the level; what a capacity claim rests on
+    end = arrivals_end if mode == "poisson" else elapsed
+    steady_running = [n for t, n in samples if end / 3 <= t <= end]
+    steady = [r for r in results if end / 3 <= r["start_wall"] - wall0 <= end]
+    steady_ttfb = [r["ttfb"] * 1000 for r in steady]
+    steady_gaps = [g * 1000 for r in steady for g in r["gaps"]]
     gaps = [g * 1000 for r in results for g in r["gaps"]]
     return {
         "mode": mode, "concurrency": level if mode == "poisson" else concurrency, "requests": len(results),
         "elapsed_s": elapsed, "peak_running": peak[0],
+        "steady": {"window_s": [round(end / 3, 2), round(end, 2)], "requests": len(steady),
+                   "running_mean": float(np.mean(steady_running)) if steady_running else None,
+                   "ttfb_ms_p90": percentile(steady_ttfb, 90) if steady_ttfb else None,
+                   "rtf_mean": float(np.mean([r["rtf"] for r in steady])) if steady else None,
+                   "gap_ms_p99": percentile(steady_gaps, 99) if steady_gaps else None},
         "ttfb_ms": {"p50": percentile(ttfb, 50), "p90": percentile(ttfb, 90), "p99": percentile(ttfb, 99)},
         "rtf_mean": float(np.mean([r["rtf"] for r in results])),
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
@@ -292,6 +308,12 @@ def table(result: dict) -> str:
                     f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
                     f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}; "
                     f"peak running {lv.get('peak_running')}")
+        sd = lv.get("steady")
+        if sd and lv.get("mode") == "poisson" and sd["requests"]:
+            rows.append(f"steady state at poisson {lv['concurrency']} (requests started {sd['window_s'][0]}-"
+                        f"{sd['window_s'][1]} s, {sd['requests']}): streams running {sd['running_mean']:.0f} on "
+                        f"average, RTF {sd['rtf_mean']:.3f}, TTFB p90 {sd['ttfb_ms_p90']:.0f} ms, gap p99 "
+                        f"{sd['gap_ms_p99']:.0f} ms")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
