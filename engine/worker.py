@@ -347,7 +347,7 @@ class Worker:
                 # first request wakes the worker; the rest arrive while that step is staged)
                 while self.stopping is None and self.commands.poll():
                     self.receive()
-            self.ahead = self._launch_ahead(current)
+            self.ahead = self._launch_ahead(current) if self.stopping is None else None
             out = self.runner.collect(current.pending)
             now = time.perf_counter()
             # wall: launch to collection, or since the last collection when this step was queued behind it

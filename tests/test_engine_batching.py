@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine import Engine, EngineOverloaded, WorkerCrashed
+from engine import Engine, EngineOverloaded, EngineStopped, WorkerCrashed
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 STEPS = 4  # CFM timesteps: enough to exercise CFG-Zero*, cheap on CPU
@@ -274,3 +274,27 @@ async def test_prompts_admitted_by_steps_launched_ahead_keep_every_stream_exact(
         assert [c.index for c in chunks] == list(range(len(chunks))) and sum(c.is_last for c in chunks) == 1
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0
+
+
+async def test_stop_while_steps_launched_ahead_admit_ends_every_stream_and_the_worker(tiny_v2_dir):
+    """A stop that arrives while the worker takes in commands before launching a step ahead (`async_mixed`): the
+    worker ends (no step launched after the stop), every stream, speaking or just sent, ends with EngineStopped."""
+    os.environ["VOXGATE_ASYNC_MIXED"] = "1"
+    try:
+        eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
+                     max_num_batched_tokens=48, inference_timesteps=STEPS)
+    finally:
+        del os.environ["VOXGATE_ASYNC_MIXED"]
+    await eng.wait_for_ready()
+    speaking = [eng.generate(f"Stream {i} keeps talking.", seed=i, max_length=40, min_length=40) for i in range(3)]
+    for g in speaking:
+        await asyncio.wait_for(anext(g), 30)
+    just_sent = eng.generate("A late arrival.", seed=9, max_length=40, min_length=40)
+    start = time.monotonic()
+    await asyncio.wait_for(eng.stop(), 30)
+    assert time.monotonic() - start < 10
+    for g in [*speaking, just_sent]:
+        with pytest.raises(EngineStopped):
+            async for _ in g:
+                pass
+    assert [w.process.exitcode for w in eng._workers] == [0]  # it ended by itself, not killed after close()'s wait
