@@ -220,7 +220,8 @@ async def main(args: argparse.Namespace) -> dict:
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_waiting=args.max_num_seqs * 4,
                     inference_timesteps=args.timesteps, dtype=args.dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank)
+                    max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank,
+                    vae_dtype=args.vae_dtype)
     t = time.perf_counter()
     await engine.wait_for_ready()
     print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.model_info()}", file=sys.stderr)
@@ -242,7 +243,8 @@ async def main(args: argparse.Namespace) -> dict:
                 "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
                 "prompt_positions": positions,
                 "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
-                "lora_rank": args.lora_rank if args.lora else None, "levels": levels, "complete": done}
+                "lora_rank": args.lora_rank if args.lora else None, "vae_dtype": args.vae_dtype, "levels": levels,
+                "complete": done}
 
     try:
         mode = "poisson" if args.poisson else "closed" if args.closed_loop else "batch"
@@ -763,6 +765,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
                    "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")

@@ -7,7 +7,8 @@
 #   bash bench/gpu_run.sh                  (device run with carry [".whl"]; VOXGATE_COMMIT=<hash> names the commit)
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
-#   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity)
+#   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity),
+#   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile)
 #   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +58,7 @@ V15=$TMP/voxgate-bench-voxcpm1.5-stop-never
 step "write the real-size random VoxCPM2 checkpoint (stop head never fires) to $V2"
 [ -f "$V2/config.json" ] || $PY -m engine.random_checkpoint "$V2" --size voxcpm2 --stop-never --device cuda
 export VOXGATE_VOXCPM2_DIR=$V2
-BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --prompt-positions 114"  # as the anchor
+BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --prompt-positions 114 ${BENCH_ARGS:-}"  # as the anchor
 
 # Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
 smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }

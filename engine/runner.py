@@ -136,7 +136,9 @@ class Runner:
                                for s in (self.config.lm, self.config.residual_lm))
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.vae_dtype = next(self.vae.parameters()).dtype
+        if cfg.vae_dtype != "float32":  # the decoder only: prompt audio is encoded by the float32 encoder
+            self.vae.decoder.to(getattr(torch, cfg.vae_dtype))
+        self.vae_dtype = next(self.vae.decoder.parameters()).dtype
         self.block_size = cfg.block_size
         self.timesteps = cfg.inference_timesteps
         self.max_num_seqs = cfg.max_num_seqs

@@ -107,6 +107,24 @@ def test_sync_engine_matches_offline_and_v1_voice_is_a_prompt(engine, tiny_v1_di
     assert (info.architecture, info.sample_rate, info.is_demo) == ("voxcpm", 16000, False)
 
 
+def test_bfloat16_vae_decoder_is_close_to_float32_and_other_dtypes_are_refused(engine, tiny_v1_dir):
+    """`vae_dtype="bfloat16"` decodes in bf16 (the audio differs from float32, by bf16 rounding only); a dtype
+    outside VAE_DTYPES is refused before any worker starts."""
+    with pytest.raises(InvalidParameter, match="vae_dtype"):
+        Engine.from_pretrained(str(tiny_v1_dir), vae_dtype="float16")
+    bf16 = Engine.from_pretrained(str(tiny_v1_dir), max_num_seqs=2, num_kv_blocks=32, block_size=8,
+                                  inference_timesteps=STEPS, vae_dtype="bfloat16")
+    try:
+        bf16.wait_for_ready()
+        ours, ref = (np.concatenate([c.audio for c in e.generate("Lower precision.", seed=2, max_length=4)])
+                     for e in (bf16, engine))
+    finally:
+        bf16.stop()
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    err = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+    assert 0 < err < 0.05, err
+
+
 def test_overload_is_refused_not_queued_forever(engine):
     gens = [engine.generate("Hello there.", seed=i, max_length=2) for i in range(3)]  # 2 running + 1 waiting
     with pytest.raises(EngineOverloaded):
