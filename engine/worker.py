@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class CommandFailed(Exception):
+    """A command from the pool could not be handled: the worker ends, as a crash would."""
+
+
 VAE_DTYPES = ("float32", "bfloat16")  # what `WorkerConfig.vae_dtype` may be
 
 
@@ -274,7 +278,10 @@ class Worker:
             if msg[0] == "stop":
                 self.stopping = "stop"
                 return
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception as e:  # a broken command ends the worker (the pool restarts it), even mid-step
+                raise CommandFailed(f"command {msg[0]!r} failed") from e
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -359,6 +366,8 @@ class Worker:
             # wall: launch to collection, or since the last collection when this step was queued behind it
             self._note_step(1000 * (now - max(current.launched_at, self.last_collected)))
             self.last_collected = now
+        except CommandFailed:
+            raise
         except Exception as e:  # a failed step fails its requests, not the worker
             log.error("step failed:\n%s", traceback.format_exc())
             if self.tp is not None:  # the ranks are out of step now: end the group, the pool restarts it
