@@ -245,6 +245,9 @@ class Worker:
         self.last_collected = time.perf_counter()
         self.step_stats = StepStats()
         self.stopping: str | None = None  # "stop" (publish, then end) or "eof" (the pool is gone), seen mid-step
+        # steps are launched ahead (`_launch_ahead`), and those may admit waiting prompts (`async_mixed`)
+        self.launches_ahead = cfg.async_scheduling and self.tp is None
+        self.admits_ahead = self.launches_ahead and cfg.mixed_ahead(self.runner.device.type == "cuda")
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
                                 "pid": os.getpid(), "memory": self.runner.memory}))
@@ -355,7 +358,7 @@ class Worker:
                     self.tp.send_step(current.seqs, sched)
                 current.pending = self.runner.launch(current.seqs)
             self.publish()  # step N-1's audio leaves while the device runs N
-            if self.cfg.mixed_ahead(self.runner.device.type == "cuda"):
+            if self.admits_ahead:
                 # prompts already in the pipe join the step launched ahead, not the one after it (a burst's
                 # first request wakes the worker; the rest arrive while that step is staged)
                 while self.stopping is None and self.commands.poll():
@@ -401,12 +404,11 @@ class Worker:
         """Launch the step after `current` (a step still on the device) when it continues every request that
         `current` samples for: plain decoding, or (`async_mixed`) decoding plus waiting prompts admitted."""
         pending = current.pending
-        if not self.cfg.async_scheduling or self.tp is not None or pending is None or pending.sampled is None:
+        if not self.launches_ahead or pending is None or pending.sampled is None:
             return None
-        mixed_ahead = self.cfg.mixed_ahead(self.runner.device.type == "cuda")
-        if not mixed_ahead and pending.kind == "mixed":
+        if not self.admits_ahead and pending.kind == "mixed":
             return None  # what follows a mixed step feeds a new stream's first patch: the flat path only
-        admit = self.runner.launchable_ahead if mixed_ahead else None
+        admit = self.runner.launchable_ahead if self.admits_ahead else None
         seqs = self.scheduler.schedule_ahead(current.seqs, admit, self.runner.ahead_tokens)
         if seqs is None:
             return None

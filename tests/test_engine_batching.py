@@ -224,8 +224,7 @@ async def test_killed_worker_fails_in_flight_requests_fast_and_is_restarted(engi
     assert len(chunks) == 3 and engine.stats().worker_restarts == 1
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def mixed_ahead_engine(tiny_v2_dir):
+async def start_mixed_ahead_engine(tiny_v2_dir) -> Engine:
     """The engine of this module with `async_mixed`: steps launched ahead also admit waiting prompts."""
     os.environ["VOXGATE_ASYNC_MIXED"] = "1"  # read when the pool builds its WorkerConfig
     try:
@@ -234,6 +233,12 @@ async def mixed_ahead_engine(tiny_v2_dir):
     finally:
         del os.environ["VOXGATE_ASYNC_MIXED"]
     await eng.wait_for_ready()
+    return eng
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def mixed_ahead_engine(tiny_v2_dir):
+    eng = await start_mixed_ahead_engine(tiny_v2_dir)
     yield eng
     await eng.stop()
 
@@ -279,13 +284,7 @@ async def test_prompts_admitted_by_steps_launched_ahead_keep_every_stream_exact(
 async def test_stop_while_steps_launched_ahead_admit_ends_every_stream_and_the_worker(tiny_v2_dir):
     """A stop that arrives while the worker takes in commands before launching a step ahead (`async_mixed`): the
     worker ends (no step launched after the stop), every stream, speaking or just sent, ends with EngineStopped."""
-    os.environ["VOXGATE_ASYNC_MIXED"] = "1"
-    try:
-        eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
-                     max_num_batched_tokens=48, inference_timesteps=STEPS)
-    finally:
-        del os.environ["VOXGATE_ASYNC_MIXED"]
-    await eng.wait_for_ready()
+    eng = await start_mixed_ahead_engine(tiny_v2_dir)
     speaking = [eng.generate(f"Stream {i} keeps talking.", seed=i, max_length=40, min_length=40) for i in range(3)]
     for g in speaking:
         await asyncio.wait_for(anext(g), 30)
