@@ -337,18 +337,25 @@ def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
     end.synchronize()
     return start.elapsed_time(end) / replays
 
-def cuda_kernels(fn) -> list:
-    """The GPU kernels one eager call of `fn` launches (what its CUDA graph holds as kernel nodes), as
-    torch.profiler events; memcpy and memset excluded."""
+def profiled(fn, host: bool = False, **options):
+    """torch.profiler over one eager call of `fn` after a warm-up call (compiles, cuBLAS choices): GPU activity,
+    and the host's with `host`; `options` go to the profiler (record_shapes, with_stack)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with torch_profile(activities=activities, **options) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    return prof
+
+
+def cuda_kernels(fn) -> list:
+    """The GPU kernels one eager call of `fn` launches (what its CUDA graph holds as kernel nodes), as
+    torch.profiler events; memcpy and memset excluded."""
+    return [e for e in profiled(fn).events() if e.device_type == torch.autograd.DeviceType.CUDA
             and not e.name.lower().startswith(("memcpy", "memset"))]
 
 
@@ -554,7 +561,11 @@ def _profile_mixed(runner, config, length: int) -> dict:
         add(16, f"{label}k")
         seqs = sched.schedule()
         gpu = runner.device.type == "cuda"
-        with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        # `timeline`: the host's side too (where the GPU waits, and on what); kernel times are the device's either way
+        activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+        if gpu and timeline:
+            activities.append(ProfilerActivity.CPU)
+        with torch_profile(activities=activities, with_stack=gpu and timeline) as prof:
             out = runner.step(seqs)
             sync()
         sched.postprocess(seqs, out.patches, out.stops)
@@ -562,18 +573,9 @@ def _profile_mixed(runner, config, length: int) -> dict:
         kernel_ms = sum(e.device_time_total for e in kernels) / 1e3
         row = {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "wall_ms": round(wall, 2),
                "kernel_ms": round(kernel_ms, 2), "kernels": len(kernels)}
-        print(f"mixed step {label}: {row}", file=sys.stderr)
-        if gpu and timeline:  # one more such step on a CPU+CUDA timeline: where the GPU waits, and on what
-            for _ in range(2):
-                step()
-            add(16, f"{label}t")
-            seqs = sched.schedule()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-                out = runner.step(seqs)
-                sync()
-            sched.postprocess(seqs, out.patches, out.stops)
+        if gpu and timeline:
             row["timeline"] = gpu_idle_timeline(prof.events())
-            print(f"mixed step {label} timeline: " + json.dumps(row["timeline"])[:3000], file=sys.stderr)
+        print(f"mixed step {label}: " + json.dumps(row)[:3000], file=sys.stderr)
         return row
 
     result = {}
@@ -693,14 +695,7 @@ def _profile_vae_dtypes(runner, vae, batches: tuple[int, ...]) -> dict:
 
 def top_ops(fn, top: int = 12) -> list[dict]:
     """The `top` torch ops of one eager call of `fn` by their own GPU time, grouped by input shapes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, host=True, record_shapes=True)
 
     def own_gpu_us(a) -> float:
         return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)

@@ -133,19 +133,26 @@ def reference(c: dict) -> torch.Tensor:
     return y
 
 
+def captured(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back calls of `fn`, after one eager call on a side stream (compiles and warms
+    up outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def graph_us(fn: Callable[[], object]) -> float:
     """Median us of one call, from a CUDA graph of REPEAT back-to-back calls (as a step graph runs them)."""
     from triton.testing import do_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
+    graph = captured(fn, REPEAT)
     return 1e3 * do_bench(graph.replay, warmup=20, rep=100, return_mode="median") / REPEAT
 
 
@@ -362,14 +369,7 @@ def step_case(stack: str, shape: StepShape, batch: int, layers: list[dict[str, t
 
 def step_graph_us(run: Callable[[], None], replays: int) -> tuple[float, torch.cuda.CUDAGraph]:
     """Median us of one replay of a CUDA graph of `run` (compiled and warmed up eagerly first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = captured(run)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
