@@ -273,6 +273,14 @@ def _load_b(b_ptr, slot, has_tile, cols, col_ok, ranks, rank_ok, stride_bs, stri
 
 
 @triton.jit
+def _load_y(y_ptr, rows, row_ok, cols, col_ok, stride_ym):
+    """The output tile: its pointers, its mask and its values (added to, then stored back through the same)."""
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    y_ok = row_ok[:, None] & col_ok[None, :]
+    return y_ptrs, y_ok, tl.load(y_ptrs, mask=y_ok, other=0.0)
+
+
+@triton.jit
 def _sum_planes(ptrs, ok, stride, SPLITS, PLANES: tl.constexpr, CACHE: tl.constexpr):
     """The sum of the fp32 tiles at ptrs + s * stride for s < SPLITS <= PLANES (a K split's partials), the same bits
     whatever order they were written in. One masked [PLANES, ...] load, so every plane is in flight at once, and one
@@ -321,9 +329,7 @@ def _expand_kernel(t_ptr, b_ptr, table_ptr, y_ptr, N0, N1, N2, SPLITS, NUM_SLOTS
     rank_ok = ranks < RANK
     # B's and y's tiles first: the shrink writes neither, so under PDL they load while it still runs
     b = _load_b(b_ptr, slot, has_tile, cols, col_ok, ranks, rank_ok, stride_bs, stride_bn)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    y_ok = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    y_ptrs, y_ok, y = _load_y(y_ptr, rows, row_ok, cols, col_ok, stride_ym)
     if PDL:
         gdc_wait()  # every program, tile or not, so this grid never completes before the shrink
     if has_tile:
@@ -343,9 +349,7 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, table_ptr, y_ptr, K, N0, N1, N2, NUM_SLOT
     rank_ok = ranks < RANK
     # B's and y's tiles before the K walk, whose latency then covers theirs
     b = _load_b(b_ptr, slot, has_tile, cols, col_ok, ranks, rank_ok, stride_bs, stride_bn)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    y_ok = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    y_ptrs, y_ok, y = _load_y(y_ptr, rows, row_ok, cols, col_ok, stride_ym)
     # only this part's rank block of A: a q|k|v column tile needs r x K of it, not 3r x K. No branch: a program
     # without a tile walks no K and stores nothing
     a_ptrs = a_ptr + slot * stride_as + (part * RANK + ranks)[None, :] * stride_ar
@@ -366,9 +370,7 @@ def _split_kernel(x_ptr, a_ptr, b_ptr, table_ptr, t_ptr, count_ptr, y_ptr, K, K_
     # B's and y's tiles before the shrink: only the last arrival uses them, but their (cold) latency then hides
     # behind the shrink instead of following it; the repeats come from L2
     b = _load_b(b_ptr, slot, has_tile, cols, col_ok, ranks, rank_ok, stride_bs, stride_bn)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    y_ok = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+    y_ptrs, y_ok, y = _load_y(y_ptr, rows, row_ok, cols, col_ok, stride_ym)
     split = tl.program_id(2)
     k_lo = split * K_PER_SPLIT
     a_ptrs = a_ptr + slot * stride_as + (part * RANK + ranks)[None, :] * stride_ar
