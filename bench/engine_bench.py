@@ -9,6 +9,7 @@ chunks of one request. Fixed length needs a checkpoint whose stop head never fir
     python bench/engine_bench.py --random-size tiny --closed-loop --concurrency 8 --duration 10
     python bench/engine_bench.py --random-size tiny --poisson 4 --requests 40
     python bench/engine_bench.py --model DIR --concurrency 1,64 --extra closed:64,poisson:20   # same engine
+    python bench/engine_bench.py --model DIR --concurrency 1 --extra closed:400 --ramp 6 --duration 20  # capacity
     python bench/engine_bench.py --model DIR --profile   # CUDA: per-module GPU times of a decode step
 """
 
@@ -148,11 +149,14 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     elif mode == "closed":
         end = t0 + args.duration
 
-        async def user():
+        async def user(i: int):
+            # --ramp: user i starts i/C of the ramp in, so fixed-length requests stay spread out instead of
+            # arriving (and finishing) as one burst every cycle: a steady C streams with steady arrivals
+            await asyncio.sleep(args.ramp * i / concurrency)
             while time.perf_counter() < end:
                 results.append(await one_request(engine, args.patches, next(seeds), args.timesteps))
 
-        await asyncio.gather(*(user() for _ in range(concurrency)))
+        await asyncio.gather(*(user(i) for i in range(concurrency)))
     else:
         n = args.requests or min(args.max_requests, args.requests_factor * concurrency)
         sem = asyncio.Semaphore(concurrency)
@@ -165,17 +169,23 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
     progress.cancel()
     elapsed = time.perf_counter() - t0
     ttfb = [r["ttfb"] * 1000 for r in results]
-    # steady state: the last two thirds of the arrivals (Poisson) or of the level; what a capacity claim rests on
-    end = arrivals_end if mode == "poisson" else elapsed
-    steady_running = [n for t, n in samples if end / 3 <= t <= end]
-    steady = [r for r in results if end / 3 <= r["start_wall"] - wall0 <= end]
+    # steady state, what a capacity claim rests on: the last two thirds of the arrivals (Poisson) or of the level;
+    # closed loop: the requests started between the ramp's end (every user running) and the last start
+    if mode == "closed":
+        begin, end = max(args.ramp, args.duration / 3), args.duration
+    else:
+        end = arrivals_end if mode == "poisson" else elapsed
+        begin = end / 3
+    steady_running = [n for t, n in samples if begin <= t <= end]
+    steady = [r for r in results if begin <= r["start_wall"] - wall0 <= end]
     steady_ttfb = [r["ttfb"] * 1000 for r in steady]
     steady_gaps = [g * 1000 for r in steady for g in r["gaps"]]
     gaps = [g * 1000 for r in results for g in r["gaps"]]
     return {
         "mode": mode, "concurrency": level if mode == "poisson" else concurrency, "requests": len(results),
         "elapsed_s": elapsed, "peak_running": peak[0],
-        "steady": {"window_s": [round(end / 3, 2), round(end, 2)], "requests": len(steady),
+        "ramp_s": args.ramp if mode == "closed" else None,
+        "steady": {"window_s": [round(begin, 2), round(end, 2)], "requests": len(steady),
                    "running_mean": float(np.mean(steady_running)) if steady_running else None,
                    "ttfb_ms_p90": percentile(steady_ttfb, 90) if steady_ttfb else None,
                    "rtf_mean": float(np.mean([r["rtf"] for r in steady])) if steady else None,
@@ -311,8 +321,8 @@ def table(result: dict) -> str:
                     f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}; "
                     f"peak running {lv.get('peak_running')}")
         sd = lv.get("steady")
-        if sd and lv.get("mode") == "poisson" and sd["requests"]:
-            rows.append(f"steady state at poisson {lv['concurrency']} (requests started {sd['window_s'][0]}-"
+        if sd and lv.get("mode") in ("poisson", "closed") and sd["requests"]:
+            rows.append(f"steady state at {lv['mode']} {lv['concurrency']} (requests started {sd['window_s'][0]}-"
                         f"{sd['window_s'][1]} s, {sd['requests']}): streams running {sd['running_mean']:.0f} on "
                         f"average, RTF {sd['rtf_mean']:.3f}, TTFB p90 {sd['ttfb_ms_p90']:.0f} ms, gap p99 "
                         f"{sd['gap_ms_p99']:.0f} ms")
@@ -752,6 +762,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="CUDA only: per-module GPU times of a decode step")
     p.add_argument("--closed-loop", action="store_true", help="each of C users sends requests back to back")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per level in closed loop")
+    p.add_argument("--ramp", type=float, default=0.0, help="closed loop: start the users evenly over this many "
+                   "seconds (about one request's length keeps them spread; 0: all at once)")
     p.add_argument("--poisson", type=float, default=0.0, help="open loop: RATE requests/s (uses --requests)")
     p.add_argument("--context", type=int, default=160, help="--profile: KV positions per sequence")
     p.add_argument("--timesteps", type=int, default=10)

@@ -8,8 +8,9 @@
 #   BUDGET=250 QUICK=1 bash bench/gpu_run.sh   (c=1,8,64,256 sweep, profile, GPU tests, LoRA at c=1,64)
 #   PLAN=sweep,lora,gateway,tests TESTS="tests/gpu/test_vae_gpu.py" bash bench/gpu_run.sh   (chosen stages)
 #   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity),
-#   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile)
-#   stages: quick_sweep sweep profile profile_lora tests lora lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
+#   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
+#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -85,6 +86,14 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             --requests-factor "${SWEEP_FACTOR:-2}" --max-requests 512 --max-num-seqs 512 \
             --extra "${SWEEP_EXTRA:-closed:64,poisson:16}" --duration "${SWEEP_DURATION:-15}" \
             --out "$OUT/engine_voxcpm2.json" 2>"$OUT/engine_voxcpm2.log" >/dev/null ;;
+    capacity)  # issue 4's capacity figure: C closed-loop users started over CAPACITY_RAMP s (steady arrivals, not
+        # synchronized bursts), steady state read after the ramp; c=1 and a 64 burst on the same engine; per VAE dtype
+        for dt in $(echo "${CAPACITY_VAE:-float32,bfloat16}" | tr ',' ' '); do
+            stage 90 200 "capacity, VAE $dt" $BENCH --vae-dtype "$dt" --concurrency 1,64 --requests-factor 2 \
+                --extra "${CAPACITY_LEVELS:-closed:400,closed:480}" --ramp "${CAPACITY_RAMP:-6}" \
+                --duration "${CAPACITY_DURATION:-20}" --max-num-seqs 512 \
+                --out "$OUT/capacity_$dt.json" 2>"$OUT/capacity_$dt.log" >/dev/null
+        done ;;
     profile)
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
@@ -143,7 +152,7 @@ from engine_bench import profile_table, table
 out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
-             "engine_voxcpm15.json"):
+             "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json"):
     path = out / name
     if not path.exists():
         print(f"{name}: not made (see logs.tar.gz)")
