@@ -38,6 +38,7 @@ elsewhere), `lora_add_` runs any, and `VARIANTS` names the ones bench/lora_bench
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,21 @@ FUSED_BLOCK_N = 128
 FUSED_BLOCK_K = 128  # the K walk is serial in each program: fewer, larger steps keep more loads in flight
 FUSED_MAX_ROWS = 256  # decode sizes; prefill chunks keep the two launches
 FUSED_MAX_BYTES = 32 << 20  # A and x the one-launch kernel reads in all, mostly again from L2 (see `fuse`)
+# `lora_linear`: the base GEMM and the LoRA in one launch at decode sizes (see its docstring). A program owns 64
+# output columns of all rows: its W tile (64 x its K range) is read once, and its part's A block (r x K range) per
+# adapter in use, r / 64 of the W bytes each (from L2 after the first column tile).
+LINEAR_BLOCK_N = 64
+LINEAR_BLOCK_K = 128
+# rows of one register tile: acc 128 x 64 + t 128 x r fp32 are 64 + 32 registers a thread at 4 warps, r 32; past
+# ~128 rows a GEMM stops being a weight read (cuBLAS's tiles win) and the adapters in use grow
+LINEAR_MAX_ROWS = 128
+# adapters that may be in use (index entries, at most the slots): each one past the first re-walks the program's K
+# range for its A block; at 8 that is 4x the W bytes again, where one separate shrink reading A once wins
+LINEAR_MAX_ADAPTERS = 8
+LINEAR_PLANE_ELEMENTS = 8192  # fp32 of K-split partials summed at once: 64 registers a thread at 4 warps
+# The switch: rows up to which `linear_applies` lets the fused q|k|v (and o, through engine.model.lora
+# `linear_with_lora`) run `lora_linear`; 0 = off (cuBLAS GEMM, then `lora_add_`). VOXGATE_LORA_FUSED_GEMM=<rows>.
+FUSED_GEMM_MAX_ROWS = int(os.environ.get("VOXGATE_LORA_FUSED_GEMM", "0"))
 TABLE_TILES = 64  # tiles per program of the tile table kernel at up to 64 slots (a few programs: trivial work)
 COUNTER_COLS = 64  # column tiles per row tile the split kernel counts arrivals for (8192 columns at 128)
 SLOT_SHIFT = 22  # tile table entries: slot << 22 | row + 1 in an int32, so up to 511 slots and 4M rows - 1 a step
@@ -485,3 +501,142 @@ def _one_launch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tupl
                                      lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
                                      y.stride(0), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=v.block_n,
                                      BLOCK_K=v.block_k, PRECISION=precision, **options)
+
+
+@triton.jit
+def _adapters(starts_ptr, NUM_SLOTS, BLOCK_S: tl.constexpr):
+    """The adapter slots in use (slot 0 never): (slots [BLOCK_S], each one's position among those in use or -1, how
+    many are in use), from the segments' starts (a slot is in use when its segment has rows)."""
+    s = tl.arange(0, BLOCK_S)
+    lo = tl.load(starts_ptr + s, mask=s < NUM_SLOTS, other=0)
+    hi = tl.load(starts_ptr + s + 1, mask=s < NUM_SLOTS, other=0)
+    used = ((hi > lo) & (s > 0)).to(tl.int32)
+    return s, tl.where(used > 0, tl.cumsum(used, 0) - 1, -1), tl.sum(used, 0)
+
+
+@triton.jit
+def _nth(slots, position, j):
+    """The j-th adapter slot in use (int64; 0 past the last)."""
+    return tl.sum(tl.where(position == j, slots, 0), 0).to(tl.int64)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, a_ptr, b_ptr, index_ptr, starts_ptr, t_ptr, count_ptr, y_ptr, M, K, K_PER_SPLIT,
+                   N0, N1, N2, NUM_SLOTS, SPLITS, PER, stride_xm, stride_wn, stride_as, stride_ar, stride_bs,
+                   stride_bn, stride_ym, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PLANES: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    part, cols, col_ok = _columns(N0, N1, N2, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    row_slot = tl.load(index_ptr + rows // PER, mask=row_ok, other=0)
+    ranks = tl.arange(0, BLOCK_R)
+    rank_ok = ranks < RANK
+    slots, position, used = _adapters(starts_ptr, NUM_SLOTS, BLOCK_S)
+    first = _nth(slots, position, 0)  # the only one at batch 1: its shrink rides along the GEMM's K walk
+    # this part's rank block of A only (a q column tile: A's q block); nothing read without an adapter in use
+    a_ptrs = a_ptr + first * stride_as + (part * RANK + ranks)[None, :] * stride_ar
+    b = _load_b(b_ptr, first, used > 0, cols, col_ok, ranks, rank_ok, stride_bs, stride_bn)  # hidden by the walk
+    split = tl.program_id(0)
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    t = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_hi
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs + ks[:, None], mask=rank_ok[None, :] & k_ok[:, None] & (used > 0), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        t = tl.dot(x, a, t, input_precision=PRECISION)
+    # t @ B^T is linear in t: each K split adds its partial delta to its partial GEMM, one reduction for both
+    t = tl.where((row_slot == first)[:, None], t, 0.0)  # the other adapters' rows, and slot-0 rows, get none
+    acc = tl.dot(t.to(b.dtype), b, acc, input_precision=PRECISION)
+    for j in range(1, used):  # the others (mixed batches): each its own walk of this K range (x again, from L1/L2)
+        slot = _nth(slots, position, j)
+        tj = _shrink(x_ptr, a_ptr + slot * stride_as + (part * RANK + ranks)[None, :] * stride_ar, rows, row_ok,
+                     rank_ok, k_lo, k_hi, stride_xm, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        bj = _load_b(b_ptr, slot, True, cols, col_ok, ranks, rank_ok, stride_bs, stride_bn)
+        acc = tl.dot(tl.where((row_slot == slot)[:, None], tj, 0.0).to(bj.dtype), bj, acc, input_precision=PRECISION)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    y_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLITS == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+    else:
+        # as `_split_kernel`: this split's partial in its own plane of the column tile's SPLITS planes; the last to
+        # arrive sums them in a fixed order (bit-reproducible), PLANES at a time, and stores y
+        tile = tl.program_id(1)
+        plane = BLOCK_M * BLOCK_N
+        planes = (t_ptr + tile.to(tl.int64) * SPLITS * plane + rows[:, None] * BLOCK_N
+                  + tl.arange(0, BLOCK_N)[None, :])
+        tl.store(planes + split * plane, acc)
+        tl.debug_barrier()  # every warp's part stored before the (one thread's) release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.store(count_ptr + tile, 0)  # back to zero for the next linear sharing these segments
+            total = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for first_plane in range(0, SPLITS, PLANES):
+                total += _sum_planes(planes + first_plane * plane, y_ok, plane, SPLITS - first_plane, PLANES, ".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (CPU tensors then run them too)."""
+    return not isinstance(_linear_kernel, triton.runtime.JITFunction)
+
+
+def linear_applies(x: Tensor, weight: Tensor, index: Tensor, num_slots: int) -> bool:
+    """Whether `lora_linear` runs this linear: the switch on (FUSED_GEMM_MAX_ROWS) and x's rows within it and
+    LINEAR_MAX_ROWS, at most LINEAR_MAX_ADAPTERS adapters possibly in use, a device the kernel runs on, x and the
+    weight of one dtype with unit column stride. From host ints only, so a graph bucket always takes one path."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (0 < rows <= min(FUSED_GEMM_MAX_ROWS, LINEAR_MAX_ROWS)
+            and min(num_slots - 1, index.shape[0]) <= LINEAR_MAX_ADAPTERS
+            and (x.is_cuda or _interpreted()) and x.dtype == weight.dtype
+            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
+def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
+                outs: tuple[int, ...] | None = None, segments: Segments | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T plus the per-row LoRA of x (as `lora_add_` adds it: same A, B, index, outs and
+    segments) in ONE launch, for decode sizes (M <= LINEAR_MAX_ROWS). Program (K split, column tile) reads its W tile
+    once and, for each adapter in use, its part's A block over its K range: the first adapter's shrink runs in the
+    GEMM's own K loop, the others (mixed batches) walk the range again; each adds t @ B[cols]^T to the accumulator
+    (slot-0 rows none). K is split as `plan` says (at least PROGRAMS_PER_SM programs per SM) and the last split of a
+    column tile sums the fp32 partials and stores y, as `_split_kernel` does. Returns a new y [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    outs = outs or (n,)
+    rank, slots = lora_b.shape[2], lora_a.shape[0]
+    if weight.shape[1] != k or lora_a.shape[2] != k or lora_b.shape[1] != n:
+        raise ValueError(f"linear shapes disagree: x {list(x.shape)}, weight {list(weight.shape)}, "
+                         f"A {list(lora_a.shape)}, B {list(lora_b.shape)}")
+    if len(outs) > 3 or sum(outs) != n or lora_a.shape[1] != rank * len(outs):
+        raise ValueError(f"LoRA shapes disagree: A {list(lora_a.shape)}, B {list(lora_b.shape)}, outs {outs}")
+    if m > LINEAR_MAX_ROWS or index.shape[0] * rows_per_index != m:
+        raise ValueError(f"lora_linear takes up to {LINEAR_MAX_ROWS} rows, rows_per_index x index entries of them "
+                         f"(got {m} rows, {index.shape[0]} entries x {rows_per_index})")
+    if any(t.stride(-1) != 1 for t in (x, weight, lora_a, lora_b)) or len({x.dtype, weight.dtype}) != 1:
+        raise ValueError("lora_linear needs unit column strides and x and the weight in one dtype")
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    seg = segments or segment_rows(index, rows_per_index, slots)
+    tiles = col_tiles(outs, LINEAR_BLOCK_N)
+    block_m = max(16, triton.next_power_of_2(m))
+    # one counter per column tile, from the segments' (zeroed once per step, reset by each last arrival)
+    split = plan(k, tiles, x.device, LINEAR_BLOCK_K) if tiles <= seg.counters.numel() else Plan(1, k)
+    planes = min(_planes(split), max(1, LINEAR_PLANE_ELEMENTS // (block_m * LINEAR_BLOCK_N)))
+    t = torch.empty(tiles * split.splits * block_m * LINEAR_BLOCK_N if split.splits > 1 else 1, device=x.device,
+                    dtype=torch.float32)
+    n0, n1, n2 = (*outs, 0, 0)[:3]
+    _linear_kernel[(split.splits, tiles)](x, weight, lora_a, lora_b, index, seg.starts, t, seg.counters, y, m, k,
+                                          split.k_per_split, n0, n1, n2, slots, split.splits, rows_per_index,
+                                          x.stride(0), weight.stride(0), lora_a.stride(0), lora_a.stride(1),
+                                          lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank,
+                                          BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                                          BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
+                                          BLOCK_S=triton.next_power_of_2(slots), PLANES=planes,
+                                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return y
