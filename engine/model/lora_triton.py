@@ -65,14 +65,18 @@ FUSED_MAX_BYTES = 32 << 20  # A and x the one-launch kernel reads in all, mostly
 # output columns of all rows: its W tile (64 x its K range) is read once, and its part's A block (r x K range) per
 # adapter in use, r / 64 of the W bytes each (from L2 after the first column tile).
 LINEAR_BLOCK_N = 64
-LINEAR_BLOCK_K = 128
-# rows of one register tile: acc 128 x 64 + t 128 x r fp32 are 64 + 32 registers a thread at 4 warps, r 32; past
+LINEAR_BLOCK_K = 128  # 3 stages: 72 KB of W, A and x tiles in flight per program (cold HBM reads)
+# ptxas sm_90a, bf16, r 32 (tests/test_lora_kernel_compile.py): 128 registers at 16 rows, 148 at 32, 120 at 64, 212
+# at 128, no spills, 60-172 KB shared; at 4 warps 32 rows take 255 and spill to the stack
+LINEAR_WARPS = 8
+LINEAR_STAGES = 3
+# rows of one register tile: acc 128 x 64 + t 128 x r fp32 are 32 + 16 registers a thread at 8 warps, r 32; past
 # ~128 rows a GEMM stops being a weight read (cuBLAS's tiles win) and the adapters in use grow
 LINEAR_MAX_ROWS = 128
 # adapters that may be in use (index entries, at most the slots): each one past the first re-walks the program's K
 # range for its A block; at 8 that is 4x the W bytes again, where one separate shrink reading A once wins
 LINEAR_MAX_ADAPTERS = 8
-LINEAR_PLANE_ELEMENTS = 8192  # fp32 of K-split partials summed at once: 64 registers a thread at 4 warps
+LINEAR_PLANE_ELEMENTS = 4096  # fp32 of K-split partials summed at once: 16 registers a thread at 8 warps
 # The switch: rows up to which `linear_applies` lets the fused q|k|v (and o, through engine.model.lora
 # `linear_with_lora`) run `lora_linear`; 0 = off (cuBLAS GEMM, then `lora_add_`). VOXGATE_LORA_FUSED_GEMM=<rows>.
 FUSED_GEMM_MAX_ROWS = int(os.environ.get("VOXGATE_LORA_FUSED_GEMM", "0"))
@@ -638,5 +642,6 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index
                                           BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
                                           BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
                                           BLOCK_S=triton.next_power_of_2(slots), PLANES=planes,
-                                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                          num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
     return y
