@@ -602,13 +602,15 @@ def linear_applies(x: Tensor, weight: Tensor, index: Tensor, num_slots: int) -> 
 
 
 def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
-                outs: tuple[int, ...] | None = None, segments: Segments | None = None) -> Tensor:
+                outs: tuple[int, ...] | None = None, segments: Segments | None = None,
+                out: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight [N, K]^T plus the per-row LoRA of x (as `lora_add_` adds it: same A, B, index, outs and
     segments) in ONE launch, for decode sizes (M <= LINEAR_MAX_ROWS). Program (K split, column tile) reads its W tile
     once and, for each adapter in use, its part's A block over its K range: the first adapter's shrink runs in the
     GEMM's own K loop, the others (mixed batches) walk the range again; each adds t @ B[cols]^T to the accumulator
     (slot-0 rows none). K is split as `plan` says (at least PROGRAMS_PER_SM programs per SM) and the last split of a
-    column tile sums the fp32 partials and stores y, as `_split_kernel` does. Returns a new y [M, N] in x's dtype."""
+    column tile sums the fp32 partials and stores y, as `_split_kernel` does. Returns y [M, N] in x's dtype: `out`
+    (unit column stride) when given, else a new tensor."""
     m, k = x.shape
     n = weight.shape[0]
     outs = outs or (n,)
@@ -623,7 +625,9 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index
                          f"(got {m} rows, {index.shape[0]} entries x {rows_per_index})")
     if any(t.stride(-1) != 1 for t in (x, weight, lora_a, lora_b)) or len({x.dtype, weight.dtype}) != 1:
         raise ValueError("lora_linear needs unit column strides and x and the weight in one dtype")
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    if y.shape != (m, n) or y.dtype != x.dtype or y.stride(-1) != 1:
+        raise ValueError(f"lora_linear's out must be [{m}, {n}] {x.dtype} with unit column stride")
     if m == 0:
         return y
     seg = segments or segment_rows(index, rows_per_index, slots)
