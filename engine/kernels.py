@@ -6,7 +6,9 @@ Each replaces a chain of eager torch kernels with one pass over memory, with the
 - `add_rms_norm`: a residual add (with muP's branch scale) and the RMSNorm after it (two or three kernels -> one).
 - `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
 - `silu_mul`: SwiGLU's act silu(gate) * up from one fused gate|up GEMM output (three kernels -> one).
-- `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one).
+- `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one). Its
+  formula (`rope_f32`) also runs inside the attention kernels (engine/model/attention_triton.py), which rotate
+  q and k themselves on the fused path.
 """
 
 from __future__ import annotations
@@ -185,24 +187,39 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return y.view(*gate_up.shape[:-1], ffn)
 
 
+@triton.jit
+def rope_f32(x, rotated, cos, sin):
+    """Rotate-half RoPE on fp32 values: x * cos + rotate_half(x) * sin, where `rotated` is rotate_half(x) at the
+    same place (-x2 in the first half, x1 in the second). Every RoPE kernel calls this: one explicit fma, so the
+    rotation rounds the same in each of them (a compiler contracts a plain a * b + c * d either way)."""
+    return tl.fma(x, cos, rotated * sin)
+
+
+@triton.jit
+def rope_heads_(x_ptr, stride_h, heads, cos_ptr, sin_ptr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate the `heads` heads of one token in place: x_ptr at its first head, cos_ptr/sin_ptr at its table row.
+    Returns the rotated halves ([BLOCK_H, HALF] each, in x's dtype) for a caller that also stores them elsewhere."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < heads
+    first = x_ptr + h * stride_h + d
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = rope_f32(x1f, -x2f, tl.load(cos_ptr + d), tl.load(sin_ptr + d)).to(x1.dtype)
+    out2 = rope_f32(x2f, x1f, tl.load(cos_ptr + HALF + d), tl.load(sin_ptr + HALF + d)).to(x1.dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2
+
+
 @triton.jit(do_not_specialize=["positions"])  # token counts vary step to step
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, heads, positions,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     row = token % positions  # cos/sin rows repeat every `positions` tokens (dense stacks: one table per patch)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < heads
-    first = x_ptr + token * stride_xt + h * stride_xh + d
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    cos1 = tl.load(cos_ptr + row * stride_ct + d)
-    cos2 = tl.load(cos_ptr + row * stride_ct + HALF + d)
-    sin1 = tl.load(sin_ptr + row * stride_ct + d)
-    sin2 = tl.load(sin_ptr + row * stride_ct + HALF + d)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)
+    rope_heads_(x_ptr + token * stride_xt, stride_xh, heads, cos_ptr + row * stride_ct, sin_ptr + row * stride_ct,
+                HALF, BLOCK_H)
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

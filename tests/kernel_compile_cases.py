@@ -5,7 +5,8 @@ merging, layouts): a kernel can pass every interpreter test and still fail to co
 the real launchers (engine.kernels, TritonAttention, lora_add_) on small CPU tensors with the widths of the released
 models, in bf16 and fp32, and replaces each launch by what Triton would compile for sm_90: the argument types and
 specializations its binder derives, the constexprs and the launch options (num_warps). So the cases follow the
-launchers when they change. Every @triton.jit function found in engine/ must be launched here or called from a
+launchers when they change (launchers that dispatch on the device, such as TritonAttention's RoPE + K/V store,
+are called directly too). Every @triton.jit function found in engine/ must be launched here or called from a
 launched kernel.
 
 Run it with TRITON_INTERPRET=0 (tests/test_kernels_compile.py does, in a subprocess). Output, one JSON object:
@@ -44,7 +45,7 @@ import engine  # noqa: E402
 from engine.config import ModelConfig, StackConfig  # noqa: E402
 from engine.model import lora_triton  # noqa: E402
 from engine.model.attention import AttentionMetadata  # noqa: E402
-from engine.model.attention_triton import TritonAttention  # noqa: E402
+from engine.model.attention_triton import TritonAttention, rope_store_kv_  # noqa: E402
 from engine.model_configs import voxcpm05b, voxcpm2, voxcpm15  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
@@ -159,7 +160,9 @@ def launch_short_attention(stack: StackConfig, length: int, dtype: torch.dtype) 
 
     heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
     qkv = torch.randn(2, length, heads + 2 * kv, d, dtype=dtype)
-    short_attention(qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:])
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
+    short_attention(q, k, v)
+    short_attention(q, k, v, (torch.randn(length, d), torch.randn(length, d)))  # RoPE in the kernel (CUDA path)
 
 
 def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
@@ -173,6 +176,10 @@ def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
         n = sum(query_lens)
         qkv = torch.randn(n, heads + 2 * kv, d, dtype=dtype)  # q, k, v are views of the fused qkv output
         backend(qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:], k_cache, v_cache, meta)
+        # the RoPE + K/V store that TritonAttention runs on CUDA only (the stack's RoPE, or none: residual LM)
+        rope = None if stack.no_rope else (torch.randn(n, d), torch.randn(n, d))
+        rope_store_kv_(qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:], k_cache, v_cache,
+                       meta.slot_mapping, rope)
 
 
 def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) -> None:
@@ -186,6 +193,10 @@ def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) ->
         for fused in (True, False):
             lora_triton.lora_add_(torch.empty(rows, sum(outs), dtype=dtype), torch.empty(rows, k, dtype=dtype),
                                   lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, fused=fused)
+    # the GEMM and its LoRA in one launch at a decode row (lora_linear; tests/test_lora_kernel_compile.py compiles
+    # its other row counts and checks its resources)
+    lora_triton.lora_linear(torch.empty(1, k, dtype=dtype), torch.empty(sum(outs), k, dtype=dtype), lora_a, lora_b,
+                            torch.tensor([2]), 1, outs if len(outs) > 1 else None)
 
 
 def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:

@@ -1,6 +1,7 @@
 """The Triton kernels on CPU under TRITON_INTERPRET=1: paged attention == TorchAttention; fused Snake, RMSNorm,
 residual add + RMSNorm, CFG-Zero* + Euler, SiLU*mul and RoPE == their eager torch formulas; a MiniCPM stack on the
-fused path == the eager path. Also on CPU: the fused q/k/v and gate/up projections (`fuse_projections`) change no
+fused path == the eager path; RoPE fused into the short attention and into the paged K/V store == RoPE first, bit for
+bit. Also on CPU: the fused q/k/v and gate/up projections (`fuse_projections`) change no
 output and no state_dict, and step aside for LoRA; the eager stack still runs the official op order bit for bit.
 
 Needs `triton` installed (the test extras pin it); without it these tests fail rather than skip.
@@ -30,9 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernel modules, (re)imported with the interpreter on."""
-    with interpreted("engine.model.attention_triton", "engine.kernels") as modules:
-        yield modules
+    """The kernel modules (attention_triton, kernels), (re)imported with the interpreter on; engine.kernels first, as
+    attention_triton's kernels call its RoPE helpers."""
+    with interpreted("engine.kernels", "engine.model.attention_triton") as (fused, attention_triton):
+        yield attention_triton, fused
 
 
 def paged_case(query_lens: list[int], cached_lens: list[int], page: int, q_heads: int, kv_heads: int,
@@ -400,3 +402,136 @@ def test_short_attention_matches_sdpa(kernels, length, q_heads, kv_heads, head_d
     ref = dense_attention(q.float(), k.float(), v.float())  # SDPA on CPU
     assert out.shape == ref.shape and out.dtype == dtype
     assert relative_error(out, ref) < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+def rope_table(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos/sin fp32 [N, D] of `positions`, LongRoPE-like (scale > 1), for any head dim."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = positions.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * 1.2, emb.sin() * 1.2
+
+
+@pytest.mark.parametrize("length,q_heads,kv_heads,head_dim", [(11, 16, 2, 32), (5, 4, 4, 16), (9, 8, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_short_attention_rope_equals_rope_first(kernels, length, q_heads, kv_heads, head_dim, dtype):
+    """RoPE inside the short attention == `rope_` on the q|k heads of the fused qkv output, then the kernel without
+    it: bit for bit (the rotation is rounded to q's dtype before the dot, as rope_ stores it); q|k|v not written."""
+    attention_triton, fused = kernels
+    gen = torch.Generator().manual_seed(100 + length)
+    qkv = torch.randn(3, length, q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    cos, sin = rope_table(torch.arange(length), head_dim)
+    heads = q_heads + kv_heads
+    before = qkv.clone()
+
+    out = attention_triton.short_attention(qkv[:, :, :q_heads], qkv[:, :, q_heads:heads], qkv[:, :, heads:],
+                                           (cos, sin))
+
+    assert torch.equal(qkv, before)
+    fused.rope_(before[:, :, :heads], cos, sin)
+    ref = attention_triton.short_attention(before[:, :, :q_heads], before[:, :, q_heads:heads], before[:, :, heads:])
+    assert out.dtype == dtype and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("rope", [True, False])  # False: VoxCPM2's residual LM, no RoPE: the kernel only stores
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                    (torch.float16, torch.float32)])
+def test_rope_store_kv_equals_rope_then_store(kernels, rope, dtype, cache_dtype):
+    """One kernel == `rope_` on the q|k heads of a fused qkv output, then `store_kv` (two index_copy_), bit for bit:
+    q and k rotated in place, v untouched, the rotated k and v at their shuffled slots (cast to the cache dtype), every
+    other slot of the (NaN-poisoned) caches left as it was."""
+    from engine.model.attention import store_kv
+
+    attention_triton, fused = kernels
+    gen = torch.Generator().manual_seed(21)
+    q_heads, kv_heads, head_dim, page = 8, 2, 32, 4
+    (*_, k_cache, _), meta = paged_case([3, 1, 5], [2, 9, 0], page, q_heads, kv_heads, head_dim, dtype, gen)
+    n, heads = meta.slot_mapping.shape[0], q_heads + kv_heads
+    qkv = torch.randn(n, heads + kv_heads, head_dim, generator=gen).to(dtype)
+    caches = [torch.full(k_cache.shape, float("nan"), dtype=cache_dtype) for _ in range(2)]
+    table = rope_table(meta.positions(), head_dim) if rope else None
+    ref_qkv, ref_caches = qkv.clone(), [c.clone() for c in caches]
+
+    attention_triton.rope_store_kv_(qkv[:, :q_heads], qkv[:, q_heads:heads], qkv[:, heads:], *caches,
+                                    meta.slot_mapping, table)
+
+    if rope:
+        fused.rope_(ref_qkv[:, :heads], *table)
+    store_kv(ref_qkv[:, q_heads:heads], ref_qkv[:, heads:], *ref_caches, meta)
+    assert torch.equal(qkv, ref_qkv)
+    for cache, ref in zip(caches, ref_caches, strict=True):
+        assert torch.equal(cache.isnan(), ref.isnan()) and torch.equal(cache.nan_to_num(), ref.nan_to_num())
+
+
+def test_rope_store_kv_rejects_bad_shapes(kernels):
+    attention_triton = kernels[0]
+    q, k, cache, slots = torch.zeros(3, 4, 16), torch.zeros(3, 2, 16), torch.zeros(2, 4, 2, 16), torch.zeros(3).long()
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        attention_triton.rope_store_kv_(q, k, torch.zeros(3, 1, 16), cache, cache, slots, None)
+    with pytest.raises(ValueError, match="rope needs"):
+        attention_triton.rope_store_kv_(q, k, k, cache, cache, slots, (torch.zeros(2, 16), torch.zeros(2, 16)))
+    with pytest.raises(ValueError, match="rope needs"):
+        attention_triton.short_attention(q[None], k[None], k[None], (torch.zeros(2, 16), torch.zeros(2, 16)))
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_triton_attention_rope_equals_rope_first(kernels, monkeypatch, case):
+    """TritonAttention handed the RoPE tables (the CUDA path of forward_paged: one rope+store kernel) == `rope_`
+    first and the backend without them (rope_, two index_copy_): output and caches bit for bit."""
+    attention_triton, fused = kernels
+    monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
+    gen = torch.Generator().manual_seed(22)
+    (_, _, _, k_cache, v_cache), meta = paged_case(*CASES[case], 4, 8, 2, 16, torch.float16, gen)
+    qkv = torch.randn(meta.slot_mapping.shape[0], 12, 16, generator=gen).half()
+    rope = rope_table(meta.positions(), 16)
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    backend = attention_triton.TritonAttention(block_n=16)
+
+    out = backend(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], k_cache, v_cache, meta, rope)
+
+    fused.rope_(ref_qkv[:, :10], *rope)
+    ref = backend(ref_qkv[:, :8], ref_qkv[:, 8:10], ref_qkv[:, 10:], ref_k, ref_v, meta)
+    assert torch.equal(out, ref) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("no_rope", [False, True])
+def test_fused_rope_stacks_equal_rope_first(kernels, monkeypatch, no_rope):
+    """A whole stack on the CUDA path: forward_dense (RoPE in the short attention) and forward_paged (RoPE in the
+    K/V store; without RoPE, as the residual LM, the store alone) launch no rope_ and give, bit for bit, what the
+    layers applying `rope_` first give. fp16: the interpreter's bf16 tl.dot is wrong (see above)."""
+    attention_triton, fused = kernels
+    model = random_stack(False)
+    model.rope = None if no_rope else model.rope
+    model.half().fuse_projections()
+    gen = torch.Generator().manual_seed(23)
+    hidden = model.norm.weight.shape[0]
+    monkeypatch.setattr(layers, "fused", lambda t: True)
+    ropes = []
+    rope_ = fused.rope_
+    monkeypatch.setattr(fused, "rope_", lambda *a: ropes.append(a) or rope_(*a))
+    x = torch.randn(2, 6, hidden, generator=gen).half()
+    (*_, k_cache, v_cache), meta = paged_case([3, 1], [0, 7], 4, 4, 2, 16, torch.float16, gen)
+    n = meta.slot_mapping.shape[0]
+    caches = [model_cache(model, k_cache, v_cache) for _ in range(2)]
+    x_flat = torch.randn(n, hidden, generator=gen).half()
+    backend = attention_triton.TritonAttention(block_n=16)
+
+    with torch.no_grad():
+        dense, paged = model.forward_dense(x), model.forward_paged(x_flat, meta.positions(), meta, caches[0], backend)
+        assert not ropes  # no RoPE launch of its own on either path
+        dense_rope = None if no_rope else model.rope.prefix(6, x.device)
+        paged_rope = None if no_rope else model.rope(meta.positions())
+        ref_dense = model.run(x, dense_rope, lambda i, q, k, v: dense_attention(q, k, v))
+        ref_paged = model.run(x_flat, paged_rope,
+                              lambda i, q, k, v: backend(q, k, v, caches[1].k[i], caches[1].v[i], meta))
+    assert len(ropes) == (0 if no_rope else 2 * len(model.layers))  # the reference did rotate with rope_
+    assert torch.equal(dense, ref_dense) and torch.equal(paged, ref_paged)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def model_cache(model: MiniCPM, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """A KVCache for every layer of `model`, each layer a copy of the given random [blocks, page, Hkv, D] caches."""
+    from engine.model.attention import KVCache
+
+    layers_ = len(model.layers)
+    return KVCache(k_cache[None].repeat(layers_, 1, 1, 1, 1), v_cache[None].repeat(layers_, 1, 1, 1, 1))

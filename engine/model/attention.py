@@ -82,11 +82,15 @@ class KVCache:
         return self.k.shape[2]
 
 
+Rope = tuple[Tensor, Tensor]  # (cos, sin) fp32 [..., D]
+
+
 class AttentionBackend(Protocol):
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] of one layer.
-        Stores k/v at meta.slot_mapping and returns the attention output [N, Hq, D]."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                 rope: Rope | None = None) -> Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] of one layer; rope:
+        (cos, sin) [N, D] still to apply to q and k (None: applied already, or no RoPE). Rotates q and k (maybe in
+        place), stores k/v at meta.slot_mapping and returns the attention output [N, Hq, D]."""
         ...
 
 
@@ -97,6 +101,29 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
     flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     return flat_k, flat_v
+
+
+def rope_and_store_kv(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                      rope: Rope | None) -> tuple[Tensor, Tensor]:
+    """(q, k) rotated by `rope` (None: as they are), after the rotated k and v were stored at their paged-cache
+    slots. On CUDA one Triton kernel, in place on q and k (`rope_store_kv_`: two or three kernels -> one);
+    elsewhere `apply_rope` and `store_kv`."""
+    if layers.fused(q):
+        from engine.model.attention_triton import rope_store_fits, rope_store_kv_
+
+        if rope_store_fits(q, k, v, k_cache, v_cache):
+            rope_store_kv_(q, k, v, k_cache, v_cache, meta.slot_mapping, rope)
+            return q, k
+    q, k = rotate(q, k, rope)
+    store_kv(k, v, k_cache, v_cache, meta)
+    return q, k
+
+
+def rotate(q: Tensor, k: Tensor, rope: Rope | None) -> tuple[Tensor, Tensor]:
+    """q and k through `apply_rope` (unchanged without rope)."""
+    if rope is None:
+        return q, k
+    return layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
 
 
 def _token_coords(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -111,9 +138,10 @@ class TorchAttention:
     """Reference backend: scatter new K/V into the paged cache, gather each sequence's K/V into a padded batch,
     one SDPA call with a causal mask aligned to the end of every sequence."""
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                 rope: Rope | None = None) -> Tensor:
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        q, k = rotate(q, k, rope)
         flat_k, flat_v = store_kv(k, v, k_cache, v_cache, meta)
 
         b, max_q, max_k = meta.block_tables.shape[0], meta.max_seqlen_q, meta.max_seqlen_k
@@ -141,14 +169,16 @@ class TorchAttention:
         return out[batch, local]
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]. On CUDA one
-    Triton kernel for these few-token sequences (`short_attention`), else torch's SDPA."""
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, rope: Rope | None = None) -> Tensor:
+    """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]; rope: (cos, sin)
+    [L, D] still to apply to q and k (None: applied already, or no RoPE). On CUDA one Triton kernel for these
+    few-token sequences (`short_attention`, which also does the rotation), else `apply_rope` and torch's SDPA."""
     if layers.fused(q):
         from engine.model.attention_triton import short_attention, short_attention_fits
 
         if short_attention_fits(q, k) and min(t.stride(-1) for t in (q, k, v)) == 1:
-            return short_attention(q, k, v)
+            return short_attention(q, k, v, rope)
+    q, k = rotate(q, k, rope)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
     return out.transpose(1, 2)
 
@@ -156,11 +186,11 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 class FlashAttention:
     """flash-attn 2 over the paged cache (its paged kernels need pages of a multiple of 256 positions)."""
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                 rope: Rope | None = None) -> Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        store_kv(k, v, k_cache, v_cache, meta)
+        q, _ = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q,
                                       meta.max_seqlen_k, causal=True, block_table=meta.block_tables)

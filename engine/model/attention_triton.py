@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.model.attention import AttentionMetadata, store_kv
+from engine.kernels import rope_f32, rope_heads_
+from engine.model.attention import AttentionMetadata, rope_and_store_kv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
@@ -119,11 +120,11 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _short_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, length,
+    q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, length,
     stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-    stride_ob, stride_ol, stride_oh, scale_log2e,
+    stride_ob, stride_ol, stride_oh, stride_c, scale_log2e,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head): all of its GROUP query heads x L tokens are the rows of one tile, its
     # L keys one tile, so softmax needs no online rescaling and every byte is read once.
@@ -134,13 +135,16 @@ def _short_attention_kernel(
     head = kv_head * GROUP + rows // BLOCK_L
     dims = tl.arange(0, BLOCK_D)
     row_mask = (token < length)[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + token[:, None] * stride_ql + head[:, None] * stride_qh + dims[None, :],
-                mask=row_mask, other=0.0)
+    q_rows = q_ptr + b * stride_qb + token[:, None] * stride_ql + head[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_mask, other=0.0)
     keys = tl.arange(0, BLOCK_L)
     key_ok = keys < length
     key_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + b * stride_kb + keys[:, None] * stride_kl + kv_head * stride_kh + dims[None, :],
-                mask=key_mask, other=0.0)
+    k_rows = k_ptr + b * stride_kb + keys[:, None] * stride_kl + kv_head * stride_kh
+    k = tl.load(k_rows + dims[None, :], mask=key_mask, other=0.0)
+    if HAS_ROPE:  # token t at position t: the values `rope_` would have stored, in registers
+        q = _rotated(q, q_rows, token, dims, row_mask, cos_ptr, sin_ptr, stride_c, HEAD_DIM)
+        k = _rotated(k, k_rows, keys, dims, key_mask, cos_ptr, sin_ptr, stride_c, HEAD_DIM)
     v = tl.load(v_ptr + b * stride_vb + keys[:, None] * stride_vl + kv_head * stride_vh + dims[None, :],
                 mask=key_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2e
@@ -149,6 +153,20 @@ def _short_attention_kernel(
     out = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) / tl.sum(p, 1)[:, None]
     tl.store(out_ptr + b * stride_ob + token[:, None] * stride_ol + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _rotated(x, row_ptrs, token, dims, mask, cos_ptr, sin_ptr, stride_c, HEAD_DIM: tl.constexpr):
+    """Tile x (loaded from row_ptrs + dims; row r holds a head of token token[r]) rotated by RoPE as `rope_`
+    rotates it: fp32, rounded back to x's dtype. rotate_half's operand is the other half of the same row, loaded
+    again (the dot needs whole rows in one tile; the second load hits the cache)."""
+    first = dims < HEAD_DIM // 2
+    other_half = tl.where(first, dims + HEAD_DIM // 2, dims - HEAD_DIM // 2)
+    partner = tl.load(row_ptrs + other_half[None, :], mask=mask, other=0.0).to(tl.float32)
+    table = token[:, None] * stride_c + dims[None, :]
+    cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+    return rope_f32(x.to(tl.float32), tl.where(first[None, :], -partner, partner), cos, sin).to(x.dtype)
 
 
 MAX_SHORT_ROWS = 256  # query heads per kv head x padded tokens in one tile (registers bound it)
@@ -160,9 +178,11 @@ def short_attention_fits(q: Tensor, k: Tensor) -> bool:
     return q.shape[2] % k.shape[2] == 0 and group * max(16, _next_pow2(q.shape[1])) <= MAX_SHORT_ROWS
 
 
-def short_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Bidirectional attention (GQA, scale 1/sqrt(D)) over sequences of a few tokens, one launch: q [B, L, Hq, D],
     k/v [B, L, Hkv, D], any strides with unit stride in D (views of a fused qkv output work). Returns [B, L, Hq, D].
+    rope: (cos, sin) fp32 [L, D] to rotate q and k by as they are loaded (rotate-half, token t at row t; q and k
+    are not written): the same result, bit for bit, as `rope_` on q and k before a call without it.
 
     torch's SDPA pads such short sequences into 64-128-row tiles: on an H200 it took 168 us per LocDiT layer at
     batch 256 where the bytes take ~11 us."""
@@ -170,16 +190,88 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     kv_heads = k.shape[2]
     if not short_attention_fits(q, k) or min(t.stride(-1) for t in (q, k, v)) != 1:
         raise ValueError(f"short_attention: unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if rope is not None and (rope[0].shape != (length, head_dim) or rope[1].shape != rope[0].shape or head_dim % 2):
+        raise ValueError(f"short_attention: rope needs cos/sin [L, D] with D even (got {tuple(rope[0].shape)} "
+                         f"for q {tuple(q.shape)})")
+    cos, sin = (q, q) if rope is None else (t.float().contiguous() for t in rope)  # unused pointers without rope
     out = torch.empty(b, length, q_heads, head_dim, device=q.device, dtype=q.dtype)
     if out.numel():
         block_l = max(16, _next_pow2(length))  # tl.dot needs 16 rows/columns
         group = q_heads // kv_heads
         _short_attention_kernel[(b, kv_heads)](
-            q, k, v, out, length, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(max(16, head_dim)),
-            BLOCK_L=block_l, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4 if group * block_l <= 64 else 8)
+            q, k, v, out, cos, sin, length, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            cos.stride(0), LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_D=_next_pow2(max(16, head_dim)), BLOCK_L=block_l, HAS_ROPE=rope is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if group * block_l <= 64 else 8)
     return out
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_c,
+    stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, q_heads, kv_heads,
+    PAGE: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_ROPE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    if HAS_ROPE:  # q and k in place, as `rope_` rotates them
+        rope_heads_(q_ptr + token * stride_qn, stride_qh, q_heads, cos_ptr + token * stride_c,
+                    sin_ptr + token * stride_c, HALF, BLOCK_Q)
+        k1, k2 = rope_heads_(k_ptr + token * stride_kn, stride_kh, kv_heads, cos_ptr + token * stride_c,
+                             sin_ptr + token * stride_c, HALF, BLOCK_KV)
+    else:
+        k1, k2 = _load_halves(k_ptr + token * stride_kn, stride_kh, kv_heads, HALF, BLOCK_KV)
+    v1, v2 = _load_halves(v_ptr + token * stride_vn, stride_vh, kv_heads, HALF, BLOCK_KV)
+    slot = tl.load(slot_ptr + token)
+    h = tl.arange(0, BLOCK_KV)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < kv_heads
+    k_dst = k_cache_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + h * stride_kch + d
+    v_dst = v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + h * stride_vch + d
+    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)  # cast from k's dtype, as store_kv does
+    tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_halves(x_ptr, stride_h, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The two halves ([BLOCK_H, HALF] each) of the `heads` heads of one token at x_ptr."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    first = x_ptr + h * stride_h + d
+    return tl.load(first, mask=h < heads, other=0.0), tl.load(first + HALF, mask=h < heads, other=0.0)
+
+
+def rope_store_fits(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether `rope_store_kv_` takes these: q [N, Hq, D], k/v [N, Hkv, D], caches [blocks, page, Hkv, D], D a power
+    of two, every tensor with unit stride in D."""
+    n, _, d = q.shape
+    return (k.shape == v.shape == (n, *k_cache.shape[2:]) and k_cache.shape == v_cache.shape and k.shape[2] == d
+            and d >= 2 and not d & (d - 1) and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache)))
+
+
+def rope_store_kv_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   rope: tuple[Tensor, Tensor] | None) -> None:
+    """One launch for one layer's N new tokens: rotate q and k in place by `rope` ((cos, sin) fp32 [N, D], a row per
+    token; None: no RoPE, as in VoxCPM2's residual LM), then write k and v at their paged-cache slots
+    (slot_mapping [N]), cast to the caches' dtype: the values of `rope_` on q and k followed by `store_kv`.
+    CUDA-graph capturable: the grid is N, the slots are read in-kernel. Shapes: see `rope_store_fits`."""
+    n, q_heads, head_dim = q.shape
+    if not rope_store_fits(q, k, v, k_cache, v_cache) or slot_mapping.shape != (n,):
+        raise ValueError(f"rope_store_kv_: unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"caches {tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)}")
+    if rope is not None and (rope[0].shape != (n, head_dim) or rope[1].shape != rope[0].shape):
+        raise ValueError(f"rope_store_kv_: rope needs cos/sin [N, D] (got {tuple(rope[0].shape)} for q "
+                         f"{tuple(q.shape)})")
+    cos, sin = (q, q) if rope is None else (t.float().contiguous() for t in rope)  # unused pointers without rope
+    if n:
+        kv_heads = k.shape[1]
+        _rope_store_kv_kernel[(n,)](
+            q, k, v, cos, sin, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], q_heads,
+            kv_heads, PAGE=k_cache.shape[1], HALF=head_dim // 2, BLOCK_Q=_next_pow2(q_heads),
+            BLOCK_KV=_next_pow2(kv_heads), HAS_ROPE=rope is not None, num_warps=4)
 
 
 def _next_pow2(n: int) -> int:
@@ -212,10 +304,10 @@ class TritonAttention:
         by_length = math.ceil(meta.max_seqlen_k / 128)  # keep at least ~128 keys per split
         return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                 rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         num_blocks, page, kv_heads, head_dim = k_cache.shape
-        store_kv(k, v, k_cache, v_cache, meta)
+        q, _ = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
 
         n, q_heads, _ = q.shape
         if q.stride(-1) != 1:

@@ -4,6 +4,8 @@ Pre-RMSNorm, GQA attention with LongRoPE (optional), SwiGLU MLP, no biases, fina
 is done is the caller's: the LMs run a flat batch over the paged KV cache, the local stacks dense bidirectional.
 Every residual add runs together with the norm that follows it (the post-attention norm, the next layer's input
 norm or the final norm): one Triton kernel per add on CUDA; elsewhere the official code's eager ops, in its order.
+RoPE: the layers apply it before attention, except on CUDA, where the attention kernels rotate q and k themselves
+(dense: as the short attention kernel loads them; paged: in the kernel that stores K/V).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from engine.config import StackConfig
+from engine.model import layers
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
@@ -102,11 +105,17 @@ class MiniCPM(nn.Module):
 
     def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
                       backend: AttentionBackend) -> Tensor:
-        """Causal flat batch: x [N, H], positions [N] absolute; writes this step's K/V into `cache`."""
+        """Causal flat batch: x [N, H], positions [N] absolute; writes this step's K/V into `cache`.
+        On CUDA the backend rotates q and k in the kernel that stores K/V (no RoPE launch of its own)."""
         rope = None if self.rope is None else self.rope(positions)
+        if layers.fused(x):
+            return self.run(x, None, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta, rope))
         return self.run(x, rope, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
 
     def forward_dense(self, x: Tensor) -> Tensor:
-        """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L)."""
+        """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L).
+        On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own)."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
+        if layers.fused(x):
+            return self.run(x, None, lambda i, q, k, v: dense_attention(q, k, v, rope))
         return self.run(x, rope, lambda i, q, k, v: dense_attention(q, k, v))
