@@ -32,7 +32,7 @@ CASES = {  # name: (slot of each index row, tokens per index row, in, outs, slot
     "mixed_with_slot0": ([2, 0, 1, 3, 3, 1, 0], 1, 72, (100, 20, 20), 8, 5),  # three adapters and slot-0 rows
     "dit_mixed": ([1, 3, 0, 1, 3, 0], 3, 64, (70,), 16, 3),
     "one_row": ([3], 1, 40, (24,), 4, 4),
-    "split_k_one_row": ([1], 1, 700, (130, 8, 8), 8, 8),  # K 700: 6 splits of one K step, the last ragged
+    "split_k_one_row": ([1], 1, 700, (130, 8, 8), 8, 8),  # K 700: 6 (fp16) or 11 (fp32) splits, the last ragged
     "split_k_many_rows": ([1] * 60 + [0, 2] * 20, 1, 300, (40,), 8, 6),  # 128-row tile: one plane summed at a time
 }
 
@@ -73,10 +73,10 @@ def test_lora_linear_equals_linear_plus_lora(kernels, case: str, dtype: torch.dt
 def test_the_split_cases_split_k(kernels) -> None:
     """The split cases really split K (else the planes and counters are not tested), the many-rows one sums fewer
     planes at a time than it has."""
-    for case, splits in (("split_k_one_row", 6), ("split_k_many_rows", 3)):
+    for case, splits in (("split_k_one_row", 11), ("split_k_many_rows", 5)):
         fan_in, outs = CASES[case][2], CASES[case][3]
         split = kernels.plan(fan_in, kernels.col_tiles(outs, kernels.LINEAR_BLOCK_N), torch.device("cpu"),
-                             kernels.LINEAR_BLOCK_K)
+                             kernels.LINEAR_BLOCK_K // 2, kernels.LINEAR_PER_SM)  # fp32: half the K step
         assert split.splits == splits
     assert len(CASES["split_k_many_rows"][0]) > 64  # a 128-row tile
     assert kernels.LINEAR_PLANE_ELEMENTS // (128 * kernels.LINEAR_BLOCK_N) < 3

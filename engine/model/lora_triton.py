@@ -70,6 +70,7 @@ LINEAR_BLOCK_K = 128  # 3 stages: 72 KB of W, A and x tiles in flight per progra
 # at 128, no spills, 60-172 KB shared; at 4 warps 32 rows take 255 and spill to the stack
 LINEAR_WARPS = 8
 LINEAR_STAGES = 3
+LINEAR_PER_SM = 2  # split K until column tiles x splits reaches this many programs per SM
 # rows of one register tile: acc 128 x 64 + t 128 x r fp32 are 32 + 16 registers a thread at 8 warps, r 32; past
 # ~128 rows a GEMM stops being a weight read (cuBLAS's tiles win) and the adapters in use grow
 LINEAR_MAX_ROWS = 128
@@ -634,7 +635,9 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index
     tiles = col_tiles(outs, LINEAR_BLOCK_N)
     block_m = max(16, triton.next_power_of_2(m))
     # one counter per column tile, from the segments' (zeroed once per step, reset by each last arrival)
-    split = plan(k, tiles, x.device, LINEAR_BLOCK_K) if tiles <= seg.counters.numel() else Plan(1, k)
+    # fp32 tiles: half the K step, so 128 rows' x tiles (3 stages) stay within shared memory
+    block_k = LINEAR_BLOCK_K if x.element_size() <= 2 else LINEAR_BLOCK_K // 2
+    split = plan(k, tiles, x.device, block_k, LINEAR_PER_SM) if tiles <= seg.counters.numel() else Plan(1, k)
     planes = min(_planes(split), max(1, LINEAR_PLANE_ELEMENTS // (block_m * LINEAR_BLOCK_N)))
     t = torch.empty(tiles * split.splits * block_m * LINEAR_BLOCK_N if split.splits > 1 else 1, device=x.device,
                     dtype=torch.float32)
@@ -644,7 +647,7 @@ def lora_linear(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, index
                                           x.stride(0), weight.stride(0), lora_a.stride(0), lora_a.stride(1),
                                           lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank,
                                           BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                                          BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
+                                          BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=block_k,
                                           BLOCK_S=triton.next_power_of_2(slots), PLANES=planes,
                                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                                           num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
