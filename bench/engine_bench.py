@@ -111,6 +111,7 @@ def step_summary(before: list[dict], after: list[dict]) -> dict:
 
     return {"by_kind": kinds, "prefill_tokens": delta("prefill_tokens"), "triton_compiles": delta("triton_compiles"),
             "gpu_ms_total": delta("gpu_ms_total"), "ahead_steps": delta("ahead_steps"),
+            "split_steps": delta("split_steps"),
             "compiles_total": sum(a.get("triton_compiles", 0) for a in after)}
 
 
@@ -231,7 +232,7 @@ async def main(args: argparse.Namespace) -> dict:
                     inference_timesteps=args.timesteps, dtype=args.dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank,
-                    vae_dtype=args.vae_dtype)
+                    vae_dtype=args.vae_dtype, split_decodes_above=args.split_decodes_above or None)
     t = time.perf_counter()
     await engine.wait_for_ready()
     print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.model_info()}", file=sys.stderr)
@@ -253,7 +254,8 @@ async def main(args: argparse.Namespace) -> dict:
                 "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
                 "prompt_positions": positions,
                 "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
-                "lora_rank": args.lora_rank if args.lora else None, "vae_dtype": args.vae_dtype, "levels": levels,
+                "lora_rank": args.lora_rank if args.lora else None, "vae_dtype": args.vae_dtype,
+                "split_decodes_above": args.split_decodes_above or None, "levels": levels,
                 "complete": done}
 
     try:
@@ -319,6 +321,7 @@ def table(result: dict) -> str:
         rows.append(f"steps at {lv.get('mode', 'batch')} {lv['concurrency']} (ms p50 / p99): {kinds}; prefill "
                     f"{st['prefill_tokens']} tokens; Triton compiles {st['triton_compiles']} (total "
                     f"{st['compiles_total']}); GPU busy {lv.get('gpu_busy')}; launched ahead {st.get('ahead_steps')}; "
+                    f"split {st.get('split_steps')}; "
                     f"peak running {lv.get('peak_running')}")
         sd = lv.get("steady")
         if sd and lv.get("mode") in ("poisson", "closed") and sd["requests"]:
@@ -774,6 +777,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--split-decodes-above", type=int, default=320, help="more speaking streams than this decode "
+                   "in two halves taking turns (0: never split)")
     p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
                    "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")
     p.add_argument("--out", help="write the JSON result here")

@@ -93,6 +93,7 @@ class Request:
     vae_slot: int | None = None
     vae_primed: bool = False
     lora_slot: int = 0  # the model's LoRA slot holding spec.lora while admitted (0: none)
+    decode_group: int = 0  # which half decodes it while the scheduler splits decodes (`split_decodes_above`)
     stop_reason: str | None = None
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))

@@ -398,12 +398,15 @@ class Runner:
         fed = self._fed_rows(seqs, after) if after is not None else {}
         if self._decode_only(seqs):
             n = len(seqs)
-            conds = None if after is not None else [s.request.generated[-1] for s in seqs]
+            # rows continuing `after` get their input on the device; the others (split decodes: the other half,
+            # collected a step ago) from the host
+            conds = [None if k in fed else s.request.generated[-1] for k, s in enumerate(seqs)]
             rows = self._stage_rows([s.request for s in seqs], conds)
             self._stage_positions(seqs)
             self._upload(rows)
-            if after is not None:
-                self._gather(self.inputs.patches, list(range(n)), after, [fed[k] for k in range(n)])
+            if fed:
+                ks = sorted(fed)
+                self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
                 result = decode_graphs.replay(rows)
             else:

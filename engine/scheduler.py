@@ -13,6 +13,12 @@ the smaller `max_prefill_tokens_while_speaking`: a step's length is every runnin
 patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
 request's first audio then comes after one long step instead of after one short step per slice of the burst.
 
+Under high load (`split_decodes_above` speaking streams) the decodes split into two halves that take turns: each step
+advances one half (plus the prefills and admissions), so a step is about half as long. A new prompt waits for the
+step on the device, the one launched behind it and its own, so its first audio comes about twice as fast, while
+every stream still gets a patch every two steps: its gap stays about one full-batch step. A stream joins the smaller
+half at its first patch. The split ends below 3/4 of the bound.
+
 KV blocks for a prompt are taken at admission (with a small watermark kept free for running decodes); a decode that
 crosses a block boundary takes one more. When none is free, the least urgent running request is preempted: its
 blocks are freed and it is recomputed later (prompt + patches so far), keeping its noise generator and VAE slot so
@@ -56,8 +62,12 @@ def _admission_order(req: Request) -> tuple:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None,
-                 max_prefill_tokens_while_speaking: int | None = None):
+                 max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None):
         self.max_num_seqs = max_num_seqs
+        self.split_decodes_above = split_decodes_above
+        self.split = False  # the decodes take turns by half (`Request.decode_group`)
+        self.turn = 0  # the half the last step decoded while split
+        self.num_split_steps = 0
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_while_speaking = max_prefill_tokens_while_speaking or max_num_batched_tokens
         self.patch_ms = patch_ms
@@ -145,7 +155,12 @@ class Scheduler:
                 self._preempt(victims[0])
             run(req, 1)
 
+        turn = self._next_turn()
         decodes = [r for r in order if not r.is_prefilling]
+        if turn is not None:
+            if not any(r.decode_group == turn for r in decodes):
+                turn = 1 - turn  # that half has nothing to decode (yet): the other one's turn again
+            decodes = [r for r in decodes if r.decode_group == turn]
         for req in decodes:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
@@ -167,7 +182,9 @@ class Scheduler:
         for req in decodes:
             if id(req) not in scheduled:
                 decode(req, may_preempt=False)
-        self.num_steps += 1 if seqs else 0
+        if seqs:
+            self.num_steps += 1
+            self._take_turn(turn, seqs)
         return seqs
 
     def schedule_ahead(self, seqs: list[ScheduledSeq], admit: Callable[[Request], bool] | None = None,
@@ -177,16 +194,30 @@ class Scheduler:
         that samples in `seqs`. None unless that is what `schedule` would pick: every running request in `seqs`
         and sampling there, a KV block for each, and nothing waiting, or (`admit`) waiting requests that `admit`
         accepts, admitted with their prompt chunks under the prefill cap (and `max_tokens` positions in all), as
-        `schedule` admits them."""
-        if (self.waiting and admit is None) or any(not s.emit for s in seqs) \
-                or {id(r) for r in self.running} - {id(s.request) for s in seqs}:
-            return None  # admissions due, a prompt chunk whose next one depends on it, a request `seqs` did not run
+        `schedule` admits them. While the decodes are split, the step decodes the other half instead: the requests
+        of that half that `seqs` does not run continue from their collected patches, those it runs (a new stream
+        that joined that half) from its samples."""
+        if (self.waiting and admit is None) or any(not s.emit for s in seqs):
+            return None  # admissions due, or a prompt chunk whose next one depends on it
+        in_flight = {id(s.request): s for s in seqs}
+        turn = self._next_turn()
+        if turn is None:
+            if {id(r) for r in self.running} - in_flight.keys():
+                return None  # a request `seqs` did not run
+            continuing = [s.request for s in seqs]
+        else:
+            if any(r.is_prefilling for r in self.running if id(r) not in in_flight):
+                return None  # a prompt between chunks: the synchronous path schedules its next one
+            continuing = [r for r in self.running if r.decode_group == turn]
         nxt = []
-        for seq in seqs:
-            req = seq.request
-            if req.status is not Status.RUNNING or len(req.generated) + 1 >= req.spec.params.max_length:
+        for req in continuing:
+            seq = in_flight.get(id(req))
+            if seq is None:
+                start = req.num_computed  # collected: its input is its last patch
+            elif req.status is not Status.RUNNING or len(req.generated) + 1 >= req.spec.params.max_length:
                 continue  # finished since, or ends with `seqs`
-            start = seq.start + seq.num_tokens
+            else:
+                start = seq.start + seq.num_tokens
             if not self.blocks.grow(req.block_table, start + 1):
                 return None  # a preemption may be due: the synchronous path decides
             nxt.append(ScheduledSeq(req, start, 1, True))
@@ -200,7 +231,40 @@ class Scheduler:
         if not nxt or len(nxt) > self.max_num_batched_tokens:
             return None
         self.num_steps += 1
+        self._take_turn(turn, nxt)
         return nxt
+
+    def _next_turn(self) -> int | None:
+        """The half whose decodes the next step runs, or None while all decode every step. Splitting starts above
+        `split_decodes_above` speaking streams (they alternate between the halves in arrival order) and ends below
+        3/4 of it. Nothing is committed until `_take_turn`: a step that is not scheduled takes no turn."""
+        if self.split_decodes_above is None:
+            return None
+        speaking = [r for r in self.running if r.generated]
+        bound = self.split_decodes_above * (0.75 if self.split else 1.0)
+        if len(speaking) <= bound:
+            return None
+        if not self.split:
+            for i, req in enumerate(sorted(speaking, key=lambda r: r.arrival)):
+                req.decode_group = i % 2
+        return 1 - self.turn
+
+    def _take_turn(self, turn: int | None, seqs: list[ScheduledSeq]) -> None:
+        """Commit a scheduled step's turn; while split, its new streams (first patch) join the smaller half."""
+        self.split = turn is not None
+        if turn is None:
+            return
+        self.turn = turn
+        self.num_split_steps += 1
+        new = [s.request for s in seqs if s.emit and not s.request.generated]
+        if new:
+            sizes = [0, 0]
+            for req in self.running:
+                if req.generated:
+                    sizes[req.decode_group] += 1
+            for req in new:
+                req.decode_group = int(sizes[1] < sizes[0])
+                sizes[req.decode_group] += 1
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledSeq:
@@ -293,7 +357,8 @@ class Scheduler:
             "running": len(self.running), "waiting": len(self.waiting),
             "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
             "voice_blocks": sum(len(v.blocks) for v in self.voices.values()),
-            "free_slots": len(self.free_slots), "steps": self.num_steps, "preemptions": self.num_preemptions,
+            "free_slots": len(self.free_slots), "steps": self.num_steps, "split_steps": self.num_split_steps,
+            "preemptions": self.num_preemptions,
             "min_slack_ms": self.min_slack_ms(),
         }
 

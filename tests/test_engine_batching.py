@@ -224,12 +224,12 @@ async def test_killed_worker_fails_in_flight_requests_fast_and_is_restarted(engi
     assert len(chunks) == 3 and engine.stats().worker_restarts == 1
 
 
-async def start_mixed_ahead_engine(tiny_v2_dir) -> Engine:
+async def start_mixed_ahead_engine(tiny_v2_dir, **options) -> Engine:
     """The engine of this module with `async_mixed`: steps launched ahead also admit waiting prompts."""
     os.environ["VOXGATE_ASYNC_MIXED"] = "1"  # read when the pool builds its WorkerConfig
     try:
         eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
-                     max_num_batched_tokens=48, inference_timesteps=STEPS)
+                     max_num_batched_tokens=48, inference_timesteps=STEPS, **options)
     finally:
         del os.environ["VOXGATE_ASYNC_MIXED"]
     await eng.wait_for_ready()
@@ -279,6 +279,43 @@ async def test_prompts_admitted_by_steps_launched_ahead_keep_every_stream_exact(
         assert [c.index for c in chunks] == list(range(len(chunks))) and sum(c.is_last for c in chunks) == 1
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0
+
+
+async def test_split_decodes_taking_turns_keep_every_stream_exact(tiny_v2_dir, synth):
+    """Above `split_decodes_above` speaking streams the decodes take turns by half: steps launched ahead decode
+    the other half from collected patches (a new stream that joined it from the device) while admitting prompts,
+    some streams stop and the split ends again. Every stream must still equal its run alone."""
+    engine = await start_mixed_ahead_engine(tiny_v2_dir, split_decodes_above=2)
+    try:
+        texts = ["One stream speaks for a while.", "Two.", "A third voice joins in here.", "Four, a late one.",
+                 "Five arrives last of all."]
+        cases = [dict(seed=20 + i, max_length=n, min_length=n) for i, n in enumerate((12, 6, 10, 9, 5))]
+        speaking = asyncio.Event()
+
+        async def run(i: int):
+            if i >= 3:  # arrive while the first three speak, split
+                await speaking.wait()
+                await asyncio.sleep(0.05 * (i - 3))
+
+            async def on_chunk(chunk):
+                if i == 2 and chunk.index == 2:
+                    speaking.set()
+
+            return await collect(engine.generate(texts[i], timesteps=STEPS, **cases[i]), on_chunk)
+
+        results = await asyncio.gather(*(run(i) for i in range(len(texts))))
+        split = sum(w["stats"]["split_steps"] for w in engine.health()["workers"])
+        assert split >= 4
+        for text, case, (audio, chunks) in zip(texts, cases, results, strict=True):
+            alone = np.concatenate(list(synth.stream(text, seed=case["seed"], max_len=case["max_length"],
+                                                     min_len=case["min_length"], timesteps=STEPS)))
+            assert audio.shape == alone.shape
+            np.testing.assert_allclose(audio, alone, atol=ATOL)
+            assert [c.index for c in chunks] == list(range(len(chunks)))
+        stats = engine.stats()
+        assert stats.running == 0 and stats.waiting == 0
+    finally:
+        await engine.stop()
 
 
 async def test_stop_while_steps_launched_ahead_admit_ends_every_stream_and_the_worker(tiny_v2_dir):

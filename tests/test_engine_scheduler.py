@@ -177,3 +177,55 @@ def test_a_burst_from_idle_prefills_in_one_step_but_not_while_someone_speaks():
     prefill = [q for q in seqs if q.request.request_id.startswith("late")]
     assert [(q.num_tokens, q.emit) for q in decodes] == [(1, True)] * 4
     assert sum(q.num_tokens for q in prefill) == 16 and [q.num_tokens for q in prefill] == [12, 4]
+
+
+def split_scheduler(above: int = 4) -> Scheduler:
+    return Scheduler(max_num_seqs=16, max_num_batched_tokens=256, num_blocks=256, block_size=4, patch_ms=80.0,
+                     split_decodes_above=above)
+
+
+def decoded(seqs) -> set[str]:
+    return {q.request.request_id for q in seqs if q.num_tokens == 1 and q.request.generated}
+
+
+def test_split_decodes_take_turns_by_half_and_rejoin_below_three_quarters():
+    s = split_scheduler(above=4)
+    for i in range(6):
+        s.add(spec(f"r{i}", 3, max_length=12 + (i % 2)))
+    step(s)  # every prompt prefilled and sampled in one step
+    last: dict[str, int] = {}
+    for n in range(8):  # six speaking > 4: each step decodes one half, every stream every other step
+        seqs = step(s)
+        ids = decoded(seqs)
+        assert len(ids) == 3 and s.split
+        for rid in ids:
+            assert n - last.get(rid, n - 2) == 2
+            last[rid] = n
+    s.add(spec("new", 3, max_length=40))
+    seqs = step(s)
+    assert "new" in {q.request.request_id for q in seqs} and len(decoded(seqs)) == 3  # admitted in any turn
+    groups = [r.decode_group for r in s.running if r.generated]
+    assert sorted(groups).count(0) in (3, 4)  # it joined the smaller half
+    while len(s.running) > 2:  # the twelve-patch streams end; below 3 speaking (3/4 of 4) all decode again
+        step(s)
+    seqs = step(s)
+    assert not s.split and decoded(seqs) == {r.request_id for r in s.running}
+
+
+def test_split_step_scheduled_ahead_decodes_the_other_half_from_collected_patches():
+    s = split_scheduler(above=2)
+    for i in range(4):
+        s.add(spec(f"r{i}", 3))
+    step(s)
+    step(s)  # the first split step
+    running = s.schedule()  # "on the device": not collected
+    s.add(spec("late", 3))
+    assert s.schedule_ahead(running) is None  # an admission is due and this step may not admit
+    ahead = s.schedule_ahead(running, admit=lambda r: True)
+    assert ahead is not None
+    other = [q for q in ahead if q.request.request_id != "late"]
+    assert {q.request.request_id for q in other} == {f"r{i}" for i in range(4)} - decoded(running)
+    for q in other:  # collected a step ago: each feeds its next position
+        assert (q.start, q.num_tokens, q.emit) == (q.request.num_computed, 1, True)
+    late = next(q for q in ahead if q.request.request_id == "late")
+    assert (late.start, late.num_tokens, late.emit) == (0, 3, True)
