@@ -263,6 +263,31 @@ async def test_prompts_admitted_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir
 
 
 @gpu
+async def test_split_decodes_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeypatch):
+    """Split decodes (more than `split_decodes_above` speaking streams take turns by half) with graphs, steps
+    launched ahead decoding the other half and admitting late prompts: the streams of one step at a time without
+    splitting (lengths fixed; bf16 audio within the batch-invariance tolerance)."""
+
+    async def streams(engine: Engine) -> list[list]:
+        async def one(i: int) -> list:
+            await asyncio.sleep(0.02 * i)  # some join while the first ones already speak, split
+            return [c async for c in engine.generate("Hello there, how are you today?", seed=i, max_length=14,
+                                                     min_length=14)]
+
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    mixed = {"VOXGATE_ASYNC_SCHEDULING": "1", "VOXGATE_ASYNC_MIXED": "1"}
+    one_at_a_time = {"VOXGATE_ASYNC_SCHEDULING": "0", "VOXGATE_ASYNC_MIXED": "0"}
+    split, split_steps = await serve_tiny(tiny_v2_dir, monkeypatch, mixed, streams, "split_steps",
+                                          split_decodes_above=4)
+    sync, sync_split = await serve_tiny(tiny_v2_dir, monkeypatch, one_at_a_time, streams, "split_steps",
+                                        split_decodes_above=None)
+    assert split_steps > 0 and sync_split == 0
+    assert all([c.index for c in a] == list(range(14)) for a in split)
+    assert_same_streams(split, sync)
+
+
+@gpu
 @pytest.mark.timeout(420)
 async def test_512_concurrent_streams_fit_at_utilization_09(cuda, voxcpm2_dir):
     engine = Engine(str(voxcpm2_dir), max_num_seqs=512, max_waiting=512, gpu_memory_utilization=0.9,
