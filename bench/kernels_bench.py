@@ -6,6 +6,9 @@ TritonAttention (auto KV splits, and a few fixed settings), TorchAttention (the 
 K/V (no paging, a roofline-ish reference). GB/s counts the cached K/V bytes each layer must read.
 Fused kernels vs their eager torch chains: Snake over the AudioVAE decoder's largest activations (fp32, like the
 VAE weights), RMSNorm on LM and LocDiT rows, the CFG-Zero* combine + Euler update at 1 and 256 streams.
+RoPE fusions vs the launches they replace, per layer: the LocDiT's short attention rotating q and k itself vs rope_
+then short_attention (1 and 256 streams, CFG doubles the rows); the LMs' RoPE + K/V store kernel vs rope_ then
+store_kv's two index_copy_ (and, without RoPE as the residual LM, vs store_kv alone), at 1 and 256 decode tokens.
 AudioVAE: one streaming patch decode (VoxCPM2 decoder, random weights, 4 latent frames -> 7,680 samples) at
 batch 1/64/256 in fp32 and bf16, the residual units eager (cuDNN convs, Triton snake) vs fused
 (engine.model.vae_triton); TF32 is on for both (set in main; cuDNN has it on by default anyway).
@@ -25,10 +28,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from engine.config import ModelConfig
-from engine.kernels import cfg_zero_euler_, rms_norm, snake
+from engine.kernels import cfg_zero_euler_, rms_norm, rope_, snake
 from engine.model import audio_vae
-from engine.model.attention import AttentionMetadata, TorchAttention
-from engine.model.attention_triton import TritonAttention
+from engine.model.attention import AttentionMetadata, TorchAttention, store_kv
+from engine.model.attention_triton import TritonAttention, rope_store_kv_, short_attention
 from engine.model_configs import voxcpm2
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 28 + 8, 16, 2, 128, 16
@@ -136,6 +139,48 @@ def cfg_rows(batch: int) -> list[dict]:
                           v.numel() * 2 + 2 * x.numel() * 4)
 
 
+def rotation(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos/sin [N, HEAD_DIM] of a pure rotation (no LongRoPE scale): replays that rotate the same q|k
+    in place keep its magnitude."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM)
+    emb = (positions.float()[:, None] * inv_freq).repeat(1, 2)
+    return emb.cos(), emb.sin()
+
+
+def rope_attention_rows(streams: int, length: int = 11) -> list[dict]:
+    """One LocDiT layer's attention (2 x streams rows of `length` tokens, the q|k|v views of one qkv output)."""
+    qkv = torch.randn(2 * streams, length, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q, k, v = qkv[:, :, :Q_HEADS], qkv[:, :, Q_HEADS:Q_HEADS + KV_HEADS], qkv[:, :, Q_HEADS + KV_HEADS:]
+    rope = rotation(torch.arange(length, device="cuda"))
+
+    def unfused() -> torch.Tensor:
+        rope_(qkv[:, :, :Q_HEADS + KV_HEADS], *rope)
+        return short_attention(q, k, v)
+
+    return fused_vs_eager("rope+short_attention", list(qkv.shape), lambda: short_attention(q, k, v, rope), unfused,
+                          2 * qkv.numel() * qkv.element_size())
+
+
+def rope_store_rows(tokens: int, rope: bool) -> list[dict]:
+    """One LM layer's RoPE and K/V store for `tokens` decode tokens (one per sequence, scattered pages)."""
+    qkv = torch.randn(tokens, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q, k, v = qkv[:, :Q_HEADS], qkv[:, Q_HEADS:Q_HEADS + KV_HEADS], qkv[:, Q_HEADS + KV_HEADS:]
+    k_cache, v_cache = (torch.zeros(tokens * 4, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in "kv")
+    tables = torch.randperm(tokens * 4, device="cuda").view(tokens, 4).tolist()
+    meta = AttentionMetadata.build([1] * tokens, [37] * tokens, tables, PAGE, "cuda")
+    table = rotation(meta.positions()) if rope else None
+
+    def unfused() -> None:
+        if table is not None:
+            rope_(qkv[:, :Q_HEADS + KV_HEADS], *table)
+        store_kv(k, v, k_cache, v_cache, meta)
+
+    name = "rope+store_kv" if rope else "store_kv (no rope)"
+    moved = (2 * (q.numel() + k.numel()) if rope else 0) + 2 * (k.numel() + v.numel())
+    return fused_vs_eager(name, list(qkv.shape), lambda: rope_store_kv_(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                                                         table), unfused, moved * qkv.element_size())
+
+
 def vae_rows(batches: tuple[int, ...]) -> list[dict]:
     """One streaming patch through the VoxCPM2 AudioVAE decoder per batch and dtype, residual units eager vs fused."""
     torch.manual_seed(0)
@@ -188,6 +233,9 @@ def main() -> None:
         rows += snake_rows(shape)
     # RMSNorm: LM rows at 256 streams (hidden 2048) and LocDiT rows (2 x 256 streams x 11 tokens, hidden 1024).
     rows += rms_norm_rows(256, 2048) + rms_norm_rows(2 * 256 * 11, 1024) + cfg_rows(256) + cfg_rows(1)
+    # RoPE fused into attention ("eager" rows: the launches it replaces, each a Triton kernel or index_copy_)
+    rows += rope_attention_rows(1) + rope_attention_rows(256)
+    rows += [row for tokens in (1, 256) for rope in (True, False) for row in rope_store_rows(tokens, rope)]
     rows += vae_rows((1, 64, 256))
     report = {"device": torch.cuda.get_device_name(), "copy_gbs": ceiling, "rows": rows}
     text = json.dumps(report)
@@ -203,10 +251,10 @@ def main() -> None:
         if r["kernel"] == "attention decode":
             print(f"{r['backend']:<20}{r['batch']:>5}{r['context']:>6}{r['auto_splits']:>7}{r['mode']:>7}"
                   f"{r['layer_us']:>10.1f}{r['step_ms']:>9.3f}{r['gbs']:>8.0f}{100 * r['gbs'] / ceiling:>8.1f}")
-    print(f"{'fused kernel':<24}{'shape':>20}{'mode':>7}{'us':>10}{'GB/s':>8}")
+    print(f"{'fused kernel':<30}{'shape':>20}{'mode':>7}{'us':>10}{'GB/s':>8}")
     for r in rows:
         if r["kernel"] not in ("attention decode", "vae decode patch"):
-            print(f"{r['kernel'] + ' ' + r['backend']:<24}{str(tuple(r['shape'])):>20}{r['mode']:>7}{r['us']:>10.1f}"
+            print(f"{r['kernel'] + ' ' + r['backend']:<30}{str(tuple(r['shape'])):>20}{r['mode']:>7}{r['us']:>10.1f}"
                   f"{r['gbs']:>8.0f}")
 
     print(f"{'vae decode patch':<18}{'dtype':>9}{'B':>5}{'mode':>7}{'eager ms':>10}{'fused ms':>10}{'speedup':>9}")

@@ -8,6 +8,11 @@ Online softmax with fp32 accumulation. For decode at small batch the KV range is
 
 CUDA-graph capturable: the grid and all shapes come from host ints (batch size, max_seqlen_q, max_seqlen_k), which
 the caller keeps fixed per graph bucket; sequence lengths and block tables are read in-kernel.
+
+RoPE is fused on this path: `rope_store_kv_` rotates the new tokens' q and k in place and writes K/V to their cache
+slots in one launch before the paged kernel reads the cache (the paged kernel cannot store: its programs for one
+sequence would race), and `short_attention` rotates q and k as it loads them. Both use engine.kernels' `rope_f32`,
+so they round exactly as `rope_` followed by the unfused calls.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Pre-RMSNorm, GQA attention with LongRoPE (optional), SwiGLU MLP, no biases, fina
 is done is the caller's: the LMs run a flat batch over the paged KV cache, the local stacks dense bidirectional.
 Every residual add runs together with the norm that follows it (the post-attention norm, the next layer's input
 norm or the final norm): one Triton kernel per add on CUDA; elsewhere the official code's eager ops, in its order.
-RoPE: the layers apply it before attention, except on CUDA, where the attention kernels rotate q and k themselves
-(dense: as the short attention kernel loads them; paged: in the kernel that stores K/V).
+RoPE: the layers apply it before attention; on CUDA attention gets the cos/sin tables instead and its Triton
+kernels rotate q and k themselves (dense: as the short attention kernel loads them; paged: in the kernel that stores
+K/V), one launch less per layer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """The Triton kernels on CUDA with real shapes (VoxCPM2: 16 q / 2 kv heads, head dim 128; VoxCPM1.5: 64), bf16.
+The fused RoPE paths (in the short attention, in the paged K/V store) equal RoPE first bit for bit.
 
 Run on the GPU machine: `.venv/bin/python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py`.
 """
@@ -8,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend
+from engine.config import ModelConfig
+from engine.model.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend, store_kv
 from engine.model.audio_vae import Snake
-from engine.model.layers import RMSNorm
+from engine.model.layers import LongRoPE, RMSNorm
+from engine.model_configs import voxcpm2
 from tests.test_kernels_interpret import eager_add_rms_norm, paged_case, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -23,10 +26,11 @@ def cuda() -> str:
     return "cuda"
 
 
-def reference(q, k, v, k_cache, v_cache, meta):
-    """TorchAttention in fp32 on copies of the caches (which it updates like the backend under test)."""
+def reference(q, k, v, k_cache, v_cache, meta, rope=None):
+    """TorchAttention in fp32 on copies of the caches (which it updates like the backend under test); q and k
+    rotated first by `rope` (cos, sin) when given, in fp32 (not written)."""
     ref_k, ref_v = k_cache.float(), v_cache.float()
-    return TorchAttention()(q.float(), k.float(), v.float(), ref_k, ref_v, meta), ref_k, ref_v
+    return TorchAttention()(q.float(), k.float(), v.float(), ref_k, ref_v, meta, rope), ref_k, ref_v
 
 
 def random_lens(gen: torch.Generator, count: int, low: int, high: int) -> list[int]:
@@ -69,8 +73,10 @@ def test_prefill_and_mixed_match_torch(cuda, query_lens, cached_lens, head_dim):
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
 
 
-def test_cuda_graph_capture_and_replay(cuda):
-    """One decode bucket (8 sequences, up to 1024 keys) captured once, replayed on fresh lengths and block tables."""
+@pytest.mark.parametrize("rope", [False, True])
+def test_cuda_graph_capture_and_replay(cuda, rope):
+    """One decode bucket (8 sequences, up to 1024 keys) captured once, replayed on fresh lengths and block tables;
+    rope: the tables handed to the backend, as forward_paged does on CUDA (RoPE + K/V store in one kernel)."""
     from engine.model.attention_triton import TritonAttention
 
     batch, page, width, heads, kv_heads, dim = 8, 16, 64, 16, 2, 128
@@ -91,15 +97,18 @@ def test_cuda_graph_capture_and_replay(cuda):
     static = fresh_meta(0)
     for t in (q, k, v):
         t.normal_(generator=gen)
+    table = LongRoPE(ModelConfig.from_dict(voxcpm2()).lm)
+    cos, sin = table(static.positions())  # the graph reads these buffers: replays refill them in place
+    tables = (cos, sin) if rope else None
     backend = TritonAttention()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend(q, k, v, k_cache, v_cache, static)  # compile outside the capture
+        backend(q, k, v, k_cache, v_cache, static, tables)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend(q, k, v, k_cache, v_cache, static)
+        out = backend(q, k, v, k_cache, v_cache, static, tables)
 
     for seed in (1, 2):
         meta = fresh_meta(seed)
@@ -107,7 +116,9 @@ def test_cuda_graph_capture_and_replay(cuda):
             getattr(static, name).copy_(getattr(meta, name))
         for t in (q, k, v):
             t.normal_(generator=gen)
-        ref, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta)
+        for buffer, fresh in zip((cos, sin), table(meta.positions()), strict=True):
+            buffer.copy_(fresh)
+        ref, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, tables)
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, ref.double()) < BF16_TOLERANCE
@@ -200,3 +211,47 @@ def test_short_attention_matches_sdpa(cuda, batch, length, dtype):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(1, 2), k.double().transpose(1, 2), v.double().transpose(1, 2), enable_gqa=True)
     assert relative_error(out, ref.transpose(1, 2)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("batch,length", [(1, 11), (512, 11), (256, 5)])  # LocDiT (CFG doubles the batch), LocEnc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_short_attention_rope_equals_rope_first(cuda, batch, length, dtype):
+    """RoPE inside the short attention (forward_dense on CUDA) == rope_ on the q|k heads, then the kernel without it,
+    bit for bit, at VoxCPM2's LocDiT widths (16/2 heads of 128, its RoPE table); q|k|v not written."""
+    from engine.kernels import rope_
+    from engine.model.attention_triton import short_attention
+
+    gen = torch.Generator(cuda).manual_seed(batch + length)
+    qkv = torch.randn(batch, length, 20, 128, device=cuda, generator=gen).to(dtype)
+    cos, sin = LongRoPE(ModelConfig.from_dict(voxcpm2()).dit_lm).prefix(length, torch.device(cuda))
+    before = qkv.clone()
+    out = short_attention(qkv[:, :, :16], qkv[:, :, 16:18], qkv[:, :, 18:], (cos, sin))
+    assert torch.equal(qkv, before)
+    rope_(before[:, :, :18], cos, sin)
+    ref = short_attention(before[:, :, :16], before[:, :, 16:18], before[:, :, 18:])
+    assert torch.equal(out, ref), f"max abs difference {(out.float() - ref.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize(("query_lens", "cached_lens"), [([1] * 256, list(range(0, 1024, 4))), ([1], [37]),
+                                                         ([300, 1, 77], [0, 900, 500])])
+@pytest.mark.parametrize("rope", [True, False])  # False: the residual LM (no RoPE): the kernel only stores
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_rope_store_kv_equals_rope_then_store(cuda, query_lens, cached_lens, rope, cache_dtype):
+    """The LMs' RoPE + K/V store kernel == rope_ on the q|k heads of the fused qkv output, then store_kv (two
+    index_copy_), bit for bit: q and k rotated in place, v untouched, every slot of the NaN-poisoned caches."""
+    from engine.kernels import rope_
+    from engine.model.attention_triton import rope_store_kv_
+
+    gen = torch.Generator(cuda).manual_seed(len(query_lens) + rope)
+    (*_, k_cache, _), meta = paged_case(query_lens, cached_lens, 16, 16, 2, 128, torch.bfloat16, gen, cuda)
+    qkv = torch.randn(meta.slot_mapping.shape[0], 20, 128, device=cuda, generator=gen).bfloat16()
+    caches = [torch.full(k_cache.shape, float("nan"), device=cuda, dtype=cache_dtype) for _ in range(2)]
+    tables = LongRoPE(ModelConfig.from_dict(voxcpm2()).lm)(meta.positions()) if rope else None
+    ref_qkv, ref_caches = qkv.clone(), [c.clone() for c in caches]
+    rope_store_kv_(qkv[:, :16], qkv[:, 16:18], qkv[:, 18:], *caches, meta.slot_mapping, tables)
+    if rope:
+        rope_(ref_qkv[:, :18], *tables)
+    store_kv(ref_qkv[:, 16:18], ref_qkv[:, 18:], *ref_caches, meta)
+    assert torch.equal(qkv, ref_qkv)
+    for cache, ref in zip(caches, ref_caches, strict=True):
+        assert torch.equal(cache.isnan(), ref.isnan()) and torch.equal(cache.nan_to_num(), ref.nan_to_num())
