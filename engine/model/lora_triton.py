@@ -70,7 +70,10 @@ LINEAR_BLOCK_K = 128  # 3 stages: 72 KB of W, A and x tiles in flight per progra
 # at 128, no spills, 60-172 KB shared; at 4 warps 32 rows take 255 and spill to the stack
 LINEAR_WARPS = 8
 LINEAR_STAGES = 3
-LINEAR_PER_SM = 2  # split K until column tiles x splits reaches this many programs per SM
+# split K until column tiles x splits reaches this many programs per SM. H200, us over the cuBLAS GEMM per op in a
+# step graph (bench/lora_bench.py --step), DiT c=1 / c=2 / LM c=1 / c=2: 1 6.7 / 9.5 / 3.4 / 6.6, 2 9.2 / 12.9 /
+# 4.9 / 7.8 (lora_add_'s default: 5.4 / 6.1 / 6.5 / 6.6); K steps of 64 or 8192 partials at once were no better
+LINEAR_PER_SM = 1
 # rows of one register tile: acc 128 x 64 + t 128 x r fp32 are 32 + 16 registers a thread at 8 warps, r 32; past
 # ~128 rows a GEMM stops being a weight read (cuBLAS's tiles win) and the adapters in use grow
 LINEAR_MAX_ROWS = 128
