@@ -8,6 +8,8 @@ Run on the GPU machine: `python -m pytest -q -m gpu -s tests/gpu/test_fusion_gpu
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,7 +18,7 @@ from engine import kernels
 from engine.checkpoint import load_model
 from engine.config import ModelConfig
 from engine.model import layers
-from engine.model.attention import AttentionMetadata, KVCache, dense_attention, make_attention_backend
+from engine.model.attention import AttentionMetadata, KVCache, dense_attention, make_attention_backend, rotate, store_kv
 from engine.model.layers import LongRoPE, apply_rope
 from engine.model.minicpm import MiniCPM
 from engine.model_configs import voxcpm2
@@ -144,11 +146,16 @@ def test_rope_in_kv_store_equals_rope_first(cuda, name, query_lens, cached_lens)
     the layers applying rope_ first and the backend storing with index_copy_ (the path before the fusion): hidden
     states and caches bit for bit, for a decode batch and a mixed prefill + decode batch; fewer kernels per layer
     (rope_ and one index_copy_; the residual LM: one index_copy_)."""
-    from engine.model.attention_triton import TritonAttention
+    from engine.model import attention_triton
+
+    def rope_then_store(q, k, v, k_cache, v_cache, meta, rope):  # before the fusion: rope_, two index_copy_
+        q, k = rotate(q, k, rope)
+        store_kv(k, v, k_cache, v_cache, meta)
+        return q, k
 
     cfg = ModelConfig.from_dict(voxcpm2())
     stack = cfg.lm if name == "base LM" else cfg.residual_lm
-    model, backend = random_stack(stack, cuda), TritonAttention()
+    model, backend = random_stack(stack, cuda), attention_triton.TritonAttention()
     blocks = [list(range(8 * j, 8 * j + 8)) for j in range(len(query_lens))]
     meta = AttentionMetadata.build(query_lens, cached_lens, blocks, 16, cuda)
     positions = meta.positions()
@@ -160,7 +167,8 @@ def test_rope_in_kv_store_equals_rope_first(cuda, name, query_lens, cached_lens)
 
     def rope_first() -> torch.Tensor:
         rope = None if model.rope is None else model.rope(positions)
-        return model.run(x, rope, lambda i, q, k, v: backend(q, k, v, ref_cache.k[i], ref_cache.v[i], meta))
+        with mock.patch.object(attention_triton, "rope_and_store_kv", rope_then_store):
+            return model.run(x, rope, lambda i, q, k, v: backend(q, k, v, ref_cache.k[i], ref_cache.v[i], meta))
 
     def fused() -> torch.Tensor:
         return model.forward_paged(x, positions, meta, fused_cache, backend)

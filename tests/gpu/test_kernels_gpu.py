@@ -12,7 +12,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend, store_kv
 from engine.model.audio_vae import Snake
-from engine.model.layers import LongRoPE, RMSNorm
+from engine.model.layers import LongRoPE, RMSNorm, apply_rope
 from engine.model_configs import voxcpm2
 from tests.test_kernels_interpret import eager_add_rms_norm, paged_case, relative_error
 
@@ -26,11 +26,10 @@ def cuda() -> str:
     return "cuda"
 
 
-def reference(q, k, v, k_cache, v_cache, meta, rope=None):
-    """TorchAttention in fp32 on copies of the caches (which it updates like the backend under test); q and k
-    rotated first by `rope` (cos, sin) when given, in fp32 (not written)."""
+def reference(q, k, v, k_cache, v_cache, meta):
+    """TorchAttention in fp32 on copies of the caches (which it updates like the backend under test)."""
     ref_k, ref_v = k_cache.float(), v_cache.float()
-    return TorchAttention()(q.float(), k.float(), v.float(), ref_k, ref_v, meta, rope), ref_k, ref_v
+    return TorchAttention()(q.float(), k.float(), v.float(), ref_k, ref_v, meta), ref_k, ref_v
 
 
 def random_lens(gen: torch.Generator, count: int, low: int, high: int) -> list[int]:
@@ -118,7 +117,10 @@ def test_cuda_graph_capture_and_replay(cuda, rope):
             t.normal_(generator=gen)
         for buffer, fresh in zip((cos, sin), table(meta.positions()), strict=True):
             buffer.copy_(fresh)
-        ref, ref_k, ref_v = reference(q, k, v, k_cache, v_cache, meta, tables)
+        # RoPE on copies, rounded to bf16 as the kernel stores it (the graph rotates q and k themselves)
+        q_ref, k_ref = (t.clone() for t in (q, k)) if tables is None else (apply_rope(t.clone(), *tables)
+                                                                           for t in (q, k))
+        ref, ref_k, ref_v = reference(q_ref, k_ref, v, k_cache, v_cache, meta)
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, ref.double()) < BF16_TOLERANCE
