@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model import layers
+from engine.model import layers, minicpm
 from engine.model.attention import AttentionMetadata, TorchAttention, dense_attention, make_attention_backend
 from engine.model.audio_vae import Snake
 from engine.model.layers import LongRoPE, RMSNorm, apply_rope
@@ -506,6 +506,7 @@ def test_fused_rope_stacks_equal_rope_first(kernels, monkeypatch, no_rope):
     gen = torch.Generator().manual_seed(23)
     hidden = model.norm.weight.shape[0]
     monkeypatch.setattr(layers, "fused", lambda t: True)
+    monkeypatch.setattr(minicpm, "DENSE_ROPE_IN_ATTENTION_MIN_SEQS", 2)  # the batch below: the fused path
     ropes = []
     rope_ = fused.rope_
     monkeypatch.setattr(fused, "rope_", lambda *a: ropes.append(a) or rope_(*a))

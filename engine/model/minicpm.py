@@ -20,6 +20,13 @@ from engine.config import StackConfig
 from engine.model import layers
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
+from engine.model.lora import linear_with_lora
+
+# Dense stacks with fewer sequences than this rotate q|k with the rope_ kernel first: at a few sequences the rotation
+# inside the short attention kernel costs more than the launch it saves (H200, bench/kernels_bench.py: LocDiT
+# attention at 2 sequences 9.5 us fused vs 8.6 us rope_ + attention; at 512, 33.5 vs 36.7 us). Break-even not
+# measured between; the batch is a host int, so each CUDA graph bucket takes one path.
+DENSE_ROPE_IN_ATTENTION_MIN_SEQS = 64
 
 # attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -56,7 +63,7 @@ class Attention(nn.Module):
             if rope is not None:
                 qk = apply_rope(qk, *rope)
             q, k = qk[..., :self.heads, :], qk[..., self.heads:, :]
-        return self.o_proj(attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
+        return linear_with_lora(self.o_proj, attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -115,8 +122,9 @@ class MiniCPM(nn.Module):
 
     def forward_dense(self, x: Tensor) -> Tensor:
         """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L).
-        On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own)."""
+        On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own), from
+        `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
-        if layers.fused(x):
+        if layers.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS:
             return self.run(x, None, lambda i, q, k, v: dense_attention(q, k, v, rope))
         return self.run(x, rope, lambda i, q, k, v: dense_attention(q, k, v))
