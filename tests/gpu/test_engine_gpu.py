@@ -269,10 +269,17 @@ async def test_split_decodes_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeyp
     splitting (lengths fixed; bf16 audio within the batch-invariance tolerance)."""
 
     async def streams(engine: Engine) -> list[list]:
+        speaking = asyncio.Event()
+
         async def one(i: int) -> list:
-            await asyncio.sleep(0.02 * i)  # some join while the first ones already speak, split
-            return [c async for c in engine.generate("Hello there, how are you today?", seed=i, max_length=14,
-                                                     min_length=14)]
+            if i >= 8:  # the last four join while the first eight speak, split
+                await speaking.wait()
+            chunks = []
+            async for c in engine.generate("Hello there, how are you today?", seed=i, max_length=14, min_length=14):
+                chunks.append(c)
+                if i == 0 and c.index == 2:
+                    speaking.set()
+            return chunks
 
         return await asyncio.gather(*(one(i) for i in range(12)))
 
