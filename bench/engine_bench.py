@@ -232,7 +232,8 @@ async def main(args: argparse.Namespace) -> dict:
                     inference_timesteps=args.timesteps, dtype=args.dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank,
-                    vae_dtype=args.vae_dtype, split_decodes_above=args.split_decodes_above or None)
+                    vae_dtype=args.vae_dtype, split_decodes_above=args.split_decodes_above or None,
+                    merge_lora=not args.no_merge_lora)
     t = time.perf_counter()
     await engine.wait_for_ready()
     print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.model_info()}", file=sys.stderr)
@@ -254,7 +255,8 @@ async def main(args: argparse.Namespace) -> dict:
                 "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
                 "prompt_positions": positions,
                 "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
-                "lora_rank": args.lora_rank if args.lora else None, "vae_dtype": args.vae_dtype,
+                "lora_rank": args.lora_rank if args.lora else None, "merge_lora": not args.no_merge_lora,
+                "vae_dtype": args.vae_dtype,
                 "split_decodes_above": args.split_decodes_above or None, "levels": levels,
                 "complete": done}
 
@@ -773,6 +775,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=0, help="register N random LoRA adapters; requests spread across them")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
+    p.add_argument("--no-merge-lora", action="store_true", help="LoRA kernels even when every running request "
+                   "uses one adapter (default: such steps run it merged into the weights)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default=None)
     p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")

@@ -86,7 +86,7 @@ class Engine:
                  inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
-                 split_decodes_above: int | None = 320):
+                 split_decodes_above: int | None = 320, merge_lora: bool = True):
         self.loop = asyncio.get_running_loop()
         # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
         # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.
@@ -125,7 +125,7 @@ class Engine:
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads,
             tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank,
-            vae_dtype=vae_dtype, split_decodes_above=split_decodes_above)
+            vae_dtype=vae_dtype, split_decodes_above=split_decodes_above, merge_lora=merge_lora)
             for group in groups]
         self._streams: dict[str, Stream] = {}
         self._voices: dict[str, Voice] = {}

@@ -173,6 +173,7 @@ class Runner:
         # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
         self.lora = getattr(self.model, "lora", None) is not None
         self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
+        self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
         self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
@@ -362,31 +363,39 @@ class Runner:
         return self.collect(self.launch(seqs))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None) -> PendingStep:
+    def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None, adapter: int = 0) -> PendingStep:
         """Start a step; on the graph paths the device works on it after this returns.
 
         `after`: a step not yet collected whose sampling requests this step continues, one decode position each
         (`Scheduler.schedule_ahead`; it may also admit new prompts, `launchable_ahead`). Its sampled patches become
         this step's inputs on the device, so this step is staged and queued while that one runs, and the device
-        never waits for the host between the two."""
+        never waits for the host between the two.
+        `adapter`: the LoRA slot that every running request uses (`Scheduler.single_adapter`; 0: none, or several).
+        With a `MergedAdapter` such a step runs that adapter merged into the weights, without LoRA kernels."""
         start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        pending = self._launch(seqs, after)
+        pending = self._launch(seqs, after, adapter)
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             pending.events = (start, end)
         return pending
 
-    def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
+    def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None, adapter: int) -> PendingStep:
         if len(self.stagings) > 1:
             self._use_host(1 - self.host_turn)
         if not self.lora:
             return self._launch_step(seqs, after)
-        # a step without adapter rows skips all LoRA work: eagerly by the flag, graphed by the sets captured with it
-        self.model.lora.bypass = all(s.request.lora_slot == 0 for s in seqs)
+        # a step without adapter rows skips all LoRA work: eagerly by the flag, graphed by the sets captured with it;
+        # so does one whose adapter is merged into the weights (every running request uses it, so all its rows do)
+        state = self.model.lora
+        merged = state.merged is not None and adapter != 0 and all(s.request.lora_slot == adapter for s in seqs)
+        if state.merged is not None:
+            state.merged.use(adapter if merged else 0)
+        state.bypass = merged or all(s.request.lora_slot == 0 for s in seqs)
+        self.merged_steps += merged
         try:
             return self._launch_step(seqs, after)
         finally:

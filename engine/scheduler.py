@@ -352,6 +352,11 @@ class Scheduler:
         self.voices[voice_id] = VoicePrefix(self.blocks.share(req.block_table[:full]), req.seq_len)
         self.finish(req, "stop")
 
+    def single_adapter(self) -> int:
+        """The LoRA slot that every running request uses, when they all use the same one; else 0."""
+        slots = {r.lora_slot for r in self.running}
+        return slots.pop() if len(slots) == 1 else 0
+
     def stats(self) -> dict[str, int | float | None]:
         return {
             "running": len(self.running), "waiting": len(self.waiting),

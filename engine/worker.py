@@ -69,6 +69,9 @@ class WorkerConfig:
     cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     max_lora_rank: int = 32
+    # steps whose running requests all use one adapter run it merged into the weights: the base model's speed, for
+    # one device copy of the adapted linears' weights (~0.9 GB for VoxCPM2); False: always the LoRA kernels
+    merge_lora: bool = True
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
     # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
     # a time, the host preparing each step while the device waits)
@@ -230,11 +233,13 @@ class Worker:
         self.loras = None
         if cfg.max_loras:  # before the runner, so the slots count as weights in its memory budget
             from engine.lora import AdapterSlots
-            from engine.model.lora import attach_lora
+            from engine.model.lora import attach_lora, merge_into_weights
 
             if self.tp is not None:
                 raise ValueError("LoRA slots do not support tensor parallelism yet")
             self.loras = AdapterSlots(attach_lora(self.loaded.model, cfg.max_loras, cfg.max_lora_rank))
+            if cfg.merge_lora:
+                merge_into_weights(self.loras.state, self.loaded.model)
         self.runner = Runner(self.loaded, cfg)
         config = self.loaded.config
         self.scheduler = Scheduler(
@@ -359,7 +364,7 @@ class Worker:
             if current.pending is None:
                 if self.tp is not None:
                     self.tp.send_step(current.seqs, sched)
-                current.pending = self.runner.launch(current.seqs)
+                current.pending = self.runner.launch(current.seqs, adapter=sched.single_adapter())
             self.publish()  # step N-1's audio leaves while the device runs N
             if self.admits_ahead:
                 # prompts already in the pipe join the step launched ahead, not the one after it (a burst's
@@ -415,7 +420,8 @@ class Worker:
         seqs = self.scheduler.schedule_ahead(current.seqs, admit, self.runner.ahead_tokens)
         if seqs is None:
             return None
-        return Launched(seqs, self.runner.launch(seqs, after=pending), self.scheduler.num_steps, time.perf_counter())
+        return Launched(seqs, self.runner.launch(seqs, after=pending, adapter=self.scheduler.single_adapter()),
+                        self.scheduler.num_steps, time.perf_counter())
 
     def _note_step(self, wall_ms: float) -> None:
         from engine.runner import triton_compiles
@@ -432,7 +438,7 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's stats and the step timing (`StepStats`)."""
-        return {**self.scheduler.stats(), **self.step_stats.stats()}
+        return {**self.scheduler.stats(), **self.step_stats.stats(), "lora_merged_steps": self.runner.merged_steps}
 
     def publish(self) -> None:
         """Send the last collected step's chunks (audio through the ring) and the replies it completed."""

@@ -142,6 +142,48 @@ def test_lora_equals_weights_merged() -> None:
     assert_close(torch.stack(with_lora.patches), torch.stack(plain.patches), rtol=1e-4)
 
 
+def test_merged_adapter_equals_the_lora_kernels_and_restores_the_base_weights_exactly() -> None:
+    """`MergedAdapter`: slot "b" merged into the weights, run with LoRA bypassed, gives what the LoRA path gives;
+    switching to "a" merges "a" (not "b" + "a"); slot 0 copies back the base weights bit for bit; a slot reloaded
+    since its merge is merged again."""
+    from engine.model.lora import merge_into_weights
+
+    ours, slots, _ = setup("voxcpm2")
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    merged = merge_into_weights(ours.lora, ours)
+    held = {n: slots.acquire(n) for n in ("a", "b")}
+    try:
+        tokens, feats, audio = prompt("voxcpm2", "zero-shot", 2)
+        noises = noise_list("voxcpm2", 2)
+        for name in ("b", "a"):
+            with_lora = new_seq(tokens, feats, audio, 0)
+            generate(ours, [with_lora], [held[name]], [noises], 3, [2.0])
+            merged.use(held[name])
+            ours.lora.bypass = True
+            try:
+                in_weights = new_seq(tokens, feats, audio, 0)
+                generate(ours, [in_weights], [held[name]], [noises], 3, [2.0])
+            finally:
+                ours.lora.bypass = False
+                merged.use(0)
+            assert_close(torch.stack(in_weights.patches), torch.stack(with_lora.patches), rtol=1e-4)
+            assert all(torch.equal(v, base[k]) for k, v in ours.state_dict().items())
+        merged.use(held["a"])
+        weight = ours.get_submodule(next(iter(merged.linears))).weight
+        before = weight.clone()
+        ours.lora.load_slot(held["a"], {})  # the slot's contents change (here: emptied)
+        merged.use(held["a"])  # merged again: now W + 0
+        assert not torch.equal(weight, before)
+        assert torch.equal(weight, base[next(iter(merged.linears)) + ".weight"])
+    finally:
+        merged.use(0)
+        ours.lora.merged = None
+        ours.lora.load_slot(held["a"], slots.host["a"])  # the shared setup's slot "a" as it was
+        for name in held:
+            slots.release(name)
+    assert all(torch.equal(v, base[k]) for k, v in ours.state_dict().items())
+
+
 def test_three_adapters_and_base_in_one_batch_equal_each_alone() -> None:
     ours, slots, _ = setup("voxcpm2")
     names = ["a", None, "b", "c"]
@@ -333,6 +375,8 @@ async def test_engine_serves_mixed_adapters_refuses_unknown_and_drains(tiny_v2_d
         for (name, seed), audio in zip(cases, together, strict=True):
             np.testing.assert_allclose(audio, await run(name, seed), atol=2e-4)
         assert np.abs(together[0] - await run(None, 1)).max() > 1e-4  # the adapter changes the audio
+        # each run alone had its adapter merged into the weights (`MergedAdapter`), the batch the LoRA kernels
+        assert sum(w["stats"]["lora_merged_steps"] for w in eng.health()["workers"]) >= 3 * 4
 
         # a request is in flight from generate() on (before it even reaches the worker): unregister waits for it
         gen = eng.generate("Hello there, how are you?", lora="a", seed=1, max_length=4, min_length=4)

@@ -20,6 +20,9 @@ expand. On CUDA the Triton kernels group rows by slot once per step (`LoRAState.
 `lora_triton.linear_applies` (decode sizes, with its switch on) the GEMM and its LoRA run as one kernel instead:
 `FusedLoRA.linear` for a fused GEMM, `linear_with_lora` for a single linear.
 
+When every running request uses the same adapter (one voice, or one stream), the worker runs its steps with that
+adapter merged into the base weights instead (`MergedAdapter`): the base model's kernels and graphs, no LoRA work.
+
 Targets follow the official `_apply_lora`: q/k/v/o (configurable names) of base_lm + residual_lm ("lm") and of the
 LocDiT ("dit"), and the projections ("proj"); never the LocEnc.
 """
@@ -54,6 +57,8 @@ class LoRAState:
         # True: every LoRA layer passes its linear's output through untouched, for a step whose rows all use slot
         # 0 (the host knows; a runner with CUDA graphs captures one set per value and replays the matching one)
         self.bypass = False
+        self.versions = [0] * num_slots  # bumped when a slot's weights change: a merge of it is stale then
+        self.merged: MergedAdapter | None = None  # `merge_into_weights`
         self._rows: dict[str, Tensor | None] = {"tokens": None, "seqs": None, "dit": None}
         self._segments: dict[tuple[str, int], Any] = {}
 
@@ -90,6 +95,7 @@ class LoRAState:
         unknown = set(weights) - set(self.layers)
         if unknown:
             raise ValueError(f"no LoRA layer named {sorted(unknown)[0]!r}")
+        self.versions[slot] += 1
         for path, layer in self.layers.items():
             if path in weights:
                 a, b = weights[path]
@@ -101,6 +107,43 @@ class LoRAState:
 
     def clear_slot(self, slot: int) -> None:
         self.load_slot(slot, {})
+
+
+class MergedAdapter:
+    """One adapter merged into the base weights, for steps whose rows all use it: those run the base model's
+    kernels (and its adapter-free CUDA graphs) with no LoRA work, so a single voice costs what the base model costs.
+    The adapted linears' own weights are kept (one device copy, ~0.9 GB for VoxCPM2) and copied back, never
+    subtracted, so switching adapters never drifts the base model. Merging and restoring are ordinary kernels on the
+    step's stream: a step still on the device reads the weights it was launched with."""
+
+    def __init__(self, state: LoRAState, model: nn.Module):
+        self.state = state
+        self.linears = {path: model.get_submodule(path) for path in state.layers}
+        self.original = {path: m.weight.detach().clone() for path, m in self.linears.items()}
+        self.slot, self.version = 0, 0  # what the weights carry now (slot 0: the originals)
+
+    @torch.no_grad()
+    def use(self, slot: int) -> None:
+        """Make the weights carry slot `slot`'s adapter, W + B A rounded once from fp32 (B holds alpha/r), or the
+        original weights for slot 0; nothing to do when they already do."""
+        version = self.state.versions[slot] if slot else 0
+        if (slot, version) == (self.slot, self.version):
+            return
+        for path, linear in self.linears.items():
+            original = self.original[path]
+            if slot:
+                layer = self.state.layers[path]
+                merged = torch.addmm(original.float(), layer.lora_B[slot].float(), layer.lora_A[slot].float())
+                linear.weight.copy_(merged)
+            else:
+                linear.weight.copy_(original)
+        self.slot, self.version = slot, version
+
+
+def merge_into_weights(state: LoRAState, model: nn.Module) -> MergedAdapter:
+    """Let steps whose rows all use one adapter run it merged into the weights (`MergedAdapter`)."""
+    state.merged = MergedAdapter(state, model)
+    return state.merged
 
 
 class LoRALayer(nn.Module):

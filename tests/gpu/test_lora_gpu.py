@@ -183,3 +183,45 @@ def test_lora_linear_matches_linear_plus_lora(cuda, dtype, entries, per, fan_in,
     graph.replay()
     torch.testing.assert_close(graph_out.float(), torch.nn.functional.linear(x.float(), w.float()), atol=tol,
                                rtol=tol)
+
+
+@pytest.mark.timeout(300)
+async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v2_dir) -> None:
+    """On CUDA with graphs: one stream with an adapter merged into the weights (`MergedAdapter`, the default)
+    streams what the LoRA kernels stream (`merge_lora=False`); a base request after it gets the base weights back.
+    fp32: in bf16 the tiny random model turns the merged weights' one extra rounding into audio
+    that drifts apart over the patches, as any bf16 rounding change does there (CPU: rms 0.13 vs fp32, the LoRA
+    kernels 0.08, the base model alone 0.07)."""
+    import numpy as np
+
+    from engine import Engine
+    from engine.config import ModelConfig
+    from engine.lora import lora_layout
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for path, (fan_in, fan_out) in lora_layout(ModelConfig.from_file(tiny_v2_dir / "config.json")).items():
+        tensors[f"{path}.lora_A"] = torch.randn(8, fan_in, generator=gen) * 0.05
+        tensors[f"{path}.lora_B"] = torch.randn(fan_out, 8, generator=gen) * 0.05
+
+    async def run(merge: bool) -> tuple[list[np.ndarray], int]:
+        engine = Engine(str(tiny_v2_dir), max_num_seqs=4, num_kv_blocks=128, inference_timesteps=4, max_loras=2,
+                        max_lora_rank=8, dtype="float32", merge_lora=merge)
+        await engine.wait_for_ready()
+        try:
+            await engine.register_lora("v", tensors, config={"r": 8, "alpha": 8.0})
+            audio = []
+            for lora in ("v", None):
+                chunks = [c.audio async for c in engine.generate("Hello there, how are you?", lora=lora, seed=5,
+                                                                 max_length=8, min_length=8)]
+                audio.append(np.concatenate(chunks))
+            return audio, sum(w["stats"]["lora_merged_steps"] for w in engine.health()["workers"])
+        finally:
+            await engine.stop()
+
+    merged, merged_steps = await run(True)
+    kernels, kernel_steps = await run(False)
+    assert merged_steps >= 8 and kernel_steps == 0
+    np.testing.assert_allclose(merged[0], kernels[0], atol=1e-3)
+    np.testing.assert_allclose(merged[1], kernels[1], atol=1e-4)  # the originals back (bits: CPU test)
+    assert np.abs(merged[0] - merged[1]).max() > 1e-3  # the adapter changed the audio
