@@ -70,7 +70,7 @@ class WorkerConfig:
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     max_lora_rank: int = 32
     # steps whose running requests all use one adapter run it merged into the weights: the base model's speed, for
-    # one device copy of the adapted linears' weights (~0.9 GB for VoxCPM2); False: always the LoRA kernels
+    # one device copy of the adapted linears' weights (~0.8 GB for VoxCPM2); False: always the LoRA kernels
     merge_lora: bool = True
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
     # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
