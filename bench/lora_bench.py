@@ -20,17 +20,14 @@ layer a q|k|v GEMM then an o GEMM (o reads the q block of q|k|v's output), every
 adapters (so nothing stays in L2 from one layer to the next, as in the step), rows as the model builds them (LocDiT:
 2 CFG index entries per sequence, 11 tokens each; LM: 1 row per sequence), adapters round-robin over 32 slots, and
 `segment_rows` once per graph. The base-only graph is timed (and with `segment_rows` alone: the per-step cost all
-variants share), then one graph per variant (every `VARIANTS` entry, `default`: what `choose` picks, and
-`lora_linear`: the base GEMM and its LoRA as one kernel instead of cuBLAS + a LoRA kernel, only where it applies:
-up to LINEAR_MAX_ROWS rows and LINEAR_MAX_ADAPTERS index entries, "-" elsewhere), each LoRA op forced to it:
-overhead = graph - base graph, per LoRA op = overhead / ops (negative where lora_linear beats cuBLAS's GEMM alone).
+variants share), then one graph per variant (every `VARIANTS` entry, and `default`: what `choose` picks), each LoRA op
+forced to it: overhead = graph - base graph, per LoRA op = overhead / ops.
 Each variant's last outputs are checked against a torch reference and replayed twice for bit-reproducibility. The
 table's last lines project a whole step's LoRA overhead from the per-op costs (216 LocDiT + 72 LM ops; the residual
 LM runs the LM's shapes) against the no-LoRA step measured on the H200 (STEP_MS_NO_LORA).
 
     .venv/bin/python bench/lora_bench.py [--out lora.json] [--rank 32]   (GPU, ~1-2 minutes)
-    .venv/bin/python bench/lora_bench.py --step [--out step.json]          (GPU, a few minutes; --variants
-                                                                           default,lora_linear,two_pdl: ~1 minute)
+    .venv/bin/python bench/lora_bench.py --step [--out step.json]          (GPU, < 90 s)
     .venv/bin/python bench/lora_bench.py [--step] --tiny                   (CPU, Triton's interpreter: small shapes,
                                                                            checks only; its times mean nothing)
 """
@@ -239,7 +236,7 @@ def step_estimate(results: list[dict], lm_rows: int, adapters: int, key: str = "
 
 # ---- --step: a decode step's LoRA'd attention linears, one CUDA graph per stack, batch and variant ----------------
 
-STEP_BATCHES = (1, 2, 4, 8, 64)  # LocDiT 22-176 rows, LM 1-8 decode rows, and a large batch for reference
+STEP_BATCHES = (1, 64)
 TINY_STEP_BATCHES = (1, 4)
 STEP_REPLAYS = 15
 # the whole no-LoRA decode step on the H200 (engine_bench, CUDA graphs, issue 9's figures) by batch: the
@@ -247,7 +244,6 @@ STEP_REPLAYS = 15
 STEP_MS_NO_LORA = {1: 7.66, 64: 22.4}
 STEP_TOLERANCE = 3e-2  # max error of a delta against the fp32 reference, relative to its largest (bf16 y rounding)
 DEFAULT = "default"  # the pseudo-variant: lora_add_ choosing (lora_triton.choose)
-LINEAR = "lora_linear"  # the pseudo-variant: lora_triton.lora_linear computing the GEMM and the LoRA in one kernel
 SEGMENTS = "segments"  # the base graph plus segment_rows alone: the per-step cost every variant shares
 
 
@@ -323,7 +319,7 @@ class StepCase(NamedTuple):
     def body(self, variant: str | None) -> Callable[[], None]:
         """The step's linears: per evaluation and layer, q|k|v GEMM (+ LoRA), o GEMM on q's block (+ LoRA);
         variant None: the base model, SEGMENTS: that and segment_rows, DEFAULT: lora_add_ choosing, else that
-        VARIANTS entry everywhere; LINEAR: lora_linear in place of each GEMM and its LoRA."""
+        VARIANTS entry everywhere."""
         shape, index, x, y, yo = self.shape, self.index, self.x, self.y, self.yo
         xo = y[:, :shape.outs[0]]
         forced = None if variant == DEFAULT else variant
@@ -333,12 +329,6 @@ class StepCase(NamedTuple):
             seg = None if variant is None else lora_triton.segment_rows(index, shape.per, ADAPTERS + 1)
             for _ in range(shape.evals):
                 for layer in self.layers:
-                    if variant == LINEAR:
-                        lora_triton.lora_linear(x, layer["w_qkv"], layer["a_qkv"], layer["b_qkv"], index, shape.per,
-                                                shape.outs, seg, out=y)
-                        lora_triton.lora_linear(xo, layer["w_o"], layer["a_o"], layer["b_o"], index, shape.per, None,
-                                                seg, out=yo)
-                        continue
                     torch.mm(x, layer["w_qkv"].t(), out=y)
                     if lora:
                         lora_triton.lora_add_(y, x, layer["a_qkv"], layer["b_qkv"], index, shape.per, shape.outs, seg,
@@ -362,11 +352,6 @@ class StepCase(NamedTuple):
             got = y.float() - torch.mm(x, w.t()).float()
             worst = max(worst, (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
         return worst
-
-    def linear_applies(self) -> bool:
-        """Whether the engine would run lora_linear here with the switch at LINEAR_MAX_ROWS (rows, adapters)."""
-        return (self.x.shape[0] <= lora_triton.LINEAR_MAX_ROWS
-                and min(ADAPTERS, self.index.shape[0]) <= lora_triton.LINEAR_MAX_ADAPTERS)
 
 
 def step_case(stack: str, shape: StepShape, batch: int, layers: list[dict[str, torch.Tensor]], device: str,
@@ -402,11 +387,7 @@ def step_variant(case: StepCase, variant: str, base_us: float | None, replays: i
     """Time (GPU) or just run (CPU) the case with `variant`; check the last outputs; on GPU replay twice more for
     bit-reproducibility."""
     ops = case.shape.ops()
-    out: dict = {"error": None, "skipped": None}
-    if variant == LINEAR and not case.linear_applies():
-        out["skipped"] = (f"{case.x.shape[0]} rows, {case.index.shape[0]} index entries: past LINEAR_MAX_ROWS "
-                          f"{lora_triton.LINEAR_MAX_ROWS} or LINEAR_MAX_ADAPTERS {lora_triton.LINEAR_MAX_ADAPTERS}")
-        return out
+    out: dict = {"error": None}
     try:
         if base_us is None:  # CPU: the interpreter, no graph, no time
             case.body(variant)()
@@ -431,8 +412,7 @@ def kernel_resources() -> list[dict]:
     """Registers, spills and shared memory of every LoRA kernel compiled in this process (best effort: Triton's
     caches are not a public API)."""
     found = []
-    for name in ("_tile_table_kernel", "_shrink_kernel", "_expand_kernel", "_fused_kernel", "_split_kernel",
-                 "_linear_kernel"):
+    for name in ("_tile_table_kernel", "_shrink_kernel", "_expand_kernel", "_fused_kernel", "_split_kernel"):
         fn = getattr(lora_triton, name)
         try:
             for cache in fn.device_caches.values():
@@ -455,13 +435,12 @@ def step_main(args: argparse.Namespace, device: str, dtype: torch.dtype, rank: i
     shapes = TINY_STEP if args.tiny else step_shapes()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else \
         list(TINY_STEP_BATCHES if args.tiny else STEP_BATCHES)
-    known = [DEFAULT, LINEAR, *lora_triton.VARIANTS]
-    names = args.variants.split(",") if args.variants else known
-    unknown = [n for n in names if n not in known]
+    names = args.variants.split(",") if args.variants else [DEFAULT, *lora_triton.VARIANTS]
+    unknown = [n for n in names if n != DEFAULT and n not in lora_triton.VARIANTS]
     if unknown:
-        sys.exit(f"unknown variants {unknown}; known: {known}")
+        sys.exit(f"unknown variants {unknown}; known: {[DEFAULT, *lora_triton.VARIANTS]}")
     # PDL last: a launch the driver mishandles could spoil the context for whatever runs after it
-    names.sort(key=lambda n: n in lora_triton.VARIANTS and lora_triton.VARIANTS[n].pdl)
+    names.sort(key=lambda n: n != DEFAULT and lora_triton.VARIANTS[n].pdl)
     gpu = device == "cuda"
     started = time.perf_counter()
     cases = []
@@ -493,10 +472,7 @@ def step_main(args: argparse.Namespace, device: str, dtype: torch.dtype, rank: i
               "git_commit": git_commit(), "dtype": str(dtype).removeprefix("torch."),
               "rank": rank, "adapters": ADAPTERS, "tiny": args.tiny, "replays": args.replays,
               "small_variant": lora_triton.SMALL_VARIANT, "large_variant": lora_triton.LARGE_VARIANT,
-              "variants": {n: lora_triton.VARIANTS[n]._asdict() for n in names if n in lora_triton.VARIANTS},
-              "lora_linear": {k: getattr(lora_triton, k) for k in (
-                  "LINEAR_BLOCK_N", "LINEAR_BLOCK_K", "LINEAR_WARPS", "LINEAR_STAGES", "LINEAR_MAX_ROWS",
-                  "LINEAR_MAX_ADAPTERS", "LINEAR_PLANE_ELEMENTS")},
+              "variants": {n: lora_triton.VARIANTS[n]._asdict() for n in names if n != DEFAULT},
               "step_ms_no_lora": STEP_MS_NO_LORA, "groups": groups, "projection": step_projection(groups, names),
               "kernels": kernel_resources() if gpu else [], "seconds": time.perf_counter() - started}
     if args.out:
@@ -532,18 +508,15 @@ def step_projection(groups: list[dict], names: list[str]) -> dict:
 
 
 def step_good(r: dict) -> bool:
-    """A variant's result ran (not skipped), matched the reference and replayed to the same bits."""
-    return (r["error"] is None and r["skipped"] is None and r["max_rel_err"] <= STEP_TOLERANCE
-            and r["reproducible"] is not False)
+    """A variant's result ran, matched the reference and replayed to the same bits."""
+    return r["error"] is None and r["max_rel_err"] <= STEP_TOLERANCE and r["reproducible"] is not False
 
 
 def step_cell(r: dict) -> str:
     """us per op (+ graph overhead %), '!' when the check or the reproducibility failed."""
     if r["error"]:
         return "FAILED"
-    if r["skipped"]:
-        return "-"
-    return f"{'' if step_good(r) else '!'}{r['us_per_op']:.1f} ({r['overhead_pct']:+.0f}%)"
+    return f"{'' if step_good(r) else '!'}{r['us_per_op']:.1f} (+{r['overhead_pct']:.0f}%)"
 
 
 def print_step(report: dict, names: list[str]) -> None:
@@ -551,8 +524,8 @@ def print_step(report: dict, names: list[str]) -> None:
     if report["device"].startswith("cpu"):
         print(f"{report['device']}: --step checks only, times mean nothing")
         for g in groups:
-            errs = ", ".join(f"{n} FAILED {r['error'][:300]}" if r["error"] else f"{n} -" if r["skipped"]
-                             else f"{n} {r['max_rel_err']:.1e}" for n, r in g["variants"].items())
+            errs = ", ".join(f"{n} FAILED {r['error'][:300]}" if r["error"] else f"{n} {r['max_rel_err']:.1e}"
+                             for n, r in g["variants"].items())
             print(f"{g['stack']} c={g['batch']} ({g['rows']} rows): rel err {errs}")
         return
     print(f"{report['device']}, {report['sms']} SMs, {report['dtype']}, rank {report['rank']}, {report['adapters']} "

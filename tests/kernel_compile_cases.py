@@ -193,10 +193,6 @@ def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) ->
         for fused in (True, False):
             lora_triton.lora_add_(torch.empty(rows, sum(outs), dtype=dtype), torch.empty(rows, k, dtype=dtype),
                                   lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, fused=fused)
-    # the GEMM and its LoRA in one launch at a decode row (lora_linear; tests/test_lora_kernel_compile.py compiles
-    # its other row counts and checks its resources)
-    lora_triton.lora_linear(torch.empty(1, k, dtype=dtype), torch.empty(sum(outs), k, dtype=dtype), lora_a, lora_b,
-                            torch.tensor([2]), 1, outs if len(outs) > 1 else None)
 
 
 def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:

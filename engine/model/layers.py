@@ -94,10 +94,10 @@ def _fusable(linears: Sequence[nn.Module]) -> bool:
 
 def fused_linear(x: Tensor, weight: Tensor, linears: Sequence[nn.Module]) -> Tensor:
     """The linears' outputs side by side from one GEMM with their fused weight, plus their shared LoRA's deltas
-    (one shrink and one expand, or at decode sizes one kernel with the GEMM: `FusedLoRA.linear`) when they carry
-    one."""
+    (one shrink and one expand) when they carry one."""
+    y = F.linear(x, weight)
     lora = getattr(linears[0], "fused_lora", None)
-    return F.linear(x, weight) if lora is None else lora.linear(x, weight)
+    return y if lora is None else lora(x, y)
 
 
 class SwiGLU(nn.Module):

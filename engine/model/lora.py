@@ -16,9 +16,7 @@ The hooks read whatever tensors are set, so a graph that captured static index b
 Linears sharing their input (q/k/v, gate/up) get one `FusedLoRA` whose stacked A/B their slot buffers are views of:
 the model keeps running them as one fused GEMM (`fused_linear`) and adds all their deltas with one shrink and one
 expand. On CUDA the Triton kernels group rows by slot once per step (`LoRAState.segments`) and skip slot-0 rows;
-`LoRAState.bypass` skips all LoRA work for a step the host knows to be adapter-free. Where
-`lora_triton.linear_applies` (decode sizes, with its switch on) the GEMM and its LoRA run as one kernel instead:
-`FusedLoRA.linear` for a fused GEMM, `linear_with_lora` for a single linear.
+`LoRAState.bypass` skips all LoRA work for a step the host knows to be adapter-free.
 
 When every running request uses the same adapter (one voice, or one stream), the worker runs its steps with that
 adapter merged into the base weights instead (`MergedAdapter`): the base model's kernels and graphs, no LoRA work.
@@ -29,11 +27,9 @@ LocDiT ("dit"), and the projections ("proj"); never the LocEnc.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.layers import fused
@@ -195,42 +191,6 @@ class FusedLoRA:
     def __call__(self, x: Tensor, y: Tensor) -> Tensor:
         """y (the fused GEMM's output, members' columns in order) plus every member's LoRA of x."""
         return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B, self.outs)
-
-    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        """The fused GEMM (weight [sum(out), in]) plus every member's LoRA of x: one kernel where `fused_lora_linear`
-        runs, else the GEMM and then `__call__`."""
-        y = fused_lora_linear(self.state, self.group, x, weight, self.lora_A, self.lora_B, self.outs)
-        return self(x, F.linear(x, weight)) if y is None else y
-
-
-def linear_with_lora(linear: nn.Module, x: Tensor) -> Tensor:
-    """linear(x) with its LoRA (as its hook adds it), as one kernel where `fused_lora_linear` runs: for a plain
-    bias-free nn.Linear whose only hook is the LoRA's (else, or without LoRA, `linear(x)` as it is)."""
-    layer = getattr(linear, "lora", None)
-    if (layer is None or type(linear) is not nn.Linear or linear.bias is not None or linear._forward_pre_hooks
-            or len(linear._forward_hooks) != 1):
-        return linear(x)
-    y = fused_lora_linear(layer.state, layer.group, x, linear.weight, layer.lora_A, layer.lora_B)
-    return linear(x) if y is None else y
-
-
-def fused_lora_linear(state: LoRAState, group: str, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
-                      outs: tuple[int, ...] | None = None) -> Tensor | None:
-    """x @ weight^T plus the row group's LoRA of x from one Triton kernel (`lora_triton.lora_linear`) where
-    `lora_triton.linear_applies` (its switch, decode sizes; CUDA, or CPU in Triton's interpreter), else None: the
-    caller runs the GEMM and `apply_lora` (which also handles no indices, `bypass` and bad shapes)."""
-    index = state.rows(group)
-    interpreter = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if index is None or state.bypass or not (fused(x) or interpreter) or x.shape[0] != index.shape[0]:
-        return None
-    from engine.model.lora_triton import linear_applies, lora_linear
-
-    if not linear_applies(x, weight, index, state.num_slots):
-        return None
-    x2 = x.reshape(-1, x.shape[-1])
-    per = x2.shape[0] // index.shape[0]
-    y = lora_linear(x2, weight, lora_a, lora_b, index, per, outs, state.segments(group, per))
-    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def apply_lora(state: LoRAState, group: str, x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor,
