@@ -164,6 +164,23 @@ async def test_stored_voice_shares_prefix_kv_and_matches_recompute(engine):
 
 
 async def test_stress_random_cancels_closes_and_preemptions_return_everything(engine):
+    await stress(engine)
+
+
+async def test_stress_with_split_decodes_and_prompts_admitted_ahead_returns_everything(tiny_v2_dir):
+    """The same churn while the decodes take turns by half (above 2 speaking streams) and steps launched ahead
+    admit prompts: every request ends, and every block, slot and queue entry comes back."""
+    engine = await start_mixed_ahead_engine(tiny_v2_dir, split_decodes_above=2, num_kv_blocks=48)
+    try:
+        await stress(engine)
+        assert sum(w["stats"]["split_steps"] for w in engine.health()["workers"]) > 0
+    finally:
+        await engine.stop()
+
+
+async def stress(engine) -> None:
+    """500 random requests, at most 12 at once, cancelled, closed early or run to the end, on a KV pool small
+    enough to force preemptions; then nothing may be left held."""
     rng = random.Random(0)
     words = ["hello", "world", "voice", "gateway", "speaking", "quickly", "the", "meeting", "was", "moved",
              "to", "the", "second", "floor"]
@@ -228,8 +245,8 @@ async def start_mixed_ahead_engine(tiny_v2_dir, **options) -> Engine:
     """The engine of this module with `async_mixed`: steps launched ahead also admit waiting prompts."""
     os.environ["VOXGATE_ASYNC_MIXED"] = "1"  # read when the pool builds its WorkerConfig
     try:
-        eng = Engine(str(tiny_v2_dir), max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
-                     max_num_batched_tokens=48, inference_timesteps=STEPS, **options)
+        eng = Engine(str(tiny_v2_dir), **(dict(max_num_seqs=8, max_waiting=8, num_kv_blocks=64, block_size=4,
+                                               max_num_batched_tokens=48, inference_timesteps=STEPS) | options))
     finally:
         del os.environ["VOXGATE_ASYNC_MIXED"]
     await eng.wait_for_ready()
