@@ -10,7 +10,7 @@
 #   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity),
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
-#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora_nomerge lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -107,6 +107,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     lora)
         stage 50 120 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
+    lora_nomerge)  # the A/B of `lora`: always the LoRA kernels, no adapter merged into the weights at c=1
+        stage 50 120 "LoRA: 32 adapters at c=1 and 64, kernels only" $BENCH --concurrency 1,64 --requests-factor 2 \
+            --max-num-seqs 256 --lora 32 --no-merge-lora --out "$OUT/engine_voxcpm2_lora32_nomerge.json" \
+            2>"$OUT/lora_nomerge.log" >/dev/null ;;
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
         stage 70 150 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
@@ -152,7 +156,8 @@ from engine_bench import profile_table, table
 out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
-             "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json"):
+             "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
+             "engine_voxcpm2_lora32_nomerge.json"):
     path = out / name
     if not path.exists():
         print(f"{name}: not made (see logs.tar.gz)")
