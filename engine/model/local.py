@@ -51,14 +51,15 @@ class LocDiT(nn.Module):
         return (self.time_mlp(sinusoidal_embedding(t, hidden).to(dtype))
                 + self.delta_time_mlp(sinusoidal_embedding(dt, hidden).to(dtype)))
 
-    def forward(self, x: Tensor, mu: Tensor, t_emb: Tensor, cond: Tensor) -> Tensor:
-        """x, cond [B, P, D]; mu [B, mu_tokens, H]; t_emb [B, H] -> velocity [B, P, D]."""
-        x, cond = self.in_proj(x), self.cond_proj(cond)
+    def forward(self, x: Tensor, mu: Tensor, t_emb: Tensor, cond_h: Tensor) -> Tensor:
+        """x [B, P, D]; mu [B, mu_tokens, H]; t_emb [B, H]; cond_h [B, P, H] = cond_proj(condition patch), the same
+        for every evaluation of one solve, so the solver projects it once -> velocity [B, P, D]."""
+        x = self.in_proj(x)
         if self.mu_tokens == 1:
             prefix = mu + t_emb[:, None]
         else:
             prefix = torch.cat((mu, t_emb[:, None]), dim=1)
-        tokens = torch.cat((prefix, cond, x), dim=1)
+        tokens = torch.cat((prefix, cond_h, x), dim=1)
         hidden = self.decoder.forward_dense(tokens)
         return self.out_proj(hidden[:, -x.shape[1]:])
 
@@ -132,12 +133,12 @@ class CFM(nn.Module):
         b = noise.shape[0]
         x = noise.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place on CUDA
         mu2 = torch.cat((mu, torch.zeros_like(mu)), dim=0).to(dtype)
-        cond2 = torch.cat((cond, cond), dim=0).to(dtype)
+        cond_h = dit.cond_proj(torch.cat((cond, cond), dim=0).to(dtype))  # once, not once per evaluation
         w = cfg_value.to(x.device, torch.float32)
         steps = euler_schedule(timesteps)[zero_velocity_steps(timesteps):]  # the skipped steps' v = 0 keeps x
         # every evaluation's time embedding in one batched MLP call (the schedule is known up front)
         t_embs = dit.time_embedding(*self._times(timesteps, x.device))
         for i, (_, dt) in enumerate(steps):
-            v = dit(torch.cat((x, x), dim=0).to(dtype), mu2, t_embs[i].expand(2 * b, -1), cond2)
+            v = dit(torch.cat((x, x), dim=0).to(dtype), mu2, t_embs[i].expand(2 * b, -1), cond_h)
             x = cfg_zero_euler(x, v, w, dt)
         return x
