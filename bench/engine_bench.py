@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine  # noqa: E402
+from engine.scheduler import SPLIT_DECODES_ABOVE  # noqa: E402
 
 TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving, so a voice agent can "
         "start speaking within a fraction of a second. The gateway splits the text into short segments, the "
@@ -781,8 +782,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--split-decodes-above", type=int, default=320, help="more speaking streams than this decode "
-                   "in two halves taking turns (0: never split)")
+    p.add_argument("--split-decodes-above", type=int, default=SPLIT_DECODES_ABOVE,
+                   help="more speaking streams than this decode in two halves taking turns (0: never split)")
     p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
                    "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")
     p.add_argument("--out", help="write the JSON result here")

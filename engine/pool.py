@@ -44,6 +44,7 @@ from engine.errors import (
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
 from engine.request import RequestSpec
+from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
 from engine.text import Tokenizer
 from engine.worker import VAE_DTYPES, WorkerConfig
@@ -86,7 +87,7 @@ class Engine:
                  inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
-                 split_decodes_above: int | None = 320, merge_lora: bool = True):
+                 split_decodes_above: int | None = SPLIT_DECODES_ABOVE, merge_lora: bool = True):
         self.loop = asyncio.get_running_loop()
         # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
         # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.

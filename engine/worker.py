@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.request import Status
+from engine.scheduler import SPLIT_DECODES_ABOVE
 
 if TYPE_CHECKING:
     from engine.runner import PendingStep
@@ -61,7 +62,7 @@ class WorkerConfig:
     threads: int = 1
     # more speaking streams than this decode in two halves taking turns (see `Scheduler`): steps about half as long,
     # so first audio about twice as fast at high load; None: every stream decodes every step
-    split_decodes_above: int | None = 320
+    split_decodes_above: int | None = SPLIT_DECODES_ABOVE
     # the streaming VAE decoder's dtype: "float32" as the official code keeps it, or "bfloat16" (H200 batch 256:
     # 17.2 -> 11.7 ms a step, relative audio error ~2.7% on random weights); prompts are always encoded in float32
     vae_dtype: str = "float32"

@@ -56,10 +56,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="the audio decoder's precision: bfloat16 is faster at scale, with ~2.7%% relative audio "
                             "error (default float32, as the official code)")
-        p.add_argument("--split-decodes-above", type=int, default=320,
+        p.add_argument("--split-decodes-above", type=int, default=None,
                        help="more speaking streams than this (per worker) decode in two halves taking turns: "
                             "first audio ~2x sooner at high load, each stream still a patch every two steps "
-                            "(0: never split; default 320)")
+                            "(0: never split; default: the engine's)")
         p.add_argument("--no-merge-lora", action="store_true",
                        help="always the batched LoRA kernels; by default steps whose streams all use one adapter run "
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
@@ -129,7 +129,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["inference_timesteps"] = args.timesteps
     if args.vae_dtype != "float32":
         kwargs["vae_dtype"] = args.vae_dtype
-    if args.split_decodes_above != 320:
+    if args.split_decodes_above is not None:
         kwargs["split_decodes_above"] = args.split_decodes_above or None
     if args.no_merge_lora:
         kwargs["merge_lora"] = False

@@ -104,19 +104,19 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
 
 
 def rope_and_store_kv(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                      rope: Rope | None) -> tuple[Tensor, Tensor]:
-    """(q, k) rotated by `rope` (None: as they are), after the rotated k and v were stored at their paged-cache
-    slots. On CUDA one Triton kernel, in place on q and k (`rope_store_kv_`: two or three kernels -> one);
-    elsewhere `apply_rope` and `store_kv`."""
+                      rope: Rope | None) -> Tensor:
+    """q rotated by `rope` (None: as it is), after k rotated and v were stored at their paged-cache slots. On CUDA
+    one Triton kernel, in place on q and k (`rope_store_kv_`: two or three kernels -> one); elsewhere `apply_rope`
+    and `store_kv`."""
     if layers.fused(q):
         from engine.model.attention_triton import rope_store_fits, rope_store_kv_
 
         if rope_store_fits(q, k, v, k_cache, v_cache):
             rope_store_kv_(q, k, v, k_cache, v_cache, meta.slot_mapping, rope)
-            return q, k
+            return q
     q, k = rotate(q, k, rope)
     store_kv(k, v, k_cache, v_cache, meta)
-    return q, k
+    return q
 
 
 def rotate(q: Tensor, k: Tensor, rope: Rope | None) -> tuple[Tensor, Tensor]:
@@ -190,7 +190,7 @@ class FlashAttention:
                  rope: Rope | None = None) -> Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        q, _ = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
+        q = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q,
                                       meta.max_seqlen_k, causal=True, block_table=meta.block_tables)

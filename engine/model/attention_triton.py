@@ -312,7 +312,7 @@ class TritonAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                  rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         num_blocks, page, kv_heads, head_dim = k_cache.shape
-        q, _ = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
+        q = rope_and_store_kv(q, k, v, k_cache, v_cache, meta, rope)
 
         n, q_heads, _ = q.shape
         if q.stride(-1) != 1:

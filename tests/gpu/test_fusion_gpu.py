@@ -153,7 +153,7 @@ def test_rope_in_kv_store_equals_rope_first(cuda, name, query_lens, cached_lens)
     def rope_then_store(q, k, v, k_cache, v_cache, meta, rope):  # before the fusion: rope_, two index_copy_
         q, k = rotate(q, k, rope)
         store_kv(k, v, k_cache, v_cache, meta)
-        return q, k
+        return q
 
     cfg = ModelConfig.from_dict(voxcpm2())
     stack = cfg.lm if name == "base LM" else cfg.residual_lm
