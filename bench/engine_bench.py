@@ -468,6 +468,16 @@ def _random_lora_slots(model, loras: int, rank: int) -> None:
         layer.lora_B[1:].normal_(std=0.01)
 
 
+class _FixedSlots:
+    """The profile's adapters: already in their slots (`_random_lora_slots`), each named by its slot number."""
+
+    def acquire(self, name: str) -> int:
+        return int(name)
+
+    def release(self, name: str) -> None:
+        pass
+
+
 def _lora_rows(runner, n: int) -> torch.Tensor:
     """Adapter slot of each of n rows, spread over all slots (all zeros without LoRA)."""
     slots = runner.model.lora.num_slots - 1 if runner.lora else 0
@@ -520,15 +530,20 @@ def _profile_mixed(runner, config, length: int) -> dict:
     from engine.scheduler import Scheduler
 
     sched = Scheduler(max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=length * 64 + 64,
-                      num_blocks=runner.num_blocks, block_size=runner.block_size, patch_ms=config.patch_ms)
+                      num_blocks=runner.num_blocks, block_size=runner.block_size, patch_ms=config.patch_ms,
+                      loras=_FixedSlots() if runner.lora else None)
     p, d = config.patch_size, config.feat_dim
     vocab = config.lm.vocab_size
+
+    slots = _lora_rows(runner, 4 * runner.max_num_seqs).tolist()  # with LoRA slots: requests spread across them
 
     def add(count: int, tag: str) -> None:
         for i in range(count):
             ids = [(7 * i + k) % (vocab - 1) + 1 for k in range(length)]
+            lora = str(slots[len(sched.requests) % len(slots)]) if runner.lora else None
             sched.add(RequestSpec(f"{tag}{i}", ids, torch.zeros(length, p, d), [0] * length, torch.zeros(p, d), None,
-                                  SamplingParams(seed=i, max_length=40, min_length=40, timesteps=runner.timesteps)))
+                                  SamplingParams(seed=i, max_length=40, min_length=40, timesteps=runner.timesteps),
+                                  lora=lora))
 
     def step() -> None:
         seqs = sched.schedule()
@@ -559,9 +574,10 @@ def _profile_mixed(runner, config, length: int) -> dict:
         return {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "kind": runner.last_step.kind,
                 "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top}
 
-    def kernel_step(label: str, timeline: bool = False) -> dict:
+    def kernel_step(label: str, timeline: bool = False, first: bool = False) -> dict:
         """A step without cProfile: its wall time, and the GPU time its kernels took (torch.profiler). Kernel time
-        well below wall time means the step is host-bound (launches, Python), not GPU-bound."""
+        well below wall time means the step is host-bound (launches, Python), not GPU-bound. The profiled step is
+        the next one like it (16 more prompts joining), or with `first` the same one again (a burst: 64 more)."""
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
@@ -572,9 +588,14 @@ def _profile_mixed(runner, config, length: int) -> dict:
         sync()
         wall = (time.perf_counter() - t0) * 1e3
         sched.postprocess(seqs, out.patches, out.stops)
-        for _ in range(2):
-            step()
-        add(16, f"{label}k")
+        if first:
+            while sched.has_work:
+                step()
+            add(64, f"{label}k")
+        else:
+            for _ in range(2):
+                step()
+            add(16, f"{label}k")
         seqs = sched.schedule()
         gpu = runner.device.type == "cuda"
         # `timeline`: the host's side too (where the GPU waits, and on what); kernel times are the device's either way
@@ -601,6 +622,10 @@ def _profile_mixed(runner, config, length: int) -> dict:
         step()
     add(64, "burst")
     result["burst_64"] = timed_step("burst of 64")
+    while sched.has_work:
+        step()
+    add(64, "burst_k")  # the same without cProfile: wall against kernel time, and where the GPU waits
+    result["burst_64_kernels"] = kernel_step("burst of 64", timeline=True, first=True)
     for _ in range(3):
         step()
     add(16, "join")

@@ -10,6 +10,7 @@
 #   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity),
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
+#   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
 #   stages: quick_sweep sweep capacity profile profile_lora tests lora lora_nomerge lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,8 +106,9 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             >"$OUT/gpu_tests.log" 2>&1
         tail -25 "$OUT/gpu_tests.log" ;;
     lora)
-        stage 50 120 "LoRA: 32 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
-            --max-num-seqs 256 --lora 32 --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
+        stage 50 120 "LoRA: 32 adapters at c=1 and 64" env VOXGATE_LOG="${LORA_LOG:-$VOXGATE_LOG}" $BENCH \
+            --concurrency 1,64 --requests-factor 2 --max-num-seqs 256 --lora 32 ${LORA_ARGS:-} \
+            --out "$OUT/engine_voxcpm2_lora32.json" 2>"$OUT/lora.log" >/dev/null ;;
     lora_nomerge)  # the A/B of `lora`: always the LoRA kernels, no adapter merged into the weights at c=1
         stage 50 120 "LoRA: 32 adapters at c=1 and 64, kernels only" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 32 --no-merge-lora --out "$OUT/engine_voxcpm2_lora32_nomerge.json" \

@@ -211,6 +211,8 @@ class Runner:
                         self.adapter_free_graphs = self._capture_graphs(pool)
                     finally:
                         self.model.lora.bypass = False
+                    if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
+                        self.model.lora.merged.capture()
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
