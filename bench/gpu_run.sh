@@ -11,7 +11,7 @@
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
-#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora_nomerge lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -113,6 +113,12 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 50 120 "LoRA: 32 adapters at c=1 and 64, kernels only" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 32 --no-merge-lora --out "$OUT/engine_voxcpm2_lora32_nomerge.json" \
             2>"$OUT/lora_nomerge.log" >/dev/null ;;
+    lora_ab)  # issue 9's figures side by side: no LoRA, 32 and 256 adapters, c=1 and 64 twice each (one engine each)
+        for n in ${LORA_AB:-0 32 256}; do
+            stage 70 160 "A/B: $n LoRA adapters, c=1,64,1,64" $BENCH --concurrency 1,64,1,64 --requests-factor 2 \
+                --max-num-seqs 256 $([ "$n" -gt 0 ] && echo "--lora $n") --out "$OUT/lora_ab_$n.json" \
+                2>"$OUT/lora_ab_$n.log" >/dev/null
+        done ;;
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
         stage 70 150 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
@@ -159,7 +165,7 @@ out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
-             "engine_voxcpm2_lora32_nomerge.json"):
+             "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json"):
     path = out / name
     if not path.exists():
         print(f"{name}: not made (see logs.tar.gz)")

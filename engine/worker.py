@@ -16,6 +16,7 @@ Worker -> pool: ("ready", info) ("step", chunks, inline_audio, stats) ("reply", 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -257,6 +258,11 @@ class Worker:
         # steps are launched ahead (`_launch_ahead`), and those may admit waiting prompts (`async_mixed`)
         self.launches_ahead = cfg.async_scheduling and self.tp is None
         self.admits_ahead = self.launches_ahead and cfg.mixed_ahead(self.runner.device.type == "cuda")
+        # What exists now (modules, weights, graphs, Triton's caches: about a million objects) lives as long as the
+        # worker: out of the collector's sight, a full collection no longer walks it inside some step (vLLM does
+        # the same after capturing its graphs)
+        gc.collect()
+        gc.freeze()
         results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
                                 "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
                                 "pid": os.getpid(), "memory": self.runner.memory}))
