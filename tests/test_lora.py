@@ -184,6 +184,29 @@ def test_merged_adapter_equals_the_lora_kernels_and_restores_the_base_weights_ex
     assert all(torch.equal(v, base[k]) for k, v in ours.state_dict().items())
 
 
+@pytest.mark.parametrize("rows", [6, 96])  # a few rows per slot (each gathers its slot) and many (slot by slot)
+def test_lora_delta_add_is_each_rows_own_adapter(rows: int) -> None:
+    """The reference LoRA path, both ways it runs on CPU: row r gets y[r] + B[slot] (A[slot] x[r]) per part."""
+    from engine.model.lora import lora_delta_add
+
+    gen = torch.Generator().manual_seed(rows)
+    outs, rank, fan_in, slots = (5, 3, 4), 2, 7, 4
+    a = torch.randn(slots, 3 * rank, fan_in, generator=gen, dtype=torch.float64)
+    b = torch.randn(slots, sum(outs), rank, generator=gen, dtype=torch.float64)
+    a[0], b[0] = 0, 0
+    index = torch.randint(0, slots, (rows,), generator=gen)
+    x = torch.randn(rows, 3, fan_in, generator=gen, dtype=torch.float64)
+    y = torch.randn(rows, 3, sum(outs), generator=gen, dtype=torch.float64)
+    expected = y.clone()
+    for r, slot in enumerate(index.tolist()):
+        start = 0
+        for j, n in enumerate(outs):
+            t = x[r] @ a[slot, j * rank:(j + 1) * rank].T
+            expected[r, :, start:start + n] += t @ b[slot, start:start + n].T
+            start += n
+    torch.testing.assert_close(lora_delta_add(y, x, a, b, index, outs), expected)
+
+
 def test_three_adapters_and_base_in_one_batch_equal_each_alone() -> None:
     ours, slots, _ = setup("voxcpm2")
     names = ["a", None, "b", "c"]
