@@ -153,9 +153,9 @@ class MergedAdapter:
         Captured with capture_begin/end on a side stream rather than `torch.cuda.graph`, which collects garbage and
         empties the cache before each of what may be hundreds of captures."""
         device = next(iter(self.original.values())).device
-        self._write(1 if self.state.num_slots > 1 else 0)  # cuBLAS' handle and workspace exist before a capture
+        self._write(1)  # cuBLAS' handle and workspace exist before a capture (slot 1 always exists: attach_lora)
         self._write(0)
-        self.slot, self.version = 0, 0
+        self.slot, self.version = 0, 0  # the originals again, whatever `use` had merged before
         stream, pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
         stream.wait_stream(torch.cuda.current_stream(device))
         graphs = []
