@@ -129,16 +129,41 @@ def test_streamed_text_plays_the_servers_opus_audio(browser, gateway, tmp_path):
         demo.close()
 
 
+# What the player's first cushion (MIN_CUSHION_MS in player-worklet.js) leaves the page to receive and decode in.
+CLIENT_SLACK_MS = 60
+
+
+def server_came_close_to_a_gap(metrics: dict, patch_ms: float) -> bool:
+    """Whether, by the server's own `context.done` metrics, the engine came within CLIENT_SLACK_MS of starving the
+    listener: a silence it caused, a later segment whose first audio took nearly all the audio queued when it was
+    submitted, or a wait for a chunk that left less than the slack of a patch (on a loaded 2-core machine the tiny
+    engine's steps slow down ten-fold, and the page then runs dry through no fault of its own)."""
+    log = metrics["segment_log"]
+    return (metrics["max_gap_ms"] > 0
+            or any(s["engine_ttfb_ms"] > s["lead_ms"] - CLIENT_SLACK_MS for s in log[1:])
+            or any(s["max_wait_ms"] > patch_ms - CLIENT_SLACK_MS for s in log))
+
+
 def test_steady_stream_has_no_underrun_after_the_cushion(browser, gateway):
+    """The page never runs dry while the server keeps ahead; where the machine was too slow for that, every
+    underrun is reported, raises the cushion, and still no sample is lost."""
     demo = Demo(browser, gateway)
     try:
+        patch_ms = demo.event("open")["model"]["patch_ms"]
         demo.say("A steady stream of speech. It keeps on going without a pause, sentence after sentence.")
         done = demo.event("turn.finished")
         demo.wait("() => window.__voxgateTest.events.some((e) => e.type === 'idle')")
         stats = demo.stats()
-        assert stats["playedMs"][done["context_id"]] > 0
-        assert stats["underruns"] == 0, f"underruns in a steady stream: {demo.events('underrun')}"
-        assert demo.events("underrun") == []
+        underruns = demo.events("underrun")
+        assert stats["playedMs"][done["context_id"]] == pytest.approx(
+            done["audio_ms"] - OPUS_LOOKAHEAD / 48, abs=0.5), "the player lost or repeated audio"
+        assert len(done["metrics"]["segment_log"]) > 1, "one segment: no join between segments was heard"
+        if not server_came_close_to_a_gap(done["metrics"], patch_ms):
+            assert stats["underruns"] == 0, f"underruns while the server kept ahead: {underruns}, {done['metrics']}"
+        print(f"\nunderruns {stats['underruns']}, server metrics {done['metrics']}")
+        assert [u["underruns"] for u in underruns] == list(range(1, stats["underruns"] + 1))
+        assert stats["cushionMs"] == min(400, 60 + 40 * stats["underruns"]), "each underrun raises the cushion"
+        assert all(u["context"] == done["context_id"] for u in underruns)
     finally:
         demo.close()
 
