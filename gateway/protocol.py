@@ -76,6 +76,12 @@ class Limits:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def ws_max_msg_size(self) -> int:
+        """aiohttp's cap on one WebSocket message: above it aiohttp drops the connection with close code 1009; from
+        max_message_bytes up to it, the session answers with a clear message_too_large error and carries on."""
+        return 2 * self.max_message_bytes + 65536
+
 
 # ---------------------------------------------------------------------------------------------- client -> server
 

@@ -204,10 +204,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return _error(401, ErrorCode.UNAUTHORIZED, str(e))
     if gw.draining:
         return _error(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
-    limits = gw.config.limits
-    # aiohttp drops frames above its own cap with close code 1009; below that, the session answers with a clear
-    # message_too_large error and carries on
-    ws = web.WebSocketResponse(max_msg_size=2 * limits.max_message_bytes + 65536, compress=False, autoping=True)
+    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
     await ws.prepare(request)
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if gw.config.socket_send_buffer and sock is not None:

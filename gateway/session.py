@@ -366,11 +366,15 @@ class Session:
             except RuntimeError as e:  # libopus missing: the message says how to fix it, or to ask for PCM
                 raise ProtocolError(ErrorCode.INVALID_VALUE, str(e)) from None
         gen = self.generation if generation is None else self.generation.merged(generation)
-        if set_voice and voice is not None and voice not in voice_ids(await _maybe_await(self.engine.list_voices())):
+        if set_voice and voice is not None and voice not in await stored_voices(self.engine):
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
         self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
         if set_voice:
             self.voice = voice
+
+    def is_live(self, context_id: str) -> bool:
+        """Whether the context is a turn still running: after an error naming it, False when the error ended it."""
+        return context_id in self.turns
 
     def _turn(self, context_id: str) -> Turn:
         turn = self.turns.get(context_id)
@@ -875,8 +879,11 @@ def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -
     return " ".join(t for t in heard if t), " ".join(t for t in rest if t)
 
 
-def voice_ids(voices: Any) -> set[str]:
-    """Ids from engine.list_voices() (VoiceInfo objects or plain ids)."""
+async def stored_voices(engine: Any) -> set[str]:
+    """Ids of the engine's stored voices (`list_voices` may be sync or async, of VoiceInfo objects or plain ids)."""
+    voices = engine.list_voices()
+    if asyncio.iscoroutine(voices):
+        voices = await voices
     return {getattr(v, "voice_id", v) for v in voices}
 
 
@@ -910,10 +917,6 @@ def _encode_head(encoder: Encoder, pcm: np.ndarray, frames: int, step: int) -> t
         out += encoder.encode(pcm[used:used + step])
         used += step
     return out, min(used, len(pcm))
-
-
-async def _maybe_await(x: Any) -> Any:
-    return await x if asyncio.iscoroutine(x) else x
 
 
 async def _aclose(stream: Any) -> None:

@@ -15,7 +15,8 @@ from engine import Engine
 from gateway.client import VoxgateClient
 from gateway.server import ServerConfig, create_app, start_server
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the module-scoped gateway fixture's loop
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -37,6 +38,7 @@ async def gateway_url(tiny_v2_dir):
     await engine.stop()
 
 
+@in_module_loop
 async def test_say_locally_writes_a_wav_and_reports_ttfb_and_rtf(tiny_v2_dir, tmp_path):
     out = tmp_path / "local.wav"
     code, text = await _voxgate("say", "Hello there.", "-o", str(out), "--model", str(tiny_v2_dir), "--seed", "1")
@@ -46,6 +48,7 @@ async def test_say_locally_writes_a_wav_and_reports_ttfb_and_rtf(tiny_v2_dir, tm
     assert "TTFB" in text and "RTF" in text
 
 
+@in_module_loop
 async def test_say_through_the_gateway(gateway_url, tmp_path):
     out = tmp_path / "remote.wav"
     code, text = await _voxgate("say", "Hello through the gateway.", "-o", str(out), "--server", gateway_url)
@@ -54,6 +57,7 @@ async def test_say_through_the_gateway(gateway_url, tmp_path):
     assert rate == 48000 and len(audio) > 0 and "TTFB" in text
 
 
+@in_module_loop
 async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
     code, text = await _voxgate("say", "  ", "-o", str(tmp_path / "x.wav"), "--server", gateway_url)
     assert code == 2 and "no text" in text and "Traceback" not in text
@@ -61,6 +65,7 @@ async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
     assert code == 2 and "cannot connect" in text and "Traceback" not in text
 
 
+@in_module_loop
 async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

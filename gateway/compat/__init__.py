@@ -1,18 +1,25 @@
-"""Foreign protocols over the one native `Session`: OpenAI speech (HTTP), ElevenLabs stream-input (WebSocket) and a
-Twilio Media Streams bridge. Each adapter only translates messages: it feeds the session native client messages and
-is the session's `Transport`, turning the native messages and audio frames the session sends into the foreign form.
-Segmenting, pacing, encoding and cancellation exist once, in gateway.session and gateway.audio."""
+"""Foreign protocols over the one native `Session`: OpenAI speech (HTTP), the ElevenLabs, Cartesia and Deepgram
+streaming WebSockets, and a Twilio Media Streams bridge. Each adapter only translates messages: it feeds the session
+native client messages and is the session's `Transport`, turning the native messages and audio frames the session
+sends into the foreign form. Segmenting, pacing, encoding and cancellation exist once, in gateway.session and
+gateway.audio; the life of a foreign socket's session exists once, in `SocketBridge`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
+from gateway.protocol import Limits
+from gateway.session import Session
 
 if TYPE_CHECKING:  # gateway.server may import this package from its app factory
     from gateway.server import Gateway
@@ -21,10 +28,12 @@ if TYPE_CHECKING:  # gateway.server may import this package from its app factory
 def register(app: web.Application) -> None:
     """Add the compat routes to an application made by `gateway.server.create_app` (before it starts, and before
     any catch-all static route)."""
-    from gateway.compat import elevenlabs, openai, twilio  # here: the adapters import this module's helpers
+    from gateway.compat import cartesia, deepgram, elevenlabs, openai, twilio  # here: they import this module
 
     openai.register(app)
     elevenlabs.register(app)
+    cartesia.register(app)
+    deepgram.register(app)
     twilio.register(app)
 
 
@@ -63,4 +72,91 @@ class Transcoder:
         return b"" if self._encoder is None else b"".join(self._encoder.finish())
 
 
-__all__ = ["register", "native", "check_api_key", "gateway_of", "Transcoder", "AuthError"]
+class SocketBridge:
+    """One foreign-protocol WebSocket over one native Session, from the first message to the release of everything.
+
+    A subclass translates the client's messages (`handle`, which feeds the session through `to_session`) and is the
+    session's Transport: `send_text` receives each native message, `send_bytes` each audio frame (native header
+    included). The session is opened by `start_session` once the adapter knows the key and the settings, and counts
+    like a native one (server limits, readiness, the shutdown drain)."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse):
+        self.request, self.ws = request, ws
+        self.gw = gateway_of(request)
+        self.key: str | None = None  # the authenticated key, once checked
+        self.session: Session | None = None
+        self.closing = False  # no more client messages are read
+        self._tracking = contextlib.ExitStack()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def on_open(self) -> None:
+        """The socket is open (the first thing `serve` does): a protocol that knows its settings from the handshake
+        starts its session here."""
+
+    async def handle(self, raw: str | bytes) -> None:
+        """One message from the client."""
+        raise NotImplementedError
+
+    async def send_text(self, data: str) -> None:
+        raise NotImplementedError
+
+    async def send_bytes(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def start_session(self, limits: Limits, **start: Any) -> None:
+        """Open the native session under `limits` and send it `session.start` with these fields."""
+        assert self.key is not None, "authenticate before starting the session"
+        config = dataclasses.replace(self.gw.config.session, limits=limits)
+        self.session = Session(self.gw.engine, self, config, metrics=self.gw.metrics)
+        self.session.open()
+        self._tracking.enter_context(self.gw.tracked(self.session, self.key))
+        await self.to_session("session.start", **start)
+
+    async def to_session(self, kind: str, **fields: Any) -> None:
+        """Feed the session one native client message."""
+        assert self.session is not None
+        await self.session.receive(native(kind, **fields))
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close the session (which closes the socket through this Transport), or the socket alone."""
+        self.closing = True
+        if self.session is not None and not self.session.closed:
+            await self.session.close(code, reason)  # comes back here through the transport
+            return
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, message=reason.encode()[:120])
+
+    def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+    def background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a coroutine beside the message loop: a close from inside the session's own send would wait on itself.
+        `release` waits for these."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def serve(self) -> None:
+        """Read the client's messages until either side closes, then release everything."""
+        try:
+            await self.on_open()
+            async for msg in self.ws:
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    await self.handle(msg.data)
+                elif msg.type == WSMsgType.ERROR:
+                    break
+                if self.closing or self.session is not None and self.session.closed:
+                    break
+        finally:
+            await self.release()
+
+    async def release(self) -> None:
+        """The socket is gone: stop the session (cancelling its turns) and give back its place."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a close in progress keeps its code
+        if self.session is not None:
+            await self.session.close(1000, "")
+        self._tracking.close()
+
+
+__all__ = ["register", "native", "check_api_key", "gateway_of", "Transcoder", "AuthError", "SocketBridge"]

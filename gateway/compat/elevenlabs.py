@@ -24,12 +24,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
-from gateway.compat import AuthError, Transcoder, check_api_key, gateway_of, native
+from gateway.compat import AuthError, SocketBridge, Transcoder, check_api_key, gateway_of
 from gateway.protocol import ErrorCode
-from gateway.session import Session, voice_ids
+from gateway.session import stored_voices
 
 log = logging.getLogger("voxgate.compat.elevenlabs")
 
@@ -100,19 +100,15 @@ class _Context:
     transcoder: Transcoder | None = None
 
 
-class Bridge:
+class Bridge(SocketBridge):
     """One ElevenLabs socket: translates its messages for the session, and is the session's Transport."""
 
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, voice_id: str, multi: bool,
-                 wire: WireFormat, authed_key: str | None):
-        self.request, self.ws, self.multi, self.wire = request, ws, multi, wire
-        self.voice_id = voice_id
-        self.key = authed_key  # None until the first message's xi_api_key is checked
-        self.session: Session | None = None
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, voice_id: str, multi: bool):
+        super().__init__(request, ws)
+        self.multi, self.voice_id = multi, voice_id
+        self.wire = WireFormat({}, None)  # the query's output_format, once parsed
         self.contexts: dict[str, _Context] = {}
         self.by_index: dict[int, str] = {}
-        self.closing = False
-        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------------------------ client -> us
 
@@ -144,7 +140,7 @@ class Bridge:
         return message
 
     def _authenticate(self, message: dict[str, Any]) -> str:
-        gw = gateway_of(self.request)
+        gw = self.gw
         try:
             key = check_api_key(gw, message.get("xi_api_key"))
         except AuthError as e:
@@ -158,18 +154,12 @@ class Bridge:
         return key
 
     async def _start(self, first: dict[str, Any]) -> None:
-        gw = gateway_of(self.request)
         chunking = _chunking(first.get("generation_config"))
-        limits = dataclasses.replace(gw.config.limits, idle_timeout_s=_inactivity(
+        limits = dataclasses.replace(self.gw.config.limits, idle_timeout_s=_inactivity(
             self.request.query.get("inactivity_timeout")), max_contexts=MAX_CONTEXTS if self.multi else 1)
-        self.session = Session(gw.engine, self, dataclasses.replace(gw.config.session, limits=limits),
-                               metrics=gw.metrics)
-        self.session.open()
-        gw.sessions.add(self.session)  # counted like a native session (limits, readiness, shutdown drain)
-        gw.per_key[self.key] += 1
-        stored = voice_ids(await _maybe_await(gw.engine.list_voices()))
-        await self._receive(native("session.start", voice=self.voice_id if self.voice_id in stored else None,
-                                   output=self.wire.native, chunking=chunking))
+        stored = await stored_voices(self.gw.engine)
+        await self.start_session(limits, voice=self.voice_id if self.voice_id in stored else None,
+                                 output=self.wire.native, chunking=chunking)
 
     async def _dispatch(self, m: dict[str, Any]) -> None:
         if m.get("close_socket"):
@@ -185,40 +175,36 @@ class Bridge:
             if not self.multi:  # end of input: speak the rest, then isFinal and close
                 await self._end(cid, ctx)
             else:
-                await self._receive(native("ping"))
+                await self.to_session("ping")
         elif text is not None:
             if ctx is None or not ctx.opened:
                 if ctx is None and m.get("generation_config") is not None and self.multi:
-                    await self._receive(native("session.update", chunking=_chunking(m["generation_config"])))
+                    await self.to_session("session.update", chunking=_chunking(m["generation_config"]))
                 ctx = self.contexts.setdefault(cid, _Context())
                 if not text.strip():  # the init message: the context opens with its first words
                     return
                 ctx.opened = True
             ctx.unflushed = True
-            await self._receive(native("text.append", context_id=cid, text=text))
+            await self.to_session("text.append", context_id=cid, text=text)
         if m.get("flush") and ctx is not None and ctx.opened:
             ctx.unflushed = False
-            await self._receive(native("text.flush", context_id=cid))
+            await self.to_session("text.flush", context_id=cid)
 
     async def _end(self, cid: str, ctx: _Context | None) -> None:
         if ctx is not None and ctx.opened:
-            await self._receive(native("context.end", context_id=cid))
+            await self.to_session("context.end", context_id=cid)
         else:  # nothing was said: the utterance is over at once
             await self._final(cid)
-            self._background(self.close(1000, "done"))
+            self.background(self.close(1000, "done"))
 
     async def _close_context(self, cid: str, ctx: _Context | None) -> None:
         if ctx is None or not ctx.opened:
             self.contexts.pop(cid, None)
             await self._final(cid)
         elif ctx.unflushed:
-            await self._receive(native("context.cancel", context_id=cid))
+            await self.to_session("context.cancel", context_id=cid)
         else:
-            await self._receive(native("context.end", context_id=cid))
-
-    async def _receive(self, message: str) -> None:
-        assert self.session is not None
-        await self.session.receive(message)
+            await self.to_session("context.end", context_id=cid)
 
     # ------------------------------------------------------------------------------------------------ us -> client
     # (the session's Transport)
@@ -239,7 +225,7 @@ class Bridge:
                     await self._audio(cid, ctx.transcoder.finish())
             await self._final(cid)
             if not self.multi:
-                self._background(self.close(1000, "done"))
+                self.background(self.close(1000, "done"))
         elif kind == "error":
             code = m.get("code", "")
             await self.fail(ElevenLabsError(_ERROR_NAMES.get(code, code), m.get("message", ""),
@@ -254,18 +240,6 @@ class Bridge:
         payload = bytes(data[HEADER_SIZE:])
         await self._audio(cid, ctx.transcoder.write(payload) if ctx.transcoder is not None else payload)
 
-    async def close(self, code: int, reason: str) -> None:
-        self.closing = True
-        if self.session is not None and not self.session.closed:
-            await self.session.close(code, reason)  # comes back here through the transport
-            return
-        with contextlib.suppress(Exception):
-            await self.ws.close(code=code, message=reason.encode()[:120])
-
-    def abort(self) -> None:
-        if self.request.transport is not None:
-            self.request.transport.abort()
-
     async def fail(self, e: ElevenLabsError) -> None:
         """ElevenLabs reports an error as a JSON message, then closes the socket with the code."""
         if self.closing:
@@ -275,7 +249,7 @@ class Bridge:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.send_str(json.dumps({"message": e.message, "error": e.error,
                                                                 "code": e.code})), 1.0)
-        self._background(self.close(e.code, e.message))
+        self.background(self.close(e.code, e.message))
 
     async def _audio(self, cid: str, payload: bytes) -> None:
         if payload:
@@ -288,21 +262,6 @@ class Bridge:
     async def _final(self, cid: str) -> None:
         await self.ws.send_str(json.dumps({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True}))
 
-    async def release(self) -> None:
-        """The socket is gone: stop the session and give back its place."""
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # a close in progress keeps its code
-        if self.session is not None:
-            await self.session.close(1000, "")
-            gw = gateway_of(self.request)
-            gw.sessions.discard(self.session)
-            gw.per_key[self.key] -= 1
-            if gw.per_key[self.key] <= 0:
-                del gw.per_key[self.key]
-
-    def _background(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)  # not from inside the session's own send: it would wait on itself
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 def _chunking(generation_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -314,10 +273,6 @@ def _chunking(generation_config: dict[str, Any] | None) -> dict[str, Any]:
         raise ElevenLabsError("invalid_request", "generation_config.chunk_length_schedule must be a non-empty list "
                               "of positive integers")
     return {"schedule": schedule, "max_chars": max(300, *schedule)}
-
-
-async def _maybe_await(x: Any) -> Any:
-    return await x if asyncio.iscoroutine(x) else x
 
 
 # ---------------------------------------------------------------------------------------------------- handlers
@@ -335,10 +290,9 @@ async def multi_stream_input(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
     gw = gateway_of(request)
-    limits = gw.config.limits
-    ws = web.WebSocketResponse(max_msg_size=2 * limits.max_message_bytes + 65536, compress=False, autoping=True)
+    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
     await ws.prepare(request)
-    bridge = Bridge(request, ws, request.match_info["voice_id"], multi, WireFormat({}, None), None)
+    bridge = Bridge(request, ws, request.match_info["voice_id"], multi)
     try:
         bridge.wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
         _inactivity(request.query.get("inactivity_timeout"))
@@ -349,16 +303,7 @@ async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
         await bridge.fail(e)
         await bridge.release()
         return ws
-    try:
-        async for msg in ws:
-            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                await bridge.handle(msg.data)
-            elif msg.type == WSMsgType.ERROR:
-                break
-            if bridge.closing or bridge.session is not None and bridge.session.closed:
-                break
-    finally:
-        await bridge.release()
+    await bridge.serve()
     return ws
 
 

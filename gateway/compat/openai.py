@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.audio import HEADER_SIZE, OutputFormat, av_available
 from gateway.compat import AuthError, Transcoder, gateway_of, native
 from gateway.protocol import ErrorCode
-from gateway.session import Session, voice_ids
+from gateway.session import Session, stored_voices
 
 log = logging.getLogger("voxgate.compat.openai")
 
@@ -200,7 +200,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             raise OpenAIError(400, "the request body is not valid JSON") from None
-        req = parse_speech_request(body, voice_ids(await _maybe_await(gw.engine.list_voices())))
+        req = parse_speech_request(body, await stored_voices(gw.engine))
         refused = gw.refusal(key)
         if refused is not None:
             raise OpenAIError(503 if gw.draining else 429, refused.message, type="server_error" if gw.draining else
@@ -293,15 +293,11 @@ async def voices(request: web.Request) -> web.Response:
         _authenticate(request)
     except OpenAIError as e:
         return e.response()
-    stored = sorted(voice_ids(await _maybe_await(gateway_of(request).engine.list_voices())))
+    stored = sorted(await stored_voices(gateway_of(request).engine))
     data = [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "audio_sample"} for v in stored]
     data += [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "builtin"}
              for v in BUILTIN_VOICES]
     return web.json_response({"object": "list", "data": data})
-
-
-async def _maybe_await(x: Any) -> Any:
-    return await x if asyncio.iscoroutine(x) else x
 
 
 def register(app: web.Application) -> None:

@@ -178,7 +178,7 @@ async def control(request: web.Request) -> web.StreamResponse:
     refused = gw.refusal(key)
     if refused is not None:
         return web.json_response({"error": {"code": str(refused.code), "message": refused.message}}, status=503)
-    ws = web.WebSocketResponse(max_msg_size=2 * gw.config.limits.max_message_bytes + 65536, compress=False)
+    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False)
     await ws.prepare(request)
     bridge = CallBridge(request, ws)
     limits = dataclasses.replace(gw.config.limits, max_contexts=1)

@@ -1,0 +1,285 @@
+"""Cartesia-compatible streaming WebSocket `GET /tts/websocket`: Pipecat's and LiveKit's Cartesia plugins (and
+Cartesia's own SDK) work with only a URL change.
+
+Auth: `X-API-Key` or `Authorization: Bearer` headers, `?api_key=`, or `?access_token=` (a voxgate token from
+`POST /v1/tokens`, for browsers); `Cartesia-Version` is accepted and ignored. A refused handshake gets HTTP 401/429/503.
+
+Client -> native:
+- a generation request {context_id, transcript, voice {mode: "id", id}, output_format {container: "raw", encoding:
+  pcm_s16le | pcm_f32le | pcm_mulaw | pcm_alaw, sample_rate}, continue, flush, max_buffer_delay_ms, add_timestamps,
+  model_id, language, ...} -> text.append on that context, opened with its voice and format (a session.update first
+  when they differ from the previous context's: contexts already speaking keep theirs);
+- `flush` -> text.flush, answered by flush_done with flush_id 1, 2, ... once that audio is sent (chunks carry the
+  flush_id their audio belongs to); `max_buffer_delay_ms: 0` (the client buffers: each input is a whole unit) ->
+  text.flush after every input;
+- `continue` false or missing (no more input) -> context.end;
+- {context_id, cancel: true} -> context.cancel; nothing more is sent for that context.
+Native -> client: audio frames -> {type: "chunk", data: base64, done: false, status_code: 206, step_time (ms since
+the context's previous chunk), context_id}; context.done -> {type: "done", done: true, status_code: 200}; errors ->
+{type: "error", context_id, status_code, title, message, error_code, done} (done: false when only that message was
+refused and the context goes on). `add_timestamps` -> {type: "timestamps", word_timestamps {words, start, end}} once
+a segment's audio span is known: VoxCPM gives no alignment, so each segment's span is shared among its words by
+length (an estimate, close enough to keep an agent's transcript in step with playback). Model, language and speed
+have no VoxCPM equivalent and are ignored; a voice id that is not a stored voice speaks with the default voice."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from gateway.audio import HEADER_SIZE, PCM_RATES, unpack_frame_header
+from gateway.auth import AuthError
+from gateway.compat import SocketBridge, check_api_key, gateway_of
+from gateway.protocol import ErrorCode
+from gateway.session import stored_voices
+
+log = logging.getLogger("voxgate.compat.cartesia")
+
+IDLE_TIMEOUT_S = 300.0  # Cartesia closes an idle socket after 5 minutes
+ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+# native error code -> the HTTP-style status Cartesia reports it with (client mistakes otherwise: 400)
+_STATUS = {ErrorCode.UNAUTHORIZED: 401, ErrorCode.RATE_LIMITED: 429, ErrorCode.TOO_MANY_CONTEXTS: 429,
+           ErrorCode.IDLE_TIMEOUT: 408, ErrorCode.OVERLOADED: 503, ErrorCode.SERVER_SHUTDOWN: 503,
+           ErrorCode.ENGINE_ERROR: 500, ErrorCode.INTERNAL_ERROR: 500}
+# a word for the timestamps: one CJK character (Cartesia reports those one by one), or a run of anything but spaces
+_CJK = "\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af"
+_WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
+
+
+class CartesiaError(Exception):
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+@dataclass
+class _Context:
+    encoding: str  # the client's: pcm_f32le is made here from the session's s16
+    timestamps: bool
+    index: int | None = None  # the native context's frame index, once context.started arrived
+    flushes: int = 0  # flush requests so far
+    flushed: int = 0  # flush_done sent so far: the audio being sent belongs to flush_id flushed + 1
+    ended: bool = False  # `continue: false` arrived
+    segment: tuple[float, str] | None = None  # (pts_ms, text) of the segment being sent, for timestamps
+    last_chunk_at: float = field(default_factory=time.monotonic)
+
+
+class CartesiaBridge(SocketBridge):
+    """One Cartesia socket: translates its messages for the session, and is the session's Transport."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, key: str):
+        super().__init__(request, ws)
+        self.key = key
+        self.contexts: dict[str, _Context] = {}
+        self.by_index: dict[int, str] = {}
+        self.settings: tuple[str | None, str] = (None, "")  # (voice, output as JSON) of the session now
+
+    async def on_open(self) -> None:
+        await self.start_session(dataclasses.replace(self.gw.config.limits, idle_timeout_s=IDLE_TIMEOUT_S))
+
+    # ------------------------------------------------------------------------------------------------ client -> us
+
+    async def handle(self, raw: str | bytes) -> None:
+        cid = None
+        try:
+            m = _parse(raw)
+            cid = m["context_id"]
+            if m.get("cancel") is True:
+                if cid in self.contexts:
+                    await self.to_session("context.cancel", context_id=cid)
+                return
+            await self._generate(cid, m)
+        except CartesiaError as e:  # a refused message: a context already speaking goes on
+            await self._error(cid, e.status, e.code, e.message, done=cid not in self.contexts)
+
+    async def _generate(self, cid: str, m: dict[str, Any]) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            voice, output, encoding = await self._voice(m.get("voice")), *_output_format(m.get("output_format"))
+            settings = (voice, json.dumps(output, sort_keys=True))
+            if settings != self.settings:  # contexts already speaking keep theirs
+                await self.to_session("session.update", voice=voice, output=output)
+                self.settings = settings
+            ctx = self.contexts[cid] = _Context(encoding, m.get("add_timestamps") is True)
+        elif ctx.ended:
+            raise CartesiaError(f"context {cid!r} already had its last input (continue: false); use a new "
+                                "context_id")
+        transcript = m["transcript"]
+        await self.to_session("text.append", context_id=cid, text=transcript)
+        if m.get("flush") is True:
+            ctx.flushes += 1
+            await self.to_session("text.flush", context_id=cid, flush_id=str(ctx.flushes))
+        elif m.get("max_buffer_delay_ms") == 0 and transcript.strip():
+            await self.to_session("text.flush", context_id=cid)  # each input is a whole unit: speak it now
+        if m.get("continue") is not True:
+            ctx.ended = True
+            await self.to_session("context.end", context_id=cid)
+
+    async def _voice(self, voice: Any) -> str | None:
+        if not isinstance(voice, dict) or voice.get("mode") != "id" or not isinstance(voice.get("id"), str):
+            raise CartesiaError("voice must be {\"mode\": \"id\", \"id\": \"<voice id>\"}; other modes are not "
+                                "supported")
+        return voice["id"] if voice["id"] in await stored_voices(self.gw.engine) else None
+
+    # ------------------------------------------------------------------------------------------------ us -> client
+    # (the session's Transport)
+
+    async def send_text(self, data: str) -> None:
+        m = json.loads(data)
+        kind, cid = m.get("type"), m.get("context_id")
+        ctx = self.contexts.get(cid) if cid is not None else None
+        if kind == "error":
+            await self._native_error(m, cid, ctx)
+        elif ctx is None:
+            return  # session replies, and what comes after a cancel or an error
+        elif kind == "context.started":
+            ctx.index = m["index"]
+            self.by_index[ctx.index] = cid
+        elif kind == "segment.started":
+            await self._timestamps(cid, ctx, m["pts_ms"])
+            ctx.segment = (m["pts_ms"], m["text"])
+        elif kind == "text.flushed" and m.get("flush_id") is not None:
+            ctx.flushed = int(m["flush_id"])
+            await self._send({"type": "flush_done", "context_id": cid, "flush_id": ctx.flushed, "flush_done": True,
+                              "done": False, "status_code": 206})
+        elif kind == "context.done":
+            await self._timestamps(cid, ctx, m["audio_ms"])
+            self._forget(cid)
+            await self._send({"type": "done", "context_id": cid, "done": True, "status_code": 200})
+        elif kind == "context.cancelled":
+            self._forget(cid)
+
+    async def send_bytes(self, data: bytes) -> None:
+        cid = self.by_index.get(unpack_frame_header(data)[2])
+        ctx = self.contexts.get(cid) if cid is not None else None
+        if ctx is None:
+            return
+        payload = bytes(data[HEADER_SIZE:])
+        if ctx.encoding == "pcm_f32le":
+            payload = (np.frombuffer(payload, dtype="<i2").astype("<f4") / 32768.0).tobytes()
+        now = time.monotonic()
+        message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
+                   "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
+        if ctx.flushes:
+            message["flush_id"] = ctx.flushed + 1
+        ctx.last_chunk_at = now
+        await self._send(message)
+
+    async def _native_error(self, m: dict[str, Any], cid: str | None, ctx: _Context | None) -> None:
+        """A refused message leaves its context running (done: false); an error that ended the context, or the
+        session, is its last word (done: true)."""
+        assert self.session is not None
+        over = m.get("fatal") is True or ctx is not None and not self.session.is_live(cid)
+        code = m.get("code", "")
+        await self._error(cid, _STATUS.get(code, 400), code, m.get("message", ""), done=over)
+        if m.get("fatal") is True:
+            self.closing = True  # the session closes the socket next
+        elif over:
+            self._forget(cid)
+
+    async def _timestamps(self, cid: str, ctx: _Context, end_ms: float) -> None:
+        """Word timestamps of the segment that ends at `end_ms` (its audio span shared among its words by length)."""
+        if not ctx.timestamps or ctx.segment is None:
+            return
+        start_ms, text = ctx.segment
+        words = _WORD.findall(text)
+        if not words:
+            return
+        weights = np.array([len(w) + 1 for w in words], dtype=np.float64)  # a space's worth of time between words
+        edges = (start_ms + (end_ms - start_ms) * np.concatenate(([0.0], np.cumsum(weights))) / weights.sum()) / 1e3
+        await self._send({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
+                          "word_timestamps": {"words": words, "start": np.round(edges[:-1], 3).tolist(),
+                                              "end": np.round(edges[1:], 3).tolist()}})
+
+    async def _error(self, cid: str | None, status: int, code: str, message: str, done: bool = True) -> None:
+        log.info("cartesia socket error %s (context %s): %s", code, cid, message)
+        await self._send({"type": "error", "context_id": cid, "status_code": status, "done": done,
+                          "title": code.replace("_", " "), "error_code": code, "message": message})
+
+    def _forget(self, cid: str) -> None:
+        ctx = self.contexts.pop(cid, None)
+        if ctx is not None and ctx.index is not None:
+            self.by_index.pop(ctx.index, None)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self.ws.send_str(json.dumps(message, ensure_ascii=False))
+
+
+def _parse(raw: str | bytes) -> dict[str, Any]:
+    if isinstance(raw, bytes):
+        raise CartesiaError("send JSON text messages, not binary")
+    try:
+        m = json.loads(raw)
+    except ValueError as e:
+        raise CartesiaError(f"invalid JSON: {e}") from None
+    if not isinstance(m, dict):
+        raise CartesiaError("a message must be a JSON object")
+    if not isinstance(m.get("context_id"), str) or not m["context_id"]:
+        raise CartesiaError("context_id is required (a non-empty string)")
+    if m.get("cancel") is True:
+        return m
+    if not isinstance(m.get("transcript"), str):
+        raise CartesiaError("transcript is required (a string)")
+    for name in ("continue", "flush", "add_timestamps"):
+        if m.get(name) is not None and not isinstance(m[name], bool):
+            raise CartesiaError(f"{name} must be true or false")
+    delay = m.get("max_buffer_delay_ms")
+    if delay is not None and (type(delay) is not int or not 0 <= delay <= 5000):
+        raise CartesiaError("max_buffer_delay_ms must be an integer from 0 to 5000")
+    return m
+
+
+def _output_format(fmt: Any) -> tuple[dict[str, Any], str]:
+    """Cartesia's raw output_format -> (native session output, the client's encoding)."""
+    if not isinstance(fmt, dict) or fmt.get("container") != "raw":
+        raise CartesiaError("output_format must be {\"container\": \"raw\", \"encoding\": ..., \"sample_rate\": ...}")
+    encoding, rate = fmt.get("encoding"), fmt.get("sample_rate")
+    if encoding not in ENCODINGS:
+        raise CartesiaError(f"output_format.encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
+    native = ENCODINGS[encoding]
+    rates = PCM_RATES if native == "pcm_s16le" else (8000,)
+    if rate not in rates:
+        raise CartesiaError(f"output_format.sample_rate {rate!r} is not one of {', '.join(map(str, rates))} for "
+                            f"{encoding}")
+    return {"format": native, "sample_rate": rate}, encoding
+
+
+def _authenticate(request: web.Request) -> str:
+    """The key of the handshake: `?access_token=` (a voxgate token), `Authorization: Bearer`, `X-API-Key` or
+    `?api_key=`; AuthError if refused."""
+    gw = gateway_of(request)
+    token = request.query.get("access_token")
+    if token is not None or request.headers.get("Authorization"):
+        return gw.auth.authenticate(request.headers.get("Authorization"), token)
+    return check_api_key(gw, request.headers.get("X-API-Key") or request.query.get("api_key"))
+
+
+async def websocket(request: web.Request) -> web.StreamResponse:
+    """GET /tts/websocket."""
+    gw = gateway_of(request)
+    try:
+        key = _authenticate(request)
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        return web.json_response({"error": "unauthorized", "message": f"{e}; send X-API-Key"}, status=401)
+    refused = gw.refusal(key)
+    if refused is not None:
+        return web.json_response({"error": str(refused.code), "message": refused.message},
+                                 status=503 if refused.code != ErrorCode.RATE_LIMITED else 429)
+    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
+    await ws.prepare(request)
+    await CartesiaBridge(request, ws, key).serve()
+    return ws
+
+
+def register(app: web.Application) -> None:
+    app.router.add_get("/tts/websocket", websocket)

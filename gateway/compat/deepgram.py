@@ -1,0 +1,253 @@
+"""Deepgram-compatible streaming WebSocket `GET /v1/speak` (Aura's continuous text stream): Pipecat's and LiveKit's
+Deepgram TTS plugins work with only a URL change.
+
+Handshake: `model` (a stored voice id speaks with that voice; any other name, aura-2-helena-en say, the default
+voice), `encoding` linear16 (default) | mulaw | alaw, `sample_rate` (linear16: 8000, 16000, 24000 (default), 48000;
+G.711: 8000 (default)); `speed`, `mip_opt_out` and `container=none` are accepted and have no effect. Auth:
+`Authorization: Token <key>` (or `Bearer <key>`), `Sec-WebSocket-Protocol: token, <key>` for browsers, or `?token=`
+(a voxgate token from `POST /v1/tokens`). A bad parameter or credential is refused before the upgrade, with HTTP
+400/401/429/503 and the reason in the `dg-error` header (where Deepgram puts it) and a JSON body.
+
+Deepgram's output is one audio stream, so its text is a sequence of utterances, each closed by Flush, each one native
+context; the next starts once the previous one's audio has all been sent (audio never interleaves, and the next
+utterance still has all the audio the listener has queued to start in).
+Client -> native: Speak {text} -> text.append; Flush -> context.end, answered by Flushed {sequence_id} once that
+utterance's audio is all sent; Clear -> context.cancel of what speaks, and the utterances waiting are dropped,
+answered by Cleared {sequence_id}; Close -> Flush, then the socket closes once everything is sent. sequence_id
+counts those answers from 0.
+Native -> client: a Metadata message first; audio frames -> binary messages of raw samples; errors -> Warning
+{description, code} (a fatal one is followed by the close: 1008 for the client's mistakes, 1011 for server faults)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.audio import HEADER_SIZE
+from gateway.auth import AuthError
+from gateway.compat import SocketBridge, check_api_key, gateway_of
+from gateway.protocol import ErrorCode
+from gateway.session import stored_voices
+
+log = logging.getLogger("voxgate.compat.deepgram")
+
+DEFAULT_MODEL = "aura-2-helena-en"
+# encoding -> (native format, default rate, rates)
+ENCODINGS = {"linear16": ("pcm_s16le", 24000, (8000, 16000, 24000, 48000)), "mulaw": ("mulaw", 8000, (8000,)),
+             "alaw": ("alaw", 8000, (8000,))}
+
+
+class DeepgramError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+    def response(self) -> web.Response:
+        return web.json_response({"err_code": self.code, "err_msg": self.message}, status=self.status,
+                                 headers={"dg-error": self.message})
+
+
+@dataclass
+class _Utterance:
+    """Speak text up to a Flush, waiting for the utterance before it to finish."""
+
+    texts: list[str] = field(default_factory=list)
+    flushed: bool = False
+
+
+class DeepgramBridge(SocketBridge):
+    """One Deepgram socket: translates its messages for the session, and is the session's Transport."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, key: str, voice: str | None,
+                 output: dict[str, Any]):
+        super().__init__(request, ws)
+        self.key, self.voice, self.output = key, voice, output
+        self.current: str | None = None  # the native context of the utterance speaking (ending or cancelled too)
+        self.open = False  # Speak text still goes to `current` (not yet flushed)
+        self.waiting: deque[_Utterance] = deque()
+        self.sequence = 0  # the next Flushed / Cleared sequence_id
+        self.close_when_done = False  # Close arrived
+        self._ids = (str(i) for i in itertools.count())
+
+    async def on_open(self) -> None:
+        model = self.request.query.get("model", DEFAULT_MODEL)
+        await self._send({"type": "Metadata", "request_id": str(uuid.uuid4()), "model_name": model,
+                          "model_version": "voxgate", "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, model))})
+        await self.start_session(self.gw.config.limits, voice=self.voice, output=self.output)
+
+    # ------------------------------------------------------------------------------------------------ client -> us
+
+    async def handle(self, raw: str | bytes) -> None:
+        try:
+            m = _parse(raw)
+        except ValueError as e:
+            await self._warning("INVALID_MESSAGE", str(e))
+            return
+        kind = m["type"]
+        if kind == "Speak":
+            await self._speak(m["text"])
+        elif kind in ("Flush", "Close"):
+            self.close_when_done |= kind == "Close"
+            await self._flush()
+        elif kind == "Clear":
+            await self._clear()
+
+    async def _speak(self, text: str) -> None:
+        if self.open and not self.waiting:
+            await self.to_session("text.append", context_id=self.current, text=text)
+            return
+        if not self.waiting or self.waiting[-1].flushed:
+            self.waiting.append(_Utterance())
+        self.waiting[-1].texts.append(text)
+        await self._advance()
+
+    async def _flush(self) -> None:
+        if self.open and not self.waiting:
+            self.open = False
+            await self.to_session("context.end", context_id=self.current)
+        elif self.waiting and not self.waiting[-1].flushed:
+            self.waiting[-1].flushed = True
+        else:  # nothing said since the last Flush: answered in its turn
+            self.waiting.append(_Utterance(flushed=True))
+        await self._advance()
+
+    async def _clear(self) -> None:
+        self.waiting.clear()
+        if self.current is None:
+            await self._answer("Cleared")
+            return
+        self.open = False
+        await self.to_session("context.cancel", context_id=self.current)  # answered on context.cancelled
+
+    async def _advance(self) -> None:
+        """Start the next utterance when none is speaking; answer the empty ones on the way; close after Close."""
+        while self.current is None and self.waiting:
+            utterance = self.waiting.popleft()
+            if not utterance.texts:
+                await self._answer("Flushed")
+                continue
+            self.current, self.open = next(self._ids), not utterance.flushed
+            for text in utterance.texts:
+                await self.to_session("text.append", context_id=self.current, text=text)
+            if utterance.flushed:
+                await self.to_session("context.end", context_id=self.current)
+        if self.close_when_done and self.current is None and not self.waiting:
+            self.background(self.close(1000, "Close"))
+
+    # ------------------------------------------------------------------------------------------------ us -> client
+    # (the session's Transport)
+
+    async def send_text(self, data: str) -> None:
+        m = json.loads(data)
+        kind, cid = m.get("type"), m.get("context_id")
+        if kind == "error":
+            await self._warning(m.get("code", ""), m.get("message", ""))
+            assert self.session is not None
+            if m.get("fatal") is True:
+                self.closing = True  # the session closes the socket next
+                return
+            if cid is None or cid != self.current or self.session.is_live(cid):
+                return  # a refused message: the utterance goes on
+            self.current = None  # the error ended it
+        elif kind in ("context.done", "context.cancelled") and cid == self.current:
+            self.current = None
+            await self._answer("Flushed" if kind == "context.done" else "Cleared")
+        else:
+            return
+        self.open = False
+        self.background(self._advance())  # not from inside the session's own send
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.ws.send_bytes(bytes(data[HEADER_SIZE:]))  # one context speaks at a time: its frames in order
+
+    async def _answer(self, kind: str) -> None:
+        await self._send({"type": kind, "sequence_id": self.sequence})
+        self.sequence += 1
+
+    async def _warning(self, code: str, description: str) -> None:
+        log.info("deepgram socket warning %s: %s", code, description)
+        await self._send({"type": "Warning", "code": code, "description": description})
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self.ws.send_str(json.dumps(message, ensure_ascii=False))
+
+
+def _parse(raw: str | bytes) -> dict[str, Any]:
+    """ValueError with the reason when the message is not one of Speak, Flush, Clear, Close."""
+    if isinstance(raw, bytes):
+        raise ValueError("send JSON text messages, not binary")
+    try:
+        m = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("type") not in ("Speak", "Flush", "Clear", "Close"):
+        raise ValueError("a message is a JSON object of type Speak, Flush, Clear or Close")
+    if m["type"] == "Speak" and not isinstance(m.get("text"), str):
+        raise ValueError("Speak needs a string text")
+    return m
+
+
+def _key(request: web.Request) -> str:
+    """The key of the handshake: `?token=` (a voxgate token), `Authorization: Token|Bearer <key>`, or the browser's
+    `Sec-WebSocket-Protocol: token, <key>`; AuthError if refused."""
+    gw = gateway_of(request)
+    if request.query.get("token") is not None:
+        return gw.auth.authenticate(None, request.query["token"])
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() not in ("token", "bearer"):
+        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        key = protocols[1] if len(protocols) == 2 and protocols[0].lower() == "token" else ""
+    return check_api_key(gw, key.strip() or None)
+
+
+async def _settings(request: web.Request) -> tuple[str | None, dict[str, Any]]:
+    """(voice, native output) from the query; DeepgramError when a parameter is not supported."""
+    q = request.query
+    encoding = q.get("encoding", "linear16")
+    if encoding not in ENCODINGS:
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"encoding {encoding!r} is not supported on the stream; "
+                            f"use {', '.join(ENCODINGS)}")
+    native, default_rate, rates = ENCODINGS[encoding]
+    rate = q.get("sample_rate", str(default_rate))
+    if not rate.isdigit() or int(rate) not in rates:
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate!r} is not supported for {encoding}; "
+                            f"use {', '.join(map(str, rates))}")
+    if q.get("container", "none") != "none":
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", "the stream sends raw samples: container must be none")
+    model = q.get("model", DEFAULT_MODEL)
+    voice = model if model in await stored_voices(gateway_of(request).engine) else None
+    return voice, {"format": native, "sample_rate": int(rate)}
+
+
+async def speak(request: web.Request) -> web.StreamResponse:
+    """GET /v1/speak."""
+    gw = gateway_of(request)
+    try:
+        try:
+            key = _key(request)
+        except AuthError as e:
+            gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+            raise DeepgramError(401, "INVALID_AUTH", f"{e}; send Authorization: Token <api key>") from None
+        refused = gw.refusal(key)
+        if refused is not None:
+            raise DeepgramError(429 if refused.code == ErrorCode.RATE_LIMITED else 503, str(refused.code).upper(),
+                                refused.message)
+        voice, output = await _settings(request)
+    except DeepgramError as e:
+        return e.response()
+    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True,
+                               protocols=("token",))
+    await ws.prepare(request)
+    await DeepgramBridge(request, ws, key, voice, output).serve()
+    return ws
+
+
+def register(app: web.Application) -> None:
+    app.router.add_get("/v1/speak", speak)
