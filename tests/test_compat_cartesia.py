@@ -1,0 +1,223 @@
+"""Cartesia `/tts/websocket` against a real aiohttp server and the real tiny engine: Pipecat's own
+CartesiaTTSService fed like an LLM, and a raw `websockets` peer speaking Cartesia's documented message schema."""
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from gateway.auth import Auth
+from gateway.server import ServerConfig, create_app, start_server
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+KEY = "sk_car_test"
+VOICE = {"mode": "id", "id": "f786b574-daa5-4673-aa0c-cbe3e8534c02"}  # a Cartesia voice: not stored here
+PCM_24K = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def port(engine):
+    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
+    runner, port = await start_server(app)
+    yield port
+    await runner.cleanup()
+
+
+def _connect(port: int, **kwargs):
+    return connect(f"ws://127.0.0.1:{port}/tts/websocket", additional_headers={"X-API-Key": KEY,
+                                                                              "Cartesia-Version": "2025-04-16"},
+                   **kwargs)
+
+
+def _request(context_id: str, transcript: str, *, more: bool = True, fmt: dict = PCM_24K, **fields) -> str:
+    return json.dumps({"model_id": "sonic-3", "voice": VOICE, "output_format": fmt, "language": "en",
+                       "context_id": context_id, "transcript": transcript, "continue": more, **fields})
+
+
+async def _until_done(ws, context_id: str) -> tuple[list[dict], list[dict]]:
+    """(chunk messages, other messages) of one context up to its `done`; fails on an error."""
+    chunks, others = [], []
+    while True:
+        m = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        if m.get("context_id") != context_id:
+            continue
+        assert m["type"] != "error", m
+        if m["type"] == "done":
+            assert m["done"] is True and m["status_code"] == 200
+            return chunks, others
+        if m["type"] == "chunk":
+            assert m["done"] is False and m["status_code"] == 206 and m["step_time"] >= 0
+            chunks.append(m)
+        else:
+            others.append(m)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
+async def test_pipecat_cartesia_service_speaks_an_llm_turn_with_word_timestamps(port):
+    from pipecat.frames.frames import (
+        EndFrame,
+        ErrorFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        TTSAudioRawFrame,
+        TTSStartedFrame,
+        TTSStoppedFrame,
+        TTSTextFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.task import PipelineParams
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.cartesia.tts import CartesiaTTSService
+    from pipecat.workers.runner import WorkerRunner
+
+    frames = []
+    stopped = asyncio.Event()
+
+    class Collect(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            frames.append(frame)
+            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
+                stopped.set()
+            await self.push_frame(frame, direction)
+
+    tts = CartesiaTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}/tts/websocket", sample_rate=24000,
+                             settings=CartesiaTTSService.Settings(voice=VOICE["id"]))
+    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=24000))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run())
+    await worker.queue_frame(LLMFullResponseStartFrame())
+    for token in ("Hello", " there", ",", " how", " are", " you", " today", "?"):  # an LLM's tokens
+        await worker.queue_frame(LLMTextFrame(token))
+    await worker.queue_frame(LLMFullResponseEndFrame())
+    await asyncio.wait_for(stopped.wait(), 30)
+    await asyncio.sleep(1.5)  # the words are pushed as the audio plays out (in step with the timestamps)
+    await worker.queue_frame(EndFrame())
+    await asyncio.wait_for(run, 30)
+
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == 24000 and f.num_channels == 1 for f in audio)
+    assert all(len(f.audio) == 960 for f in audio)  # 20 ms of 16-bit PCM at 24 kHz per chunk
+    kinds = [type(f) for f in frames]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+    # Pipecat turns our word timestamps into the transcript of what was spoken
+    spoken = " ".join(f.text for f in frames if isinstance(f, TTSTextFrame))
+    assert spoken.split() == ["Hello", "there,", "how", "are", "you", "today?"]
+
+
+async def test_continuations_flushes_and_timestamps_in_f32(port):
+    fmt = {"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16000}
+    async with _connect(port) as ws:
+        await ws.send(_request("a", "Hello there, ", fmt=fmt, add_timestamps=True))
+        await ws.send(_request("a", "how are you?", fmt=fmt, flush=True, add_timestamps=True))
+        await ws.send(_request("a", " Fine, thanks.", fmt=fmt, add_timestamps=True))
+        await ws.send(_request("a", "", more=False, fmt=fmt))  # no more input
+        chunks, others = await _until_done(ws, "a")
+    audio = [np.frombuffer(base64.b64decode(c["data"]), dtype="<f4") for c in chunks]
+    assert all(len(a) == 320 for a in audio)  # 20 ms at 16 kHz, 4 bytes a sample
+    samples = np.concatenate(audio)
+    assert np.abs(samples).max() <= 1.0 and np.sqrt(np.mean(samples ** 2)) > 1e-4
+    flush_done = [m for m in others if m["type"] == "flush_done"]
+    assert [(m["flush_id"], m["flush_done"]) for m in flush_done] == [(1, True)]
+    # audio up to the flush is flush 1's, what follows belongs to the next
+    flushed_at = sum(1 for m in chunks if m["flush_id"] == 1)
+    assert [c["flush_id"] for c in chunks] == [1] * flushed_at + [2] * (len(chunks) - flushed_at)
+    words = [w for m in others if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]]
+    assert words == ["Hello", "there,", "how", "are", "you?", "Fine,", "thanks."]
+    starts = [t for m in others if m["type"] == "timestamps" for t in m["word_timestamps"]["start"]]
+    ends = [t for m in others if m["type"] == "timestamps" for t in m["word_timestamps"]["end"]]
+    assert starts == sorted(starts) and all(s < e for s, e in zip(starts, ends, strict=True))
+    assert ends[-1] == pytest.approx(len(samples) / 16000, abs=0.021)  # the last word ends with the audio
+
+
+async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_one(port):
+    story = " ".join(f"This is part {i} of a long reply that the caller interrupts." for i in range(12))
+    mulaw = {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}
+    async with _connect(port) as ws:
+        await ws.send(_request("long", story))
+        await ws.send(_request("phone", "A short line for the phone.", more=False, fmt=mulaw))
+        sizes: dict[str, set[int]] = {"long": set(), "phone": set()}
+        done = False
+        while not done or not sizes["long"]:
+            m = json.loads(await asyncio.wait_for(ws.recv(), 20))
+            assert m["type"] != "error", m
+            if m["type"] == "chunk":
+                sizes[m["context_id"]].add(len(base64.b64decode(m["data"])))
+            done |= m["type"] == "done" and m["context_id"] == "phone"
+        assert sizes == {"long": {960}, "phone": {160}}  # 20 ms of s16 at 24 kHz / of mu-law at 8 kHz
+        await ws.send(json.dumps({"context_id": "long", "cancel": True}))
+        with pytest.raises(TimeoutError):  # silence for the cancelled context from here on (frames in flight aside)
+            while True:
+                m = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                assert m["type"] == "chunk" and m["context_id"] == "long", m
+        await ws.send(_request("next", "Still here.", more=False))
+        chunks, _ = await _until_done(ws, "next")
+        assert chunks
+
+
+@pytest.mark.parametrize("message, field", [
+    ("{not json", "invalid JSON"),
+    (json.dumps(["a list"]), "JSON object"),
+    (json.dumps({"transcript": "Hi."}), "context_id"),
+    (_request("x", "Hi.", fmt={"container": "mp3", "sample_rate": 44100}), "output_format"),
+    (_request("x", "Hi.", fmt={"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 16000}), "sample_rate"),
+    (_request("x", "Hi.", voice={"mode": "embedding", "embedding": [0.1] * 4}), "voice"),
+    (_request("x", "Hi.", max_buffer_delay_ms=9000), "max_buffer_delay_ms"),
+    (json.dumps({"context_id": "x", "transcript": 7}), "transcript"),
+])
+async def test_bad_requests_get_a_typed_error_and_the_socket_serves_on(port, message, field):
+    async with _connect(port) as ws:
+        await ws.send(message)
+        error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert error["type"] == "error" and error["status_code"] == 400 and error["done"] is True
+        assert field in error["message"] and error["error_code"] == "invalid_request"
+        await ws.send(_request("ok", "Still fine.", more=False))
+        chunks, _ = await _until_done(ws, "ok")
+        assert chunks
+
+
+async def test_input_after_the_last_is_refused_and_the_context_still_finishes(port):
+    async with _connect(port) as ws:
+        await ws.send(_request("a", "One sentence to say.", more=False))
+        await ws.send(_request("a", "Too late."))
+        error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert error["type"] == "error" and error["context_id"] == "a" and error["done"] is False
+        assert "continue: false" in error["message"]
+        chunks, _ = await _until_done(ws, "a")
+        assert chunks
+
+
+async def test_too_much_text_in_one_input_is_refused_with_the_native_limit(port):
+    async with _connect(port) as ws:
+        await ws.send(_request("a", "word " * 500, more=False))  # 2,500 characters: over the 2,000 per message
+        error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert error["type"] == "error" and error["error_code"] == "text_too_long" and error["status_code"] == 400
+
+
+@pytest.mark.parametrize("headers, query, status", [({}, "", 401), ({"X-API-Key": "wrong"}, "", 401),
+                                                   ({}, "?api_key=wrong", 401)])
+async def test_a_bad_key_is_refused_before_the_upgrade(port, headers, query, status):
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(f"ws://127.0.0.1:{port}/tts/websocket{query}", additional_headers=headers):
+            pass
+    assert refused.value.response.status_code == status
+    assert json.loads(refused.value.response.body)["error"] == "unauthorized"
+
+
+async def test_the_api_key_may_come_in_the_query_or_as_bearer(port):
+    for url, headers in ((f"ws://127.0.0.1:{port}/tts/websocket?api_key={KEY}", {}),
+                         (f"ws://127.0.0.1:{port}/tts/websocket", {"Authorization": f"Bearer {KEY}"})):
+        async with connect(url, additional_headers=headers) as ws:
+            await ws.send(_request("a", "Hi.", more=False))
+            chunks, _ = await _until_done(ws, "a")
+            assert chunks

@@ -1,0 +1,193 @@
+"""Deepgram `/v1/speak` against a real aiohttp server and the real tiny engine: Pipecat's own DeepgramTTSService
+fed like an LLM, and a raw `websockets` peer speaking Deepgram's documented message schema."""
+
+import asyncio
+import json
+
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosedOK, InvalidStatus
+
+from gateway.auth import Auth
+from gateway.server import ServerConfig, create_app, start_server
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+KEY = "dg-test-key"
+STORY = " ".join(f"This is part {i} of a long reply that the listener interrupts." for i in range(12))
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def port(engine):
+    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
+    runner, port = await start_server(app)
+    yield port
+    await runner.cleanup()
+
+
+def _connect(port: int, query: str = "model=aura-2-helena-en&encoding=linear16&sample_rate=24000", **kwargs):
+    kwargs.setdefault("additional_headers", {"Authorization": f"Token {KEY}"})
+    return connect(f"ws://127.0.0.1:{port}/v1/speak?{query}", **kwargs)
+
+
+async def _speak(ws, *texts: str) -> None:
+    for text in texts:
+        await ws.send(json.dumps({"type": "Speak", "text": text}))
+
+
+async def _until(ws, kind: str) -> tuple[list[bytes], list[dict]]:
+    """(audio messages, JSON messages) up to and including the first JSON message of this type; fails on a
+    Warning that was not asked for."""
+    audio, messages = [], []
+    while True:
+        m = await asyncio.wait_for(ws.recv(), 20)
+        if isinstance(m, bytes):
+            audio.append(m)
+            continue
+        m = json.loads(m)
+        messages.append(m)
+        if m["type"] == kind:
+            return audio, messages
+        assert m["type"] != "Warning", m
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
+async def test_pipecat_deepgram_service_speaks_an_llm_turn(port):
+    from pipecat.frames.frames import (
+        EndFrame,
+        ErrorFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        TTSAudioRawFrame,
+        TTSStartedFrame,
+        TTSStoppedFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.task import PipelineParams
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.deepgram.tts import DeepgramTTSService
+    from pipecat.workers.runner import WorkerRunner
+
+    frames = []
+    stopped = asyncio.Event()
+
+    class Collect(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            frames.append(frame)
+            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
+                stopped.set()
+            await self.push_frame(frame, direction)
+
+    tts = DeepgramTTSService(api_key=KEY, base_url=f"ws://127.0.0.1:{port}", sample_rate=16000)
+    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=16000))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run())
+    await worker.queue_frame(LLMFullResponseStartFrame())
+    for token in ("Hello", " there", ".", " How", " are", " you", "?"):
+        await worker.queue_frame(LLMTextFrame(token))
+    await worker.queue_frame(LLMFullResponseEndFrame())
+    await asyncio.wait_for(stopped.wait(), 30)
+    await worker.queue_frame(EndFrame())
+    await asyncio.wait_for(run, 30)
+
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == 16000 and f.num_channels == 1 for f in audio)
+    assert sum(len(f.audio) for f in audio) % 640 == 0  # whole 20 ms frames of 16-bit PCM at 16 kHz
+    kinds = [type(f) for f in frames]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+
+
+async def test_utterances_play_one_after_another_each_answered_by_flushed(port):
+    async with _connect(port) as ws:
+        metadata = json.loads(await ws.recv())
+        assert metadata["type"] == "Metadata" and metadata["model_name"] == "aura-2-helena-en"
+        assert metadata["request_id"] and metadata["model_uuid"]
+        await _speak(ws, "Hello there. ", "How are you?")
+        await ws.send(json.dumps({"type": "Flush"}))
+        await _speak(ws, "The second reply, queued while the first one speaks.")
+        await ws.send(json.dumps({"type": "Flush"}))
+        await ws.send(json.dumps({"type": "Flush"}))  # nothing said since the last one: answered in its turn
+        first, m1 = await _until(ws, "Flushed")
+        second, m2 = await _until(ws, "Flushed")
+        third, m3 = await _until(ws, "Flushed")
+    assert [m1[-1]["sequence_id"], m2[-1]["sequence_id"], m3[-1]["sequence_id"]] == [0, 1, 2]
+    assert first and second and third == []  # the second reply's audio only after the first one's Flushed
+    assert all(len(a) == 960 for a in first + second)  # 20 ms of 16-bit PCM at 24 kHz each
+
+
+async def test_clear_stops_the_audio_and_the_next_utterance_speaks(port):
+    async with _connect(port, "encoding=mulaw&sample_rate=8000") as ws:
+        await _until(ws, "Metadata")
+        await _speak(ws, STORY)
+        await ws.send(json.dumps({"type": "Flush"}))
+        assert len(await asyncio.wait_for(ws.recv(), 20)) == 160  # audio: 20 ms of 8 kHz mu-law
+        await _speak(ws, "Queued behind the story: dropped by the Clear.")
+        await ws.send(json.dumps({"type": "Clear"}))
+        before, messages = await _until(ws, "Cleared")
+        assert [m["type"] for m in messages] == ["Cleared"] and messages[0]["sequence_id"] == 0
+        assert len(before) * 0.02 < 3.0  # cut short: the story is ~20 s, sent at most 0.5 s ahead of playback
+        with pytest.raises(TimeoutError):  # nothing more of the story, nor of the dropped reply
+            m = await asyncio.wait_for(ws.recv(), 1.0)
+            pytest.fail(f"a message after Cleared: {m!r}")
+        await _speak(ws, "A new reply.")
+        await ws.send(json.dumps({"type": "Flush"}))
+        after, messages = await _until(ws, "Flushed")
+    assert after and all(len(a) == 160 for a in after) and messages[-1]["sequence_id"] == 1
+
+
+async def test_close_speaks_the_rest_then_closes(port):
+    async with _connect(port) as ws:
+        await _until(ws, "Metadata")
+        await _speak(ws, "Goodbye for now.")
+        await ws.send(json.dumps({"type": "Close"}))
+        audio, _ = await _until(ws, "Flushed")
+        with pytest.raises(ConnectionClosedOK):
+            await asyncio.wait_for(ws.recv(), 10)
+    assert audio and ws.close_code == 1000
+
+
+@pytest.mark.parametrize("message", ["{not json", json.dumps({"type": "Dance"}), json.dumps({"type": "Speak"}),
+                                     json.dumps({"type": "Speak", "text": "word " * 500})])
+async def test_a_bad_message_gets_a_warning_and_the_socket_serves_on(port, message):
+    async with _connect(port) as ws:
+        await _until(ws, "Metadata")
+        await ws.send(message)
+        warning = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert warning["type"] == "Warning" and warning["code"] and warning["description"]
+        await _speak(ws, "Still fine.")
+        await ws.send(json.dumps({"type": "Flush"}))
+        audio, _ = await _until(ws, "Flushed")
+    assert audio
+
+
+@pytest.mark.parametrize("query, headers, status, reason", [
+    ("encoding=mp3", {"Authorization": f"Token {KEY}"}, 400, "encoding"),
+    ("sample_rate=44100", {"Authorization": f"Token {KEY}"}, 400, "sample_rate"),
+    ("encoding=mulaw&sample_rate=16000", {"Authorization": f"Token {KEY}"}, 400, "sample_rate"),
+    ("container=wav", {"Authorization": f"Token {KEY}"}, 400, "container"),
+    ("", {"Authorization": "Token wrong"}, 401, "invalid API key"),
+    ("", {}, 401, "API key"),
+])
+async def test_a_bad_handshake_is_refused_with_the_reason_in_dg_error(port, query, headers, status, reason):
+    with pytest.raises(InvalidStatus) as refused:
+        async with _connect(port, query, additional_headers=headers):
+            pass
+    response = refused.value.response
+    assert response.status_code == status
+    assert reason in response.headers["dg-error"] and reason in json.loads(response.body)["err_msg"]
+
+
+async def test_a_browser_authenticates_with_the_token_subprotocol(port):
+    async with _connect(port, additional_headers={}, subprotocols=["token", KEY]) as ws:
+        assert ws.subprotocol == "token"
+        await _until(ws, "Metadata")
+        await _speak(ws, "Hi.")
+        await ws.send(json.dumps({"type": "Flush"}))
+        audio, _ = await _until(ws, "Flushed")
+    assert audio
