@@ -1,5 +1,5 @@
-"""Cartesia-compatible streaming WebSocket `GET /tts/websocket`: Pipecat's and LiveKit's Cartesia plugins (and
-Cartesia's own SDK) work with only a URL change.
+"""Cartesia-compatible streaming WebSocket `GET /tts/websocket`: Pipecat's Cartesia service (tested) and other
+Cartesia clients that take a base URL (LiveKit's plugin authenticates with `?api_key=`) work with only a URL change.
 
 Auth: `X-API-Key` or `Authorization: Bearer` headers, `?api_key=`, or `?access_token=` (a voxgate token from
 `POST /v1/tokens`, for browsers); `Cartesia-Version` is accepted and ignored. A refused handshake gets HTTP 401/429/503.

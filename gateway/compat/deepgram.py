@@ -1,5 +1,5 @@
-"""Deepgram-compatible streaming WebSocket `GET /v1/speak` (Aura's continuous text stream): Pipecat's and LiveKit's
-Deepgram TTS plugins work with only a URL change.
+"""Deepgram-compatible streaming WebSocket `GET /v1/speak` (Aura's continuous text stream): Pipecat's Deepgram TTS
+service (tested) and other Deepgram clients that take a base URL work with only a URL change.
 
 Handshake: `model` (a stored voice id speaks with that voice; any other name, aura-2-helena-en say, the default
 voice), `encoding` linear16 (default) | mulaw | alaw, `sample_rate` (linear16: 8000, 16000, 24000 (default), 48000;
