@@ -191,3 +191,18 @@ async def test_a_browser_authenticates_with_the_token_subprotocol(port):
         await ws.send(json.dumps({"type": "Flush"}))
         audio, _ = await _until(ws, "Flushed")
     assert audio
+
+
+async def test_every_clear_is_answered_even_two_in_a_row_or_with_nothing_speaking(port):
+    async with _connect(port) as ws:
+        await _until(ws, "Metadata")
+        await ws.send(json.dumps({"type": "Clear"}))  # nothing speaking: answered at once
+        _, messages = await _until(ws, "Cleared")
+        await _speak(ws, STORY)
+        await ws.send(json.dumps({"type": "Flush"}))
+        await asyncio.wait_for(ws.recv(), 20)  # its first audio
+        await ws.send(json.dumps({"type": "Clear"}))
+        await ws.send(json.dumps({"type": "Clear"}))  # before the first one's answer: one cancel serves both
+        _, second = await _until(ws, "Cleared")
+        _, third = await _until(ws, "Cleared")
+    assert [m[-1]["sequence_id"] for m in (messages, second, third)] == [0, 1, 2]

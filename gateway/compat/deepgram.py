@@ -71,6 +71,8 @@ class DeepgramBridge(SocketBridge):
         self.key, self.voice, self.output = key, voice, output
         self.current: str | None = None  # the native context of the utterance speaking (ending or cancelled too)
         self.open = False  # Speak text still goes to `current` (not yet flushed)
+        self.cancelling: str | None = None  # the context a Clear cancelled: its context.cancelled answers the Clear
+        self.clears = 0  # Clears that wait for that answer (one cancel serves them all)
         self.waiting: deque[_Utterance] = deque()
         self.sequence = 0  # the next Flushed / Cleared sequence_id
         self.close_when_done = False  # Close arrived
@@ -123,8 +125,10 @@ class DeepgramBridge(SocketBridge):
         if self.current is None:
             await self._answer("Cleared")
             return
-        self.open = False
-        await self.to_session("context.cancel", context_id=self.current)  # answered on context.cancelled
+        self.open, self.clears = False, self.clears + 1
+        if self.cancelling != self.current:
+            self.cancelling = self.current
+            await self.to_session("context.cancel", context_id=self.current)
 
     async def _advance(self) -> None:
         """Start the next utterance when none is speaking; answer the empty ones on the way; close after Close."""
@@ -156,9 +160,16 @@ class DeepgramBridge(SocketBridge):
             if cid is None or cid != self.current or self.session.is_live(cid):
                 return  # a refused message: the utterance goes on
             self.current = None  # the error ended it
-        elif kind in ("context.done", "context.cancelled") and cid == self.current:
+        elif kind == "context.done" and cid == self.current:
             self.current = None
-            await self._answer("Flushed" if kind == "context.done" else "Cleared")
+            await self._answer("Flushed")
+        elif kind == "context.cancelled" and cid == self.cancelling:  # also when it finished before the Clear
+            self.cancelling = None
+            if cid == self.current:
+                self.current = None
+            for _ in range(self.clears):
+                await self._answer("Cleared")
+            self.clears = 0
         else:
             return
         self.open = False
