@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import pytest_asyncio
+from pipecat_support import llm_turn, run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -60,49 +61,14 @@ async def _until_done(ws, context_id: str) -> tuple[list[dict], list[dict]]:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
 async def test_pipecat_cartesia_service_speaks_an_llm_turn_with_word_timestamps(port):
-    from pipecat.frames.frames import (
-        EndFrame,
-        ErrorFrame,
-        LLMFullResponseEndFrame,
-        LLMFullResponseStartFrame,
-        LLMTextFrame,
-        TTSAudioRawFrame,
-        TTSStartedFrame,
-        TTSStoppedFrame,
-        TTSTextFrame,
-    )
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.task import PipelineParams
-    from pipecat.pipeline.worker import PipelineWorker
-    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame, TTSTextFrame
     from pipecat.services.cartesia.tts import CartesiaTTSService
-    from pipecat.workers.runner import WorkerRunner
-
-    frames = []
-    stopped = asyncio.Event()
-
-    class Collect(FrameProcessor):
-        async def process_frame(self, frame, direction):
-            await super().process_frame(frame, direction)
-            frames.append(frame)
-            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
-                stopped.set()
-            await self.push_frame(frame, direction)
 
     tts = CartesiaTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}/tts/websocket", sample_rate=24000,
                              settings=CartesiaTTSService.Settings(voice=VOICE["id"]))
-    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=24000))
-    runner = WorkerRunner(handle_sigint=False)
-    await runner.add_workers(worker)
-    run = asyncio.create_task(runner.run())
-    await worker.queue_frame(LLMFullResponseStartFrame())
-    for token in ("Hello", " there", ",", " how", " are", " you", " today", "?"):  # an LLM's tokens
-        await worker.queue_frame(LLMTextFrame(token))
-    await worker.queue_frame(LLMFullResponseEndFrame())
-    await asyncio.wait_for(stopped.wait(), 30)
-    await asyncio.sleep(1.5)  # the words are pushed as the audio plays out (in step with the timestamps)
-    await worker.queue_frame(EndFrame())
-    await asyncio.wait_for(run, 30)
+    # the words are pushed as the audio plays out, in step with the timestamps: linger for them
+    frames = await run_tts(tts, llm_turn("Hello", " there", ",", " how", " are", " you", " today", "?"), 24000,
+                           linger_s=1.5)
 
     assert not [f for f in frames if isinstance(f, ErrorFrame)]
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import pytest_asyncio
+from pipecat_support import llm_turn, run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK, InvalidStatus
 
@@ -54,46 +55,11 @@ async def _until(ws, kind: str) -> tuple[list[bytes], list[dict]]:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
 async def test_pipecat_deepgram_service_speaks_an_llm_turn(port):
-    from pipecat.frames.frames import (
-        EndFrame,
-        ErrorFrame,
-        LLMFullResponseEndFrame,
-        LLMFullResponseStartFrame,
-        LLMTextFrame,
-        TTSAudioRawFrame,
-        TTSStartedFrame,
-        TTSStoppedFrame,
-    )
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.task import PipelineParams
-    from pipecat.pipeline.worker import PipelineWorker
-    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
     from pipecat.services.deepgram.tts import DeepgramTTSService
-    from pipecat.workers.runner import WorkerRunner
-
-    frames = []
-    stopped = asyncio.Event()
-
-    class Collect(FrameProcessor):
-        async def process_frame(self, frame, direction):
-            await super().process_frame(frame, direction)
-            frames.append(frame)
-            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
-                stopped.set()
-            await self.push_frame(frame, direction)
 
     tts = DeepgramTTSService(api_key=KEY, base_url=f"ws://127.0.0.1:{port}", sample_rate=16000)
-    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=16000))
-    runner = WorkerRunner(handle_sigint=False)
-    await runner.add_workers(worker)
-    run = asyncio.create_task(runner.run())
-    await worker.queue_frame(LLMFullResponseStartFrame())
-    for token in ("Hello", " there", ".", " How", " are", " you", "?"):
-        await worker.queue_frame(LLMTextFrame(token))
-    await worker.queue_frame(LLMFullResponseEndFrame())
-    await asyncio.wait_for(stopped.wait(), 30)
-    await worker.queue_frame(EndFrame())
-    await asyncio.wait_for(run, 30)
+    frames = await run_tts(tts, llm_turn("Hello", " there", ".", " How", " are", " you", "?"), 16000)
 
     assert not [f for f in frames if isinstance(f, ErrorFrame)]
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]

@@ -9,6 +9,7 @@ import json
 import av
 import pytest
 import pytest_asyncio
+from pipecat_support import run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -50,42 +51,12 @@ async def _until_final(ws, context_id: str | None = None) -> list[bytes]:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own (audioop, AudioContextTTSService)
 async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames(port):
-    from pipecat.frames.frames import (
-        EndFrame,
-        ErrorFrame,
-        TTSAudioRawFrame,
-        TTSSpeakFrame,
-        TTSStartedFrame,
-        TTSStoppedFrame,
-    )
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.task import PipelineParams
-    from pipecat.pipeline.worker import PipelineWorker
-    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStartedFrame, TTSStoppedFrame
     from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
-    from pipecat.workers.runner import WorkerRunner
-
-    frames = []
-    stopped = asyncio.Event()
-
-    class Collect(FrameProcessor):
-        async def process_frame(self, frame, direction):
-            await super().process_frame(frame, direction)
-            frames.append(frame)
-            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
-                stopped.set()
-            await self.push_frame(frame, direction)
 
     tts = ElevenLabsTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}", sample_rate=24000,
                                settings=ElevenLabsTTSService.Settings(voice=VOICE))
-    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=24000))
-    runner = WorkerRunner(handle_sigint=False)
-    await runner.add_workers(worker)
-    run = asyncio.create_task(runner.run())
-    await worker.queue_frame(TTSSpeakFrame("Hello there."))
-    await asyncio.wait_for(stopped.wait(), 30)
-    await worker.queue_frame(EndFrame())
-    await asyncio.wait_for(run, 30)
+    frames = await run_tts(tts, [TTSSpeakFrame("Hello there.")], 24000)
 
     assert not [f for f in frames if isinstance(f, ErrorFrame)]
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]

@@ -42,6 +42,19 @@ def native(kind: str, **fields: Any) -> str:
     return json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
 
 
+def json_object(raw: str | bytes) -> dict[str, Any]:
+    """A client message that must be one JSON object in a text frame; ValueError saying what is wrong otherwise."""
+    if isinstance(raw, bytes):
+        raise ValueError("send JSON text messages, not binary")
+    try:
+        message = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise ValueError("a message must be a JSON object")
+    return message
+
+
 def check_api_key(gw: Gateway, key: str | None) -> str:
     """The identity for a raw API key (foreign protocols pass keys without `Bearer`); AuthError if refused."""
     if gw.auth.enabled and not key:
@@ -112,6 +125,10 @@ class SocketBridge:
         self._tracking.enter_context(self.gw.tracked(self.session, self.key))
         await self.to_session("session.start", **start)
 
+    async def send_json(self, message: dict[str, Any]) -> None:
+        """One JSON message to the client."""
+        await self.ws.send_str(json.dumps(message, ensure_ascii=False))
+
     async def to_session(self, kind: str, **fields: Any) -> None:
         """Feed the session one native client message."""
         assert self.session is not None
@@ -159,4 +176,5 @@ class SocketBridge:
         self._tracking.close()
 
 
-__all__ = ["register", "native", "check_api_key", "gateway_of", "Transcoder", "AuthError", "SocketBridge"]
+__all__ = ["register", "native", "json_object", "check_api_key", "gateway_of", "Transcoder", "AuthError",
+           "SocketBridge"]

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, PCM_RATES, unpack_frame_header
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, check_api_key, gateway_of
+from gateway.compat import SocketBridge, check_api_key, gateway_of, json_object
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
 
@@ -149,12 +149,12 @@ class CartesiaBridge(SocketBridge):
             ctx.segment = (m["pts_ms"], m["text"])
         elif kind == "text.flushed" and m.get("flush_id") is not None:
             ctx.flushed = int(m["flush_id"])
-            await self._send({"type": "flush_done", "context_id": cid, "flush_id": ctx.flushed, "flush_done": True,
+            await self.send_json({"type": "flush_done", "context_id": cid, "flush_id": ctx.flushed, "flush_done": True,
                               "done": False, "status_code": 206})
         elif kind == "context.done":
             await self._timestamps(cid, ctx, m["audio_ms"])
             self._forget(cid)
-            await self._send({"type": "done", "context_id": cid, "done": True, "status_code": 200})
+            await self.send_json({"type": "done", "context_id": cid, "done": True, "status_code": 200})
         elif kind == "context.cancelled":
             self._forget(cid)
 
@@ -172,7 +172,7 @@ class CartesiaBridge(SocketBridge):
         if ctx.flushes:
             message["flush_id"] = ctx.flushed + 1
         ctx.last_chunk_at = now
-        await self._send(message)
+        await self.send_json(message)
 
     async def _native_error(self, m: dict[str, Any], cid: str | None, ctx: _Context | None) -> None:
         """A refused message leaves its context running (done: false); an error that ended the context, or the
@@ -196,13 +196,13 @@ class CartesiaBridge(SocketBridge):
             return
         weights = np.array([len(w) + 1 for w in words], dtype=np.float64)  # a space's worth of time between words
         edges = (start_ms + (end_ms - start_ms) * np.concatenate(([0.0], np.cumsum(weights))) / weights.sum()) / 1e3
-        await self._send({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
+        await self.send_json({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
                           "word_timestamps": {"words": words, "start": np.round(edges[:-1], 3).tolist(),
                                               "end": np.round(edges[1:], 3).tolist()}})
 
     async def _error(self, cid: str | None, status: int, code: str, message: str, done: bool = True) -> None:
         log.info("cartesia socket error %s (context %s): %s", code, cid, message)
-        await self._send({"type": "error", "context_id": cid, "status_code": status, "done": done,
+        await self.send_json({"type": "error", "context_id": cid, "status_code": status, "done": done,
                           "title": code.replace("_", " "), "error_code": code, "message": message})
 
     def _forget(self, cid: str) -> None:
@@ -210,19 +210,12 @@ class CartesiaBridge(SocketBridge):
         if ctx is not None and ctx.index is not None:
             self.by_index.pop(ctx.index, None)
 
-    async def _send(self, message: dict[str, Any]) -> None:
-        await self.ws.send_str(json.dumps(message, ensure_ascii=False))
-
 
 def _parse(raw: str | bytes) -> dict[str, Any]:
-    if isinstance(raw, bytes):
-        raise CartesiaError("send JSON text messages, not binary")
     try:
-        m = json.loads(raw)
+        m = json_object(raw)
     except ValueError as e:
-        raise CartesiaError(f"invalid JSON: {e}") from None
-    if not isinstance(m, dict):
-        raise CartesiaError("a message must be a JSON object")
+        raise CartesiaError(str(e)) from None
     if not isinstance(m.get("context_id"), str) or not m["context_id"]:
         raise CartesiaError("context_id is required (a non-empty string)")
     if m.get("cancel") is True:

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, check_api_key, gateway_of
+from gateway.compat import SocketBridge, check_api_key, gateway_of, json_object
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
 
@@ -80,7 +80,7 @@ class DeepgramBridge(SocketBridge):
 
     async def on_open(self) -> None:
         model = self.request.query.get("model", DEFAULT_MODEL)
-        await self._send({"type": "Metadata", "request_id": str(uuid.uuid4()), "model_name": model,
+        await self.send_json({"type": "Metadata", "request_id": str(uuid.uuid4()), "model_name": model,
                           "model_version": "voxgate", "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, model))})
         await self.start_session(self.gw.config.limits, voice=self.voice, output=self.output)
 
@@ -179,27 +179,19 @@ class DeepgramBridge(SocketBridge):
         await self.ws.send_bytes(bytes(data[HEADER_SIZE:]))  # one context speaks at a time: its frames in order
 
     async def _answer(self, kind: str) -> None:
-        await self._send({"type": kind, "sequence_id": self.sequence})
+        await self.send_json({"type": kind, "sequence_id": self.sequence})
         self.sequence += 1
 
     async def _warning(self, code: str, description: str) -> None:
         log.info("deepgram socket warning %s: %s", code, description)
-        await self._send({"type": "Warning", "code": code, "description": description})
-
-    async def _send(self, message: dict[str, Any]) -> None:
-        await self.ws.send_str(json.dumps(message, ensure_ascii=False))
+        await self.send_json({"type": "Warning", "code": code, "description": description})
 
 
 def _parse(raw: str | bytes) -> dict[str, Any]:
     """ValueError with the reason when the message is not one of Speak, Flush, Clear, Close."""
-    if isinstance(raw, bytes):
-        raise ValueError("send JSON text messages, not binary")
-    try:
-        m = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"invalid JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("type") not in ("Speak", "Flush", "Clear", "Close"):
-        raise ValueError("a message is a JSON object of type Speak, Flush, Clear or Close")
+    m = json_object(raw)
+    if m.get("type") not in ("Speak", "Flush", "Clear", "Close"):
+        raise ValueError("a message is one of type Speak, Flush, Clear or Close")
     if m["type"] == "Speak" and not isinstance(m.get("text"), str):
         raise ValueError("Speak needs a string text")
     return m

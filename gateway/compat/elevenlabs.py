@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
-from gateway.compat import AuthError, SocketBridge, Transcoder, check_api_key, gateway_of
+from gateway.compat import AuthError, SocketBridge, Transcoder, check_api_key, gateway_of, json_object
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
 
@@ -124,14 +124,10 @@ class Bridge(SocketBridge):
             await self.fail(e)
 
     def _parse(self, raw: str | bytes) -> dict[str, Any]:
-        if isinstance(raw, bytes):
-            raise ElevenLabsError("invalid_message", "send JSON text messages, not binary")
         try:
-            message = json.loads(raw)
+            message = json_object(raw)
         except ValueError as e:
-            raise ElevenLabsError("invalid_message", f"invalid JSON: {e}") from None
-        if not isinstance(message, dict):
-            raise ElevenLabsError("invalid_message", "a message must be a JSON object")
+            raise ElevenLabsError("invalid_message", str(e)) from None
         for name, types in (("text", str), ("context_id", str), ("flush", bool), ("close_context", bool),
                             ("close_socket", bool), ("try_trigger_generation", bool), ("voice_settings", dict),
                             ("generation_config", dict), ("xi_api_key", str)):
@@ -257,10 +253,10 @@ class Bridge(SocketBridge):
                        "alignment": None}
             if self.multi:
                 message["contextId"] = cid
-            await self.ws.send_str(json.dumps(message))
+            await self.send_json(message)
 
     async def _final(self, cid: str) -> None:
-        await self.ws.send_str(json.dumps({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True}))
+        await self.send_json({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True})
 
 
 

@@ -1,0 +1,47 @@
+"""Pipecat, the voice-agent framework, as a real third-party client of the compat endpoints: one TTS service in a
+pipeline, fed frames, with every frame it pushes collected."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def run_tts(tts, inputs: list, sample_rate: int, linger_s: float = 0.0) -> list:
+    """Queue `inputs` into a pipeline of `tts` alone, wait for its TTSStoppedFrame (or an ErrorFrame), then `linger_s`
+    more (frames paced to playback, such as word-timed text, keep coming), end it; the frames the service pushed."""
+    from pipecat.frames.frames import EndFrame, ErrorFrame, TTSStoppedFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.task import PipelineParams
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.workers.runner import WorkerRunner
+
+    frames = []
+    stopped = asyncio.Event()
+
+    class Collect(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            frames.append(frame)
+            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
+                stopped.set()
+            await self.push_frame(frame, direction)
+
+    worker = PipelineWorker(Pipeline([tts, Collect()]), params=PipelineParams(audio_out_sample_rate=sample_rate))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run())
+    for frame in inputs:
+        await worker.queue_frame(frame)
+    await asyncio.wait_for(stopped.wait(), 30)
+    await asyncio.sleep(linger_s)
+    await worker.queue_frame(EndFrame())
+    await asyncio.wait_for(run, 30)
+    return frames
+
+
+def llm_turn(*tokens: str) -> list:
+    """The frames an LLM service pushes for one reply of these tokens."""
+    from pipecat.frames.frames import LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame
+
+    return [LLMFullResponseStartFrame(), *(LLMTextFrame(t) for t in tokens), LLMFullResponseEndFrame()]
