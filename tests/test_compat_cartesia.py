@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import pytest_asyncio
-from pipecat_support import llm_turn, run_tts
+from compat_support import llm_turn, released, run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -187,3 +187,12 @@ async def test_the_api_key_may_come_in_the_query_or_as_bearer(port):
             await ws.send(_request("a", "Hi.", more=False))
             chunks, _ = await _until_done(ws, "a")
             assert chunks
+
+
+async def test_a_client_gone_mid_speech_leaves_no_session_and_no_engine_request(port, engine):
+    story = " ".join(f"This is part {i} of a long reply nobody stays for." for i in range(12))
+    async with _connect(port) as ws:
+        await ws.send(_request("a", story, more=False))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 20))["type"] == "chunk"
+        assert engine.stats().in_flight >= 1
+    await released(port, engine)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import pytest_asyncio
-from pipecat_support import llm_turn, run_tts
+from compat_support import llm_turn, released, run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK, InvalidStatus
 
@@ -172,3 +172,14 @@ async def test_every_clear_is_answered_even_two_in_a_row_or_with_nothing_speakin
         _, second = await _until(ws, "Cleared")
         _, third = await _until(ws, "Cleared")
     assert [m[-1]["sequence_id"] for m in (messages, second, third)] == [0, 1, 2]
+
+
+async def test_a_client_gone_mid_speech_leaves_no_session_and_no_engine_request(port, engine):
+    async with _connect(port) as ws:
+        await _until(ws, "Metadata")
+        await _speak(ws, STORY)
+        await ws.send(json.dumps({"type": "Flush"}))
+        await _speak(ws, "A reply waiting behind the story.")
+        assert isinstance(await asyncio.wait_for(ws.recv(), 20), bytes)
+        assert engine.stats().in_flight >= 1
+    await released(port, engine)

@@ -9,7 +9,7 @@ import json
 import av
 import pytest
 import pytest_asyncio
-from pipecat_support import run_tts
+from compat_support import run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 

@@ -1,9 +1,12 @@
-"""Pipecat, the voice-agent framework, as a real third-party client of the compat endpoints: one TTS service in a
-pipeline, fed frames, with every frame it pushes collected."""
+"""For the compat endpoints' tests: Pipecat, the voice-agent framework, as a real third-party client (one TTS
+service in a pipeline, fed frames, with every frame it pushes collected), and the check that a client gone
+mid-speech leaves nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
+
+import aiohttp
 
 
 async def run_tts(tts, inputs: list, sample_rate: int, linger_s: float = 0.0) -> list:
@@ -45,3 +48,15 @@ def llm_turn(*tokens: str) -> list:
     from pipecat.frames.frames import LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame
 
     return [LLMFullResponseStartFrame(), *(LLMTextFrame(t) for t in tokens), LLMFullResponseEndFrame()]
+
+
+async def released(port: int, engine) -> None:
+    """Wait until the server holds no session and the engine no request (a client has gone); fail after ~5 s."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
+                sessions = (await r.json())["sessions"]
+            if sessions == 0 and engine.stats().in_flight == 0:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{sessions} sessions and {engine.stats().in_flight} engine requests outlived the client")
