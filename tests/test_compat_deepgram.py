@@ -118,14 +118,16 @@ async def test_close_speaks_the_rest_then_closes(port):
     assert audio and ws.close_code == 1000
 
 
-@pytest.mark.parametrize("message", ["{not json", json.dumps({"type": "Dance"}), json.dumps({"type": "Speak"}),
-                                     json.dumps({"type": "Speak", "text": "word " * 500})])
-async def test_a_bad_message_gets_a_warning_and_the_socket_serves_on(port, message):
+@pytest.mark.parametrize("message, code", [("{not json", "INVALID_MESSAGE"),
+                                           (json.dumps({"type": "Dance"}), "INVALID_MESSAGE"),
+                                           (json.dumps({"type": "Speak"}), "INVALID_MESSAGE"),
+                                           (json.dumps({"type": "Speak", "text": "word " * 500}), "TEXT_TOO_LONG")])
+async def test_a_bad_message_gets_a_warning_and_the_socket_serves_on(port, message, code):
     async with _connect(port) as ws:
         await _until(ws, "Metadata")
         await ws.send(message)
         warning = json.loads(await asyncio.wait_for(ws.recv(), 10))
-        assert warning["type"] == "Warning" and warning["code"] and warning["description"]
+        assert warning["type"] == "Warning" and warning["code"] == code and warning["description"]
         await _speak(ws, "Still fine.")
         await ws.send(json.dumps({"type": "Flush"}))
         audio, _ = await _until(ws, "Flushed")
@@ -183,3 +185,24 @@ async def test_a_client_gone_mid_speech_leaves_no_session_and_no_engine_request(
         assert isinstance(await asyncio.wait_for(ws.recv(), 20), bytes)
         assert engine.stats().in_flight >= 1
     await released(port, engine)
+
+
+async def test_text_waiting_behind_the_utterance_speaking_is_bounded(port):
+    async with _connect(port) as ws:
+        await _until(ws, "Metadata")
+        await _speak(ws, STORY)
+        await ws.send(json.dumps({"type": "Flush"}))
+        for _ in range(5):  # 5 x 1,900 characters queue behind the story: more than the 8,000 a turn may buffer
+            await _speak(ws, "word " * 380)
+        warning = None
+        while warning is None:
+            m = await asyncio.wait_for(ws.recv(), 20)
+            if isinstance(m, str) and json.loads(m)["type"] == "Warning":
+                warning = json.loads(m)
+        assert warning["code"] == "BUFFER_FULL" and "8000 characters" in warning["description"]
+        await ws.send(json.dumps({"type": "Clear"}))
+        await _until(ws, "Cleared")
+        await _speak(ws, "Room again after the Clear.")
+        await ws.send(json.dumps({"type": "Flush"}))
+        audio, _ = await _until(ws, "Flushed")
+    assert audio

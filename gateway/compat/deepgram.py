@@ -16,7 +16,10 @@ utterance's audio is all sent; Clear -> context.cancel of what speaks, and the u
 answered by Cleared {sequence_id}; Close -> Flush, then the socket closes once everything is sent. sequence_id
 counts those answers from 0.
 Native -> client: a Metadata message first; audio frames -> binary messages of raw samples; errors -> Warning
-{description, code} (a fatal one is followed by the close: 1008 for the client's mistakes, 1011 for server faults)."""
+{description, code: the native code in upper case}; a fatal one is followed by the close (1008 for the client's
+mistakes, 1011 for server faults). Text waiting behind the utterance speaking is bounded like a native turn's
+(max_text_chars per Speak, max_buffered_chars in all, MAX_WAITING utterances): beyond, the message is dropped with
+a Warning BUFFER_FULL."""
 
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from gateway.session import stored_voices
 log = logging.getLogger("voxgate.compat.deepgram")
 
 DEFAULT_MODEL = "aura-2-helena-en"
+MAX_WAITING = 32  # utterances queued behind the one speaking (their text is bounded by max_buffered_chars)
 # encoding -> (native format, default rate, rates)
 ENCODINGS = {"linear16": ("pcm_s16le", 24000, (8000, 16000, 24000, 48000)), "mulaw": ("mulaw", 8000, (8000,)),
              "alaw": ("alaw", 8000, (8000,))}
@@ -102,13 +106,32 @@ class DeepgramBridge(SocketBridge):
             await self._clear()
 
     async def _speak(self, text: str) -> None:
-        if self.open and not self.waiting:
+        if self.open and not self.waiting:  # the session bounds what a speaking context holds
             await self.to_session("text.append", context_id=self.current, text=text)
             return
+        limits = self.gw.config.limits
+        if len(text) > limits.max_text_chars:
+            await self._warning(ErrorCode.TEXT_TOO_LONG, f"{len(text)} characters exceed the limit of "
+                                f"{limits.max_text_chars} per Speak; this Speak was dropped")
+            return
+        if sum(len(t) for u in self.waiting for t in u.texts) + len(text) > limits.max_buffered_chars:
+            await self._warning(ErrorCode.BUFFER_FULL, f"more than {limits.max_buffered_chars} characters would wait "
+                                "behind the utterance speaking; this Speak was dropped")
+            return
         if not self.waiting or self.waiting[-1].flushed:
+            if not await self._room():
+                return
             self.waiting.append(_Utterance())
         self.waiting[-1].texts.append(text)
         await self._advance()
+
+    async def _room(self) -> bool:
+        """Whether one more utterance may wait; a Warning if not."""
+        if len(self.waiting) < MAX_WAITING:
+            return True
+        await self._warning(ErrorCode.BUFFER_FULL, f"at most {MAX_WAITING} utterances may wait behind "
+                            "the one speaking; this message was dropped")
+        return False
 
     async def _flush(self) -> None:
         if self.open and not self.waiting:
@@ -116,7 +139,7 @@ class DeepgramBridge(SocketBridge):
             await self.to_session("context.end", context_id=self.current)
         elif self.waiting and not self.waiting[-1].flushed:
             self.waiting[-1].flushed = True
-        else:  # nothing said since the last Flush: answered in its turn
+        elif await self._room():  # nothing said since the last Flush: answered in its turn
             self.waiting.append(_Utterance(flushed=True))
         await self._advance()
 
@@ -183,8 +206,9 @@ class DeepgramBridge(SocketBridge):
         self.sequence += 1
 
     async def _warning(self, code: str, description: str) -> None:
+        """Deepgram's form of an error: `code` in its upper-case style (native codes too: TEXT_TOO_LONG)."""
         log.info("deepgram socket warning %s: %s", code, description)
-        await self.send_json({"type": "Warning", "code": code, "description": description})
+        await self.send_json({"type": "Warning", "code": str(code).upper(), "description": description})
 
 
 def _parse(raw: str | bytes) -> dict[str, Any]:
