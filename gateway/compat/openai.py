@@ -1,16 +1,13 @@
 """OpenAI-compatible speech API: `POST /v1/audio/speech` (audio streamed as it is made, or SSE), `GET /v1/models`,
 `GET /v1/audio/voices`. Errors in OpenAI's form: HTTP status + {"error": {"message", "type", "param", "code"}}.
 
-One request is one native session with one turn: session.start asking for PCM at the container's rate, the input as
-text.append pieces, context.end. The session's PCM frames are wrapped into the requested container (gateway.audio's
-Encoder). An HTTP client buffers what it downloads, so the session runs with no lead limit: audio leaves as fast as
-the engine makes it, and a client that stops reading still holds the session back through the bounded inbox."""
+One request is one native session with one turn (compat.oneshot): session.start asking for PCM at the container's
+rate, the input, context.end. The session's PCM frames are wrapped into the requested container (gateway.audio's
+Encoder)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import dataclasses
 import json
 import logging
@@ -20,10 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE, OutputFormat, av_available
-from gateway.compat import AuthError, Transcoder, gateway_of, native
+from gateway.audio import OutputFormat, av_available
+from gateway.compat import AuthError, Transcoder, gateway_of
+from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
-from gateway.session import Session, stored_voices
+from gateway.session import stored_voices
 
 log = logging.getLogger("voxgate.compat.openai")
 
@@ -40,7 +38,6 @@ RESPONSE_FORMATS = {
     "wav": ("wav", 24000, "audio/wav"),
     "pcm": ("pcm_s16le", 24000, "audio/pcm"),
 }
-INBOX_SIZE = 64  # session messages waiting for the HTTP writer: beyond this the session waits (backpressure)
 # `generation` is voxgate's extension: the native session's generation settings (seed, cfg_value, ...)
 _FIELDS = {"model", "input", "voice", "instructions", "response_format", "speed", "stream_format", "generation"}
 
@@ -70,13 +67,11 @@ _SERVER_ERRORS = {
 }
 
 
-def _from_native(event: dict[str, Any], param: str | None = "input") -> OpenAIError:
-    code = str(event.get("code", ErrorCode.INTERNAL_ERROR))
-    status, kind = _SERVER_ERRORS.get(code, (400, "invalid_request_error"))  # type: ignore[call-overload]
-    if code == ErrorCode.UNKNOWN_VOICE:
+def _from_native(e: NativeError, param: str) -> OpenAIError:
+    status, kind = _SERVER_ERRORS.get(e.code, (400, "invalid_request_error"))  # type: ignore[call-overload]
+    if e.code == ErrorCode.UNKNOWN_VOICE:
         param = "voice"
-    return OpenAIError(status, str(event.get("message", "error")), type=kind, param=param if status == 400 else None,
-                       code=code)
+    return OpenAIError(status, e.message, type=kind, param=param if status == 400 else None, code=e.code)
 
 
 @dataclass(frozen=True)
@@ -150,44 +145,6 @@ def _voice(voice: str, stored: set[str]) -> str | None:
                       code="invalid_value")
 
 
-class Inbox:
-    """The session's transport for one HTTP request: what the session sends, queued for the response writer."""
-
-    def __init__(self, request: web.Request, size: int = INBOX_SIZE):
-        self.request = request
-        self.queue: asyncio.Queue[dict[str, Any] | bytes | None] = asyncio.Queue(size)
-        self.closed = False
-
-    async def send_text(self, data: str) -> None:
-        await self.queue.put(json.loads(data))
-
-    async def send_bytes(self, data: bytes) -> None:
-        await self.queue.put(bytes(data[HEADER_SIZE:]))  # one turn per request: the header says nothing new
-
-    async def close(self, code: int, reason: str) -> None:
-        self.closed = True
-        with contextlib.suppress(asyncio.QueueFull):  # a full queue: next() sees `closed` once it is drained
-            self.queue.put_nowait(None)
-
-    def abort(self) -> None:
-        """The client stopped reading (the session's stall timeout): drop the connection, so a blocked write ends."""
-        self.closed = True
-        if self.request.transport is not None:
-            self.request.transport.abort()
-
-    async def next(self, param: str | None = "input") -> dict[str, Any] | bytes:
-        """The next audio payload or meaningful event; OpenAIError for a native error (blaming `param`) or the
-        session closing."""
-        while True:
-            item = None if self.closed and self.queue.empty() else await self.queue.get()
-            if item is None:
-                raise OpenAIError(500, "the synthesis session closed unexpectedly", type="server_error")
-            if isinstance(item, bytes) or item.get("type") in ("session.started", "context.done"):
-                return item
-            if item.get("type") == "error":
-                raise _from_native(item, param)
-
-
 # ---------------------------------------------------------------------------------------------------- handlers
 
 
@@ -207,59 +164,47 @@ async def speech(request: web.Request) -> web.StreamResponse:
                               "rate_limit_exceeded", code=str(ErrorCode.OVERLOADED))
     except OpenAIError as e:
         return e.response()
-    inbox = Inbox(request)
-    config = dataclasses.replace(gw.config.session, max_lead_ms=math.inf, max_lead_ms_telephony=math.inf)
-    session = Session(gw.engine, inbox, config, metrics=gw.metrics)
-    session.open()
-    with gw.tracked(session, key):
+    async with OneTurn.open(request, key) as turn:
         try:
-            return await _speak(request, session, inbox, req)
-        except OpenAIError as e:  # before the first byte: the status can still say what went wrong
-            return e.response()
-        finally:
-            await session.close()
+            await turn.start(voice=req.voice, sample_rate=RESPONSE_FORMATS[req.response_format][1],
+                             generation=req.generation)
+        except NativeError as e:  # unknown voice, bad generation settings, ...
+            return _from_native(e, "generation").response()
+        try:
+            first = await turn.say(req.input)  # the first audio, so an engine refusal still gets a proper status
+        except NativeError as e:
+            return _from_native(e, "input").response()
+        return await _respond(request, turn, req, first)
 
 
-async def _speak(request: web.Request, session: Session, inbox: Inbox, req: SpeechRequest) -> web.StreamResponse:
+async def _respond(request: web.Request, turn: OneTurn, req: SpeechRequest,
+                   first: dict[str, Any] | bytes) -> web.StreamResponse:
     container, rate, content_type = RESPONSE_FORMATS[req.response_format]
-    await session.receive(native("session.start", voice=req.voice, generation=req.generation,
-                                 output={"format": "pcm_s16le", "sample_rate": rate}))
-    await inbox.next(param="generation")  # session.started, or the error (unknown voice, bad generation, ...)
-    step = session.limits.max_text_chars
-    for i in range(0, len(req.input), step):
-        await session.receive(native("text.append", context_id="speech", text=req.input[i:i + step]))
-    await session.receive(native("context.end", context_id="speech"))
-    first = await inbox.next()  # wait for audio, so an engine refusal still gets a proper status
     sse = req.stream_format == "sse"
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else content_type,
                                            "Cache-Control": "no-cache"})
     response.enable_chunked_encoding()
     await response.prepare(request)
-    transcoder = Transcoder(OutputFormat.from_dict({"format": container, "sample_rate": rate}))
-    item: dict[str, Any] | bytes = first
+
+    async def write(data: bytes) -> None:
+        await response.write(_sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                             if sse else data)
+
     try:
-        while isinstance(item, bytes):
-            await _write(response, transcoder.write(item), sse)
-            item = await inbox.next()
-        await _write(response, transcoder.finish(), sse)
+        done = await turn.stream(first, Transcoder(OutputFormat.from_dict({"format": container, "sample_rate": rate})),
+                                 write)
         if sse:
-            audio_ms = float(item.get("audio_ms", 0.0))
-            patches = round(audio_ms / (session.model_info.patch_ms or 1.0))
+            audio_ms = float(done.get("audio_ms", 0.0))
+            patches = round(audio_ms / (turn.session.model_info.patch_ms or 1.0))
             usage = {"input_tokens": len(req.input), "output_tokens": patches,
                      "total_tokens": len(req.input) + patches}
             await response.write(_sse({"type": "speech.audio.done", "usage": usage}))
         await response.write_eof()
-    except OpenAIError as e:  # mid-stream: the status is sent; end the body early rather than hang
+    except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
         log.info("speech stream ended early: %s", e.message)
     except ConnectionError:  # the client went away; closing the session cancels the engine request
         pass
     return response
-
-
-async def _write(response: web.StreamResponse, data: bytes, sse: bool) -> None:
-    if data:
-        await response.write(_sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-                             if sse else data)
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -1,0 +1,127 @@
+"""One HTTP request that speaks one text (OpenAI speech, Cartesia bytes, Deepgram's REST speak): a native session
+with one turn, for the length of the request.
+
+An HTTP client buffers what it downloads, so the session runs with no lead limit: audio leaves as fast as the engine
+makes it, and a client that stops reading still holds the session back through the bounded inbox. The caller asks for
+s16 PCM at the rate of its container and wraps it (`compat.Transcoder`); it answers a `NativeError` in its own
+protocol's form, with an HTTP status while no byte of the body has gone out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.audio import HEADER_SIZE
+from gateway.compat import Transcoder, gateway_of, native
+from gateway.protocol import ErrorCode
+from gateway.session import Session
+
+INBOX_SIZE = 64  # session messages waiting for the HTTP writer: beyond this the session waits (backpressure)
+CONTEXT = "speech"  # the request's one turn
+
+
+class NativeError(Exception):
+    """The session's `error` message (or its unexpected close), for the adapter to answer in its own form."""
+
+    def __init__(self, event: dict[str, Any]):
+        super().__init__(event.get("message", "error"))
+        self.code = str(event.get("code", ErrorCode.INTERNAL_ERROR))
+        self.message = str(event.get("message", "error"))
+
+
+class Inbox:
+    """The session's transport for one HTTP request: what the session sends, queued for the response writer."""
+
+    def __init__(self, request: web.Request, size: int = INBOX_SIZE):
+        self.request = request
+        self.queue: asyncio.Queue[dict[str, Any] | bytes | None] = asyncio.Queue(size)
+        self.closed = False
+
+    async def send_text(self, data: str) -> None:
+        await self.queue.put(json.loads(data))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.queue.put(bytes(data[HEADER_SIZE:]))  # one turn per request: the header says nothing new
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = True
+        with contextlib.suppress(asyncio.QueueFull):  # a full queue: next() sees `closed` once it is drained
+            self.queue.put_nowait(None)
+
+    def abort(self) -> None:
+        """The client stopped reading (the session's stall timeout): drop the connection, so a blocked write ends."""
+        self.closed = True
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+    async def next(self) -> dict[str, Any] | bytes:
+        """The next audio payload, session.started or context.done; NativeError for an error or the session closing."""
+        while True:
+            item = None if self.closed and self.queue.empty() else await self.queue.get()
+            if item is None:
+                raise NativeError({"code": ErrorCode.INTERNAL_ERROR,
+                                   "message": "the synthesis session closed unexpectedly"})
+            if isinstance(item, bytes) or item.get("type") in ("session.started", "context.done"):
+                return item
+            if item.get("type") == "error":
+                raise NativeError(item)
+
+
+class OneTurn:
+    """The session of one request. `start` it (a refused voice or setting raises NativeError), then `say` the text,
+    which returns the first audio (or context.done, or raises), before the response's headers are sent."""
+
+    def __init__(self, session: Session, inbox: Inbox):
+        self.session, self.inbox = session, inbox
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, request: web.Request, key: str) -> AsyncIterator[OneTurn]:
+        """A session counted like a native one (limits, readiness, shutdown drain) for the block; closed after it,
+        which cancels its engine request when the client went away."""
+        gw = gateway_of(request)
+        inbox = Inbox(request)
+        config = dataclasses.replace(gw.config.session, max_lead_ms=math.inf, max_lead_ms_telephony=math.inf)
+        session = Session(gw.engine, inbox, config, metrics=gw.metrics)
+        session.open()
+        with gw.tracked(session, key):
+            try:
+                yield cls(session, inbox)
+            finally:
+                await session.close()
+
+    async def start(self, *, voice: str | None, sample_rate: int, generation: dict[str, Any] | None = None) -> None:
+        """session.start asking for s16 PCM at `sample_rate`; waits for session.started."""
+        await self.session.receive(native("session.start", voice=voice, generation=generation or {},
+                                          output={"format": "pcm_s16le", "sample_rate": sample_rate}))
+        await self.inbox.next()
+
+    async def say(self, text: str) -> dict[str, Any] | bytes:
+        """The whole text as the turn's input (in pieces of the session's message limit), then its end."""
+        step = self.session.limits.max_text_chars
+        for i in range(0, len(text), step):
+            await self.session.receive(native("text.append", context_id=CONTEXT, text=text[i:i + step]))
+        await self.session.receive(native("context.end", context_id=CONTEXT))
+        return await self.inbox.next()
+
+    async def stream(self, first: dict[str, Any] | bytes, transcoder: Transcoder,
+                     write: Callable[[bytes], Awaitable[None]]) -> dict[str, Any]:
+        """Write the turn's audio, from `first` on, through the transcoder; context.done once all is written.
+        NativeError if the turn fails midway (the body is then cut short)."""
+        item = first
+        while isinstance(item, bytes):
+            data = transcoder.write(item)
+            if data:
+                await write(data)
+            item = await self.inbox.next()
+        data = transcoder.finish()
+        if data:
+            await write(data)
+        return item
