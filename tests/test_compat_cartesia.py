@@ -3,8 +3,11 @@ CartesiaTTSService fed like an LLM, and a raw `websockets` peer speaking Cartesi
 
 import asyncio
 import base64
+import io
 import json
 
+import aiohttp
+import av
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -194,5 +197,83 @@ async def test_a_client_gone_mid_speech_leaves_no_session_and_no_engine_request(
     async with _connect(port) as ws:
         await ws.send(_request("a", story, more=False))
         assert json.loads(await asyncio.wait_for(ws.recv(), 20))["type"] == "chunk"
+        assert engine.stats().in_flight >= 1
+    await released(port, engine)
+
+
+# ---------------------------------------------------------------------------------------------------- /tts/bytes
+
+
+async def _post_bytes(port: int, body: dict | bytes, headers: dict | None = None) -> tuple[int, str, bytes]:
+    async with aiohttp.ClientSession() as http:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with http.post(f"http://127.0.0.1:{port}/tts/bytes", data=data,
+                             headers={"X-API-Key": KEY, **(headers or {})}) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+def _bytes_request(fmt: dict, transcript: str = "Hello from the bytes endpoint.") -> dict:
+    return {"model_id": "sonic-3", "transcript": transcript, "voice": VOICE, "output_format": fmt}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
+async def test_pipecat_cartesia_http_service_gets_raw_pcm(port):
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.services.cartesia.tts import CartesiaHttpTTSService
+
+    async with aiohttp.ClientSession() as http:
+        tts = CartesiaHttpTTSService(api_key=KEY, base_url=f"http://127.0.0.1:{port}", aiohttp_session=http,
+                                     sample_rate=24000, settings=CartesiaHttpTTSService.Settings(voice=VOICE["id"]))
+        frames = await run_tts(tts, [TTSSpeakFrame("Hello there.")], 24000)
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = b"".join(f.audio for f in frames if isinstance(f, TTSAudioRawFrame))
+    assert audio and len(audio) % 960 == 0  # whole 20 ms frames of 16-bit PCM at 24 kHz
+
+
+@pytest.mark.parametrize("fmt, content_type", [
+    ({"container": "wav", "encoding": "pcm_s16le", "sample_rate": 16000}, "audio/wav"),
+    ({"container": "mp3", "sample_rate": 44100, "bit_rate": 64000}, "audio/mpeg"),
+])
+async def test_bytes_in_a_container_decode_at_the_asked_rate(port, fmt, content_type):
+    status, ctype, data = await _post_bytes(port, _bytes_request(fmt))
+    assert status == 200 and ctype == content_type
+    with av.open(io.BytesIO(data)) as f:
+        assert f.streams.audio[0].rate == fmt["sample_rate"]
+        assert sum(frame.samples for frame in f.decode(audio=0)) > 0
+
+
+async def test_bytes_raw_f32_and_mulaw(port):
+    status, ctype, f32 = await _post_bytes(port, _bytes_request(
+        {"container": "raw", "encoding": "pcm_f32le", "sample_rate": 22050}))
+    assert status == 200 and ctype == "application/octet-stream"
+    samples = np.frombuffer(f32, dtype="<f4")
+    assert len(f32) % 4 == 0 and np.abs(samples).max() <= 1.0 and np.sqrt(np.mean(samples ** 2)) > 1e-4
+    status, _, mulaw = await _post_bytes(port, _bytes_request(
+        {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}))
+    assert status == 200 and mulaw and len(mulaw) % 160 == 0  # whole 20 ms frames of 8 kHz mu-law
+
+
+@pytest.mark.parametrize("body, headers, status, words", [
+    (_bytes_request(PCM_24K), {"X-API-Key": "wrong"}, 401, "API key"),
+    (b"{not json", {}, 400, "invalid JSON"),
+    (_bytes_request(PCM_24K, transcript="  "), {}, 400, "transcript"),
+    (_bytes_request({"container": "ogg", "sample_rate": 48000}), {}, 400, "container"),
+    (_bytes_request({"container": "wav", "encoding": "pcm_f32le", "sample_rate": 16000}), {}, 400, "pcm_s16le"),
+    (_bytes_request({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 12345}), {}, 400, "sample_rate"),
+    ({**_bytes_request(PCM_24K), "voice": {"mode": "embedding", "embedding": [0.0]}}, {}, 400, "voice"),
+])
+async def test_bad_bytes_requests_get_a_status_and_a_reason(port, body, headers, status, words):
+    got, ctype, data = await _post_bytes(port, body, headers)
+    assert got == status and ctype.startswith("application/json")
+    error = json.loads(data)
+    assert words in error["message"] and error["status_code"] == status and error["error"]
+
+
+async def test_a_bytes_client_gone_mid_stream_leaves_nothing_behind(port, engine):
+    story = " ".join(f"This is sentence {i} of an answer nobody waits for." for i in range(40))
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/bytes", headers={
+            "X-API-Key": KEY}, json=_bytes_request(PCM_24K, story)) as r:
+        assert r.status == 200
+        await r.content.readexactly(960)
         assert engine.stats().in_flight >= 1
     await released(port, engine)

@@ -2,8 +2,11 @@
 fed like an LLM, and a raw `websockets` peer speaking Deepgram's documented message schema."""
 
 import asyncio
+import io
 import json
 
+import aiohttp
+import av
 import pytest
 import pytest_asyncio
 from compat_support import llm_turn, released, run_tts
@@ -206,3 +209,64 @@ async def test_text_waiting_behind_the_utterance_speaking_is_bounded(port):
         await ws.send(json.dumps({"type": "Flush"}))
         audio, _ = await _until(ws, "Flushed")
     assert audio
+
+
+# ---------------------------------------------------------------------------------------------------- POST /v1/speak
+
+
+async def _post(port: int, query: str, body: dict | bytes, headers: dict | None = None):
+    """(status, headers, body) of POST /v1/speak."""
+    async with aiohttp.ClientSession() as http:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with http.post(f"http://127.0.0.1:{port}/v1/speak?{query}", data=data, headers={
+                "Authorization": f"Token {KEY}", "Content-Type": "application/json", **(headers or {})}) as r:
+            return r.status, r.headers, await r.read()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
+async def test_pipecat_deepgram_http_service_gets_raw_pcm(port):
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.services.deepgram.tts import DeepgramHttpTTSService
+
+    async with aiohttp.ClientSession() as http:
+        tts = DeepgramHttpTTSService(api_key=KEY, aiohttp_session=http, base_url=f"http://127.0.0.1:{port}",
+                                     sample_rate=16000)
+        frames = await run_tts(tts, [TTSSpeakFrame("Hello there.")], 16000)
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = b"".join(f.audio for f in frames if isinstance(f, TTSAudioRawFrame))
+    assert audio and len(audio) % 640 == 0  # whole 20 ms frames of 16-bit PCM at 16 kHz
+
+
+@pytest.mark.parametrize("query, content_type, container, rate", [
+    ("model=aura-2-thalia-en", "audio/mpeg", "mp3", 22050),  # Deepgram's default: mp3
+    ("encoding=linear16", "audio/wav", "wav", 24000),  # linear16's default container: wav
+    ("encoding=opus", "audio/ogg", "ogg", 48000),
+])
+async def test_rest_speak_defaults_and_containers(port, query, content_type, container, rate):
+    status, headers, data = await _post(port, query, {"text": "Hello from the REST endpoint."})
+    assert status == 200 and headers["Content-Type"] == content_type
+    assert headers["dg-request-id"] and headers["dg-char-count"] == str(len("Hello from the REST endpoint."))
+    with av.open(io.BytesIO(data)) as f:
+        assert f.format.name.split(",")[0] == container and f.streams.audio[0].rate == rate
+        assert sum(frame.samples for frame in f.decode(audio=0)) > 0
+
+
+async def test_rest_speak_raw_mulaw(port):
+    status, headers, data = await _post(port, "encoding=mulaw&container=none", {"text": "Hi."})
+    assert status == 200 and headers["Content-Type"] == "audio/basic"
+    assert data and len(data) % 160 == 0  # whole 20 ms frames of 8 kHz mu-law
+
+
+@pytest.mark.parametrize("query, body, headers, status, reason", [
+    ("encoding=flac", {"text": "Hi."}, {}, 400, "encoding"),
+    ("encoding=mulaw&container=wav", {"text": "Hi."}, {}, 400, "container"),
+    ("encoding=mp3&bit_rate=fast", {"text": "Hi."}, {}, 400, "bit_rate"),
+    ("", b"{not json", {}, 400, "invalid JSON"),
+    ("", {"words": "Hi."}, {}, 400, "text"),
+    ("", {"text": "Hi."}, {"Authorization": "Token wrong"}, 401, "invalid API key"),
+])
+async def test_rest_speak_refuses_bad_requests_the_deepgram_way(port, query, body, headers, status, reason):
+    got, response_headers, data = await _post(port, query, body, headers)
+    error = json.loads(data)
+    assert got == status and reason in error["err_msg"] and reason in response_headers["dg-error"]
+    assert error["err_code"] and error["request_id"]

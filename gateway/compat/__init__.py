@@ -18,7 +18,7 @@ from aiohttp import WSMsgType, web
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
-from gateway.protocol import Limits
+from gateway.protocol import ErrorCode, Limits
 from gateway.session import Session
 
 if TYPE_CHECKING:  # gateway.server may import this package from its app factory
@@ -40,6 +40,18 @@ def register(app: web.Application) -> None:
 def native(kind: str, **fields: Any) -> str:
     """One native client message, as the session reads it."""
     return json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
+
+
+# native error code -> the HTTP status that says it; the client's mistakes otherwise: 400
+_HTTP_STATUS: dict[str, int] = {
+    ErrorCode.UNAUTHORIZED: 401, ErrorCode.RATE_LIMITED: 429, ErrorCode.TOO_MANY_CONTEXTS: 429,
+    ErrorCode.IDLE_TIMEOUT: 408, ErrorCode.OVERLOADED: 503, ErrorCode.SERVER_SHUTDOWN: 503,
+    ErrorCode.ENGINE_ERROR: 500, ErrorCode.INTERNAL_ERROR: 500, ErrorCode.SLOW_CONSUMER: 500}
+
+
+def http_status(code: str) -> int:
+    """The HTTP status for a native error code (protocols that report errors with one)."""
+    return _HTTP_STATUS.get(code, 400)
 
 
 def json_object(raw: str | bytes) -> dict[str, Any]:
@@ -176,5 +188,5 @@ class SocketBridge:
         self._tracking.close()
 
 
-__all__ = ["register", "native", "json_object", "check_api_key", "gateway_of", "Transcoder", "AuthError",
-           "SocketBridge"]
+__all__ = ["register", "native", "json_object", "http_status", "check_api_key", "gateway_of", "Transcoder",
+           "AuthError", "SocketBridge"]

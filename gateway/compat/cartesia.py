@@ -3,6 +3,8 @@ Cartesia clients that take a base URL (LiveKit's plugin authenticates with `?api
 
 Auth: `X-API-Key` or `Authorization: Bearer` headers, `?api_key=`, or `?access_token=` (a voxgate token from
 `POST /v1/tokens`, for browsers); `Cartesia-Version` is accepted and ignored. A refused handshake gets HTTP 401/429/503.
+`POST /tts/bytes` (one transcript, its audio streamed in the body: raw as below, wav or mp3) is the same over HTTP
+(compat.oneshot), for Pipecat's CartesiaHttpTTSService and plain scripts.
 
 Client -> native:
 - a generation request {context_id, transcript, voice {mode: "id", id}, output_format {container: "raw", encoding:
@@ -31,25 +33,25 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE, PCM_RATES, unpack_frame_header
+from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, unpack_frame_header
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, check_api_key, gateway_of, json_object
+from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
+from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
 
 log = logging.getLogger("voxgate.compat.cartesia")
 
 IDLE_TIMEOUT_S = 300.0  # Cartesia closes an idle socket after 5 minutes
 ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
-# native error code -> the HTTP-style status Cartesia reports it with (client mistakes otherwise: 400)
-_STATUS = {ErrorCode.UNAUTHORIZED: 401, ErrorCode.RATE_LIMITED: 429, ErrorCode.TOO_MANY_CONTEXTS: 429,
-           ErrorCode.IDLE_TIMEOUT: 408, ErrorCode.OVERLOADED: 503, ErrorCode.SERVER_SHUTDOWN: 503,
-           ErrorCode.ENGINE_ERROR: 500, ErrorCode.INTERNAL_ERROR: 500}
 # a word for the timestamps: one CJK character (Cartesia reports those one by one), or a run of anything but spaces
 _CJK = "\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af"
 _WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
@@ -59,6 +61,11 @@ class CartesiaError(Exception):
     def __init__(self, message: str, status: int = 400, code: str = "invalid_request"):
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
+
+    def response(self) -> web.Response:
+        """The error as an HTTP answer (a refused handshake, or /tts/bytes before its first byte)."""
+        return web.json_response({"error": self.code, "message": self.message, "status_code": self.status},
+                                 status=self.status)
 
 
 @dataclass
@@ -104,7 +111,7 @@ class CartesiaBridge(SocketBridge):
     async def _generate(self, cid: str, m: dict[str, Any]) -> None:
         ctx = self.contexts.get(cid)
         if ctx is None:
-            voice, output, encoding = await self._voice(m.get("voice")), *_output_format(m.get("output_format"))
+            voice, output, encoding = await _voice(m.get("voice"), self.gw), *_output_format(m.get("output_format"))
             settings = (voice, json.dumps(output, sort_keys=True))
             if settings != self.settings:  # contexts already speaking keep theirs
                 await self.to_session("session.update", voice=voice, output=output)
@@ -123,12 +130,6 @@ class CartesiaBridge(SocketBridge):
         if m.get("continue") is not True:
             ctx.ended = True
             await self.to_session("context.end", context_id=cid)
-
-    async def _voice(self, voice: Any) -> str | None:
-        if not isinstance(voice, dict) or voice.get("mode") != "id" or not isinstance(voice.get("id"), str):
-            raise CartesiaError("voice must be {\"mode\": \"id\", \"id\": \"<voice id>\"}; other modes are not "
-                                "supported")
-        return voice["id"] if voice["id"] in await stored_voices(self.gw.engine) else None
 
     # ------------------------------------------------------------------------------------------------ us -> client
     # (the session's Transport)
@@ -165,7 +166,7 @@ class CartesiaBridge(SocketBridge):
             return
         payload = bytes(data[HEADER_SIZE:])
         if ctx.encoding == "pcm_f32le":
-            payload = (np.frombuffer(payload, dtype="<i2").astype("<f4") / 32768.0).tobytes()
+            payload = _f32(payload)
         now = time.monotonic()
         message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
                    "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
@@ -180,7 +181,7 @@ class CartesiaBridge(SocketBridge):
         assert self.session is not None
         over = m.get("fatal") is True or ctx is not None and not self.session.is_live(cid)
         code = m.get("code", "")
-        await self._error(cid, _STATUS.get(code, 400), code, m.get("message", ""), done=over)
+        await self._error(cid, http_status(code), code, m.get("message", ""), done=over)
         if m.get("fatal") is True:
             self.closing = True  # the session closes the socket next
         elif over:
@@ -231,6 +232,13 @@ def _parse(raw: str | bytes) -> dict[str, Any]:
     return m
 
 
+async def _voice(voice: Any, gw: Gateway) -> str | None:
+    """A stored voice id, or None (the default voice) for any other id."""
+    if not isinstance(voice, dict) or voice.get("mode") != "id" or not isinstance(voice.get("id"), str):
+        raise CartesiaError("voice must be {\"mode\": \"id\", \"id\": \"<voice id>\"}; other modes are not supported")
+    return voice["id"] if voice["id"] in await stored_voices(gw.engine) else None
+
+
 def _output_format(fmt: Any) -> tuple[dict[str, Any], str]:
     """Cartesia's raw output_format -> (native session output, the client's encoding)."""
     if not isinstance(fmt, dict) or fmt.get("container") != "raw":
@@ -246,33 +254,105 @@ def _output_format(fmt: Any) -> tuple[dict[str, Any], str]:
     return {"format": native, "sample_rate": rate}, encoding
 
 
+def _http_format(fmt: Any) -> tuple[OutputFormat, str, str]:
+    """Cartesia's output_format for /tts/bytes -> (what the response carries, the client's encoding, content type):
+    raw (as on the socket), wav (s16) or mp3 (`bit_rate`, default 128 kb/s)."""
+    if not isinstance(fmt, dict) or fmt.get("container") not in ("raw", "wav", "mp3"):
+        raise CartesiaError("output_format.container must be raw, wav or mp3")
+    container, rate = fmt["container"], fmt.get("sample_rate")
+    if container == "raw":
+        output, encoding = _output_format(fmt)
+        return OutputFormat.from_dict(output), encoding, "application/octet-stream"
+    if container == "wav" and fmt.get("encoding") != "pcm_s16le":
+        raise CartesiaError("output_format.encoding must be pcm_s16le in a wav container here")
+    if container == "mp3" and not av_available():
+        raise CartesiaError("mp3 output needs PyAV on the server (`pip install av`); ask for raw or wav")
+    try:
+        out = OutputFormat.from_dict({"format": container, "sample_rate": rate,
+                                      "bitrate": fmt.get("bit_rate", 128000) if container == "mp3" else 32000})
+    except ValueError as e:
+        raise CartesiaError(f"output_format: {e}") from None
+    return out, "pcm_s16le", "audio/wav" if container == "wav" else "audio/mpeg"
+
+
 def _authenticate(request: web.Request) -> str:
-    """The key of the handshake: `?access_token=` (a voxgate token), `Authorization: Bearer`, `X-API-Key` or
-    `?api_key=`; AuthError if refused."""
+    """The key of a request: `?access_token=` (a voxgate token), `Authorization: Bearer`, `X-API-Key` or
+    `?api_key=`; CartesiaError (401, 429, 503) if refused."""
     gw = gateway_of(request)
-    token = request.query.get("access_token")
-    if token is not None or request.headers.get("Authorization"):
-        return gw.auth.authenticate(request.headers.get("Authorization"), token)
-    return check_api_key(gw, request.headers.get("X-API-Key") or request.query.get("api_key"))
+    try:
+        token = request.query.get("access_token")
+        if token is not None or request.headers.get("Authorization"):
+            key = gw.auth.authenticate(request.headers.get("Authorization"), token)
+        else:
+            key = check_api_key(gw, request.headers.get("X-API-Key") or request.query.get("api_key"))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        raise CartesiaError(f"{e}; send X-API-Key", 401, "unauthorized") from None
+    refused = gw.refusal(key)
+    if refused is not None:
+        raise CartesiaError(refused.message, 429 if refused.code == ErrorCode.RATE_LIMITED else 503,
+                            str(refused.code))
+    return key
 
 
 async def websocket(request: web.Request) -> web.StreamResponse:
     """GET /tts/websocket."""
-    gw = gateway_of(request)
     try:
         key = _authenticate(request)
-    except AuthError as e:
-        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        return web.json_response({"error": "unauthorized", "message": f"{e}; send X-API-Key"}, status=401)
-    refused = gw.refusal(key)
-    if refused is not None:
-        return web.json_response({"error": str(refused.code), "message": refused.message},
-                                 status=503 if refused.code != ErrorCode.RATE_LIMITED else 429)
-    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
+    except CartesiaError as e:
+        return e.response()
+    ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
+                               autoping=True)
     await ws.prepare(request)
     await CartesiaBridge(request, ws, key).serve()
     return ws
 
 
+async def tts_bytes(request: web.Request) -> web.StreamResponse:
+    """POST /tts/bytes: one transcript, its audio streamed in the response body as it is made."""
+    gw = gateway_of(request)
+    try:
+        key = _authenticate(request)
+        body = json_object(await request.text())
+        transcript = body.get("transcript")
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise CartesiaError("transcript is required (a non-empty string)")
+        if len(transcript) > gw.config.limits.max_buffered_chars:
+            raise CartesiaError(f"transcript has {len(transcript)} characters; the limit is "
+                                f"{gw.config.limits.max_buffered_chars}")
+        voice = await _voice(body.get("voice"), gw)
+        out, encoding, content_type = _http_format(body.get("output_format"))
+    except ValueError as e:  # json_object's
+        return CartesiaError(str(e)).response()
+    except CartesiaError as e:
+        return e.response()
+    async with OneTurn.open(request, key) as turn:
+        try:
+            await turn.start(voice=voice, sample_rate=out.sample_rate)
+            first = await turn.say(transcript)
+        except NativeError as e:
+            return CartesiaError(e.message, http_status(e.code), e.code).response()
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+
+        async def write(data: bytes) -> None:
+            await response.write(_f32(data) if encoding == "pcm_f32le" else data)
+
+        try:
+            await turn.stream(first, Transcoder(out), write)
+            await response.write_eof()
+        except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
+            log.info("tts/bytes ended early: %s", e.message)
+        except ConnectionError:  # the client went away; closing the session cancels the engine request
+            pass
+        return response
+
+
+def _f32(s16: bytes) -> bytes:
+    return (np.frombuffer(s16, dtype="<i2").astype("<f4") / 32768.0).tobytes()
+
+
 def register(app: web.Application) -> None:
     app.router.add_get("/tts/websocket", websocket)
+    app.router.add_post("/tts/bytes", tts_bytes)

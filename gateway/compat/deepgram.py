@@ -1,5 +1,7 @@
-"""Deepgram-compatible streaming WebSocket `GET /v1/speak` (Aura's continuous text stream): Pipecat's Deepgram TTS
-service (tested) and other Deepgram clients that take a base URL work with only a URL change.
+"""Deepgram-compatible speech: the streaming WebSocket `GET /v1/speak` (Aura's continuous text stream) and the REST
+`POST /v1/speak {"text"}` (compat.oneshot; audio streamed in the body: linear16 raw or wav, mulaw, alaw, mp3 or Ogg
+Opus; mp3 by default, as Deepgram). Pipecat's Deepgram services (tested) and other Deepgram clients that take a base
+URL work with only a URL change.
 
 Handshake: `model` (a stored voice id speaks with that voice; any other name, aura-2-helena-en say, the default
 voice), `encoding` linear16 (default) | mulaw | alaw, `sample_rate` (linear16: 8000, 16000, 24000 (default), 48000;
@@ -33,9 +35,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE
+from gateway.audio import HEADER_SIZE, OutputFormat, av_available
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, check_api_key, gateway_of, json_object
+from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
+from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
 
@@ -43,9 +46,16 @@ log = logging.getLogger("voxgate.compat.deepgram")
 
 DEFAULT_MODEL = "aura-2-helena-en"
 MAX_WAITING = 32  # utterances queued behind the one speaking (their text is bounded by max_buffered_chars)
-# encoding -> (native format, default rate, rates)
-ENCODINGS = {"linear16": ("pcm_s16le", 24000, (8000, 16000, 24000, 48000)), "mulaw": ("mulaw", 8000, (8000,)),
-             "alaw": ("alaw", 8000, (8000,))}
+# encoding -> (default rate, rates, {container: gateway.audio format}, REST's default container); the stream sends
+# raw samples of the first three (container none)
+ENCODINGS = {"linear16": (24000, (8000, 16000, 24000, 48000), {"none": "pcm_s16le", "wav": "wav"}, "wav"),
+             "mulaw": (8000, (8000,), {"none": "mulaw"}, "none"),
+             "alaw": (8000, (8000,), {"none": "alaw"}, "none"),
+             "mp3": (22050, (22050,), {"none": "mp3"}, "none"),
+             "opus": (48000, (48000,), {"ogg": "ogg_opus"}, "ogg")}
+STREAM_ENCODINGS = ("linear16", "mulaw", "alaw")
+CONTENT_TYPES = {"pcm_s16le": "application/octet-stream", "wav": "audio/wav", "mulaw": "audio/basic",
+                 "alaw": "application/octet-stream", "mp3": "audio/mpeg", "ogg_opus": "audio/ogg"}
 
 
 class DeepgramError(Exception):
@@ -54,8 +64,9 @@ class DeepgramError(Exception):
         self.status, self.code, self.message = status, code, message
 
     def response(self) -> web.Response:
-        return web.json_response({"err_code": self.code, "err_msg": self.message}, status=self.status,
-                                 headers={"dg-error": self.message})
+        request_id = str(uuid.uuid4())
+        return web.json_response({"err_code": self.code, "err_msg": self.message, "request_id": request_id},
+                                 status=self.status, headers={"dg-error": self.message, "dg-request-id": request_id})
 
 
 @dataclass
@@ -221,60 +232,116 @@ def _parse(raw: str | bytes) -> dict[str, Any]:
     return m
 
 
-def _key(request: web.Request) -> str:
-    """The key of the handshake: `?token=` (a voxgate token), `Authorization: Token|Bearer <key>`, or the browser's
-    `Sec-WebSocket-Protocol: token, <key>`; AuthError if refused."""
+def _admit(request: web.Request) -> str:
+    """The key of a request: `?token=` (a voxgate token), `Authorization: Token|Bearer <key>`, or the browser's
+    `Sec-WebSocket-Protocol: token, <key>`; DeepgramError (401, 429, 503) if refused."""
     gw = gateway_of(request)
-    if request.query.get("token") is not None:
-        return gw.auth.authenticate(None, request.query["token"])
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() not in ("token", "bearer"):
-        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
-        key = protocols[1] if len(protocols) == 2 and protocols[0].lower() == "token" else ""
-    return check_api_key(gw, key.strip() or None)
+    try:
+        if request.query.get("token") is not None:
+            key = gw.auth.authenticate(None, request.query["token"])
+        else:
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() not in ("token", "bearer"):
+                protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+                key = protocols[1] if len(protocols) == 2 and protocols[0].lower() == "token" else ""
+            key = check_api_key(gw, key.strip() or None)
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        raise DeepgramError(401, "INVALID_AUTH", f"{e}; send Authorization: Token <api key>") from None
+    refused = gw.refusal(key)
+    if refused is not None:
+        raise DeepgramError(429 if refused.code == ErrorCode.RATE_LIMITED else 503, str(refused.code).upper(),
+                            refused.message)
+    return key
 
 
-async def _settings(request: web.Request) -> tuple[str | None, dict[str, Any]]:
-    """(voice, native output) from the query; DeepgramError when a parameter is not supported."""
+async def _settings(request: web.Request, stream: bool) -> tuple[str | None, OutputFormat]:
+    """(voice, what the audio is) from the query; DeepgramError (400) when a parameter is not supported."""
     q = request.query
-    encoding = q.get("encoding", "linear16")
-    if encoding not in ENCODINGS:
-        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"encoding {encoding!r} is not supported on the stream; "
-                            f"use {', '.join(ENCODINGS)}")
-    native, default_rate, rates = ENCODINGS[encoding]
+    encoding = q.get("encoding", "linear16" if stream else "mp3")
+    encodings = STREAM_ENCODINGS if stream else tuple(ENCODINGS)
+    if encoding not in encodings:
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"encoding {encoding!r} is not supported "
+                            f"{'on the stream' if stream else 'here'}; use {', '.join(encodings)}")
+    default_rate, rates, containers, default_container = ENCODINGS[encoding]
     rate = q.get("sample_rate", str(default_rate))
     if not rate.isdigit() or int(rate) not in rates:
         raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate!r} is not supported for {encoding}; "
                             f"use {', '.join(map(str, rates))}")
-    if q.get("container", "none") != "none":
-        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", "the stream sends raw samples: container must be none")
+    container = q.get("container", "none" if stream else default_container)
+    if container not in containers or stream and container != "none":
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"container {container!r} is not supported for "
+                            f"{encoding}{' on the stream' if stream else ''}; use "
+                            f"{'none' if stream else ', '.join(containers)}")
+    spec: dict[str, Any] = {"format": containers[container], "sample_rate": int(rate)}
+    if spec["format"] == "mp3" and not av_available():
+        raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs PyAV on the server (`pip install av`); ask for "
+                            "linear16, mulaw, alaw or opus")
+    if "bit_rate" in q:
+        if not q["bit_rate"].isdigit():
+            raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"bit_rate {q['bit_rate']!r} is not a number")
+        spec["bitrate"] = int(q["bit_rate"])
+    try:
+        output = OutputFormat.from_dict(spec)
+    except ValueError as e:
+        raise DeepgramError(400, "INVALID_QUERY_PARAMETER", str(e)) from None
     model = q.get("model", DEFAULT_MODEL)
     voice = model if model in await stored_voices(gateway_of(request).engine) else None
-    return voice, {"format": native, "sample_rate": int(rate)}
+    return voice, output
 
 
 async def speak(request: web.Request) -> web.StreamResponse:
-    """GET /v1/speak."""
-    gw = gateway_of(request)
+    """GET /v1/speak: the streaming WebSocket."""
     try:
-        try:
-            key = _key(request)
-        except AuthError as e:
-            gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-            raise DeepgramError(401, "INVALID_AUTH", f"{e}; send Authorization: Token <api key>") from None
-        refused = gw.refusal(key)
-        if refused is not None:
-            raise DeepgramError(429 if refused.code == ErrorCode.RATE_LIMITED else 503, str(refused.code).upper(),
-                                refused.message)
-        voice, output = await _settings(request)
+        key = _admit(request)
+        voice, output = await _settings(request, stream=True)
     except DeepgramError as e:
         return e.response()
-    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True,
-                               protocols=("token",))
+    ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
+                               autoping=True, protocols=("token",))
     await ws.prepare(request)
-    await DeepgramBridge(request, ws, key, voice, output).serve()
+    await DeepgramBridge(request, ws, key, voice, {"format": output.format, "sample_rate": output.sample_rate}).serve()
     return ws
+
+
+async def speak_rest(request: web.Request) -> web.StreamResponse:
+    """POST /v1/speak {"text"}: the audio streamed in the response body as it is made."""
+    gw = gateway_of(request)
+    try:
+        key = _admit(request)
+        voice, output = await _settings(request, stream=False)
+        try:
+            text = json_object(await request.text()).get("text")
+        except ValueError as e:
+            raise DeepgramError(400, "INVALID_BODY", str(e)) from None
+        if not isinstance(text, str) or not text.strip():
+            raise DeepgramError(400, "INVALID_BODY", "the body must be {\"text\": \"<what to say>\"}")
+        if len(text) > gw.config.limits.max_buffered_chars:
+            raise DeepgramError(400, "INVALID_BODY", f"text has {len(text)} characters; the limit is "
+                                f"{gw.config.limits.max_buffered_chars}")
+    except DeepgramError as e:
+        return e.response()
+    async with OneTurn.open(request, key) as turn:
+        try:
+            await turn.start(voice=voice, sample_rate=output.sample_rate)
+            first = await turn.say(text)
+        except NativeError as e:
+            return DeepgramError(http_status(e.code), e.code.upper(), e.message).response()
+        response = web.StreamResponse(headers={
+            "Content-Type": CONTENT_TYPES[output.format], "dg-request-id": str(uuid.uuid4()),
+            "dg-model-name": request.query.get("model", DEFAULT_MODEL), "dg-char-count": str(len(text))})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            await turn.stream(first, Transcoder(output), response.write)
+            await response.write_eof()
+        except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
+            log.info("speak ended early: %s", e.message)
+        except ConnectionError:  # the client went away; closing the session cancels the engine request
+            pass
+        return response
 
 
 def register(app: web.Application) -> None:
     app.router.add_get("/v1/speak", speak)
+    app.router.add_post("/v1/speak", speak_rest)
