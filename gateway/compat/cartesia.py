@@ -151,7 +151,7 @@ class CartesiaBridge(SocketBridge):
         elif kind == "text.flushed" and m.get("flush_id") is not None:
             ctx.flushed = int(m["flush_id"])
             await self.send_json({"type": "flush_done", "context_id": cid, "flush_id": ctx.flushed, "flush_done": True,
-                              "done": False, "status_code": 206})
+                                  "done": False, "status_code": 206})
         elif kind == "context.done":
             await self._timestamps(cid, ctx, m["audio_ms"])
             self._forget(cid)
@@ -198,13 +198,13 @@ class CartesiaBridge(SocketBridge):
         weights = np.array([len(w) + 1 for w in words], dtype=np.float64)  # a space's worth of time between words
         edges = (start_ms + (end_ms - start_ms) * np.concatenate(([0.0], np.cumsum(weights))) / weights.sum()) / 1e3
         await self.send_json({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
-                          "word_timestamps": {"words": words, "start": np.round(edges[:-1], 3).tolist(),
-                                              "end": np.round(edges[1:], 3).tolist()}})
+                              "word_timestamps": {"words": words, "start": np.round(edges[:-1], 3).tolist(),
+                                                  "end": np.round(edges[1:], 3).tolist()}})
 
     async def _error(self, cid: str | None, status: int, code: str, message: str, done: bool = True) -> None:
         log.info("cartesia socket error %s (context %s): %s", code, cid, message)
         await self.send_json({"type": "error", "context_id": cid, "status_code": status, "done": done,
-                          "title": code.replace("_", " "), "error_code": code, "message": message})
+                              "title": code.replace("_", " "), "error_code": code, "message": message})
 
     def _forget(self, cid: str) -> None:
         ctx = self.contexts.pop(cid, None)

@@ -96,7 +96,7 @@ class DeepgramBridge(SocketBridge):
     async def on_open(self) -> None:
         model = self.request.query.get("model", DEFAULT_MODEL)
         await self.send_json({"type": "Metadata", "request_id": str(uuid.uuid4()), "model_name": model,
-                          "model_version": "voxgate", "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, model))})
+                              "model_version": "voxgate", "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, model))})
         await self.start_session(self.gw.config.limits, voice=self.voice, output=self.output)
 
     # ------------------------------------------------------------------------------------------------ client -> us
@@ -193,7 +193,9 @@ class DeepgramBridge(SocketBridge):
                 return
             if cid is None or cid != self.current or self.session.is_live(cid):
                 return  # a refused message: the utterance goes on
-            self.current = None  # the error ended it
+            self.current = None  # the error ended it: a Flush it had is answered, nothing more of it comes
+            if not self.open and self.cancelling != cid:
+                await self._answer("Flushed")
         elif kind == "context.done" and cid == self.current:
             self.current = None
             await self._answer("Flushed")
