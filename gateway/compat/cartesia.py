@@ -332,21 +332,8 @@ async def tts_bytes(request: web.Request) -> web.StreamResponse:
             first = await turn.say(transcript)
         except NativeError as e:
             return CartesiaError(e.message, http_status(e.code), e.code).response()
-        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-
-        async def write(data: bytes) -> None:
-            await response.write(_f32(data) if encoding == "pcm_f32le" else data)
-
-        try:
-            await turn.stream(first, Transcoder(out), write)
-            await response.write_eof()
-        except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
-            log.info("tts/bytes ended early: %s", e.message)
-        except ConnectionError:  # the client went away; closing the session cancels the engine request
-            pass
-        return response
+        return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
+                                  frame=_f32 if encoding == "pcm_f32le" else None)
 
 
 def _f32(s16: bytes) -> bytes:

@@ -329,19 +329,9 @@ async def speak_rest(request: web.Request) -> web.StreamResponse:
             first = await turn.say(text)
         except NativeError as e:
             return DeepgramError(http_status(e.code), e.code.upper(), e.message).response()
-        response = web.StreamResponse(headers={
+        return await turn.respond(request, first, Transcoder(output), {
             "Content-Type": CONTENT_TYPES[output.format], "dg-request-id": str(uuid.uuid4()),
             "dg-model-name": request.query.get("model", DEFAULT_MODEL), "dg-char-count": str(len(text))})
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        try:
-            await turn.stream(first, Transcoder(output), response.write)
-            await response.write_eof()
-        except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
-            log.info("speak ended early: %s", e.message)
-        except ConnectionError:  # the client went away; closing the session cancels the engine request
-            pass
-        return response
 
 
 def register(app: web.Application) -> None:

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +23,8 @@ from gateway.audio import HEADER_SIZE
 from gateway.compat import Transcoder, gateway_of, native
 from gateway.protocol import ErrorCode
 from gateway.session import Session
+
+log = logging.getLogger("voxgate.compat")
 
 INBOX_SIZE = 64  # session messages waiting for the HTTP writer: beyond this the session waits (backpressure)
 CONTEXT = "speech"  # the request's one turn
@@ -111,17 +114,31 @@ class OneTurn:
         await self.session.receive(native("context.end", context_id=CONTEXT))
         return await self.inbox.next()
 
-    async def stream(self, first: dict[str, Any] | bytes, transcoder: Transcoder,
-                     write: Callable[[bytes], Awaitable[None]]) -> dict[str, Any]:
-        """Write the turn's audio, from `first` on, through the transcoder; context.done once all is written.
-        NativeError if the turn fails midway (the body is then cut short)."""
-        item = first
-        while isinstance(item, bytes):
-            data = transcoder.write(item)
+    async def respond(self, request: web.Request, first: dict[str, Any] | bytes, transcoder: Transcoder,
+                      headers: dict[str, str], frame: Callable[[bytes], bytes] | None = None,
+                      trailer: Callable[[dict[str, Any]], bytes] | None = None) -> web.StreamResponse:
+        """The turn's audio, from `first` on, through the transcoder as the chunked body of a 200 response (`frame`
+        wraps each piece; `trailer` makes a last piece from context.done). A failure midway cuts the body short:
+        its status has gone out already."""
+        response = web.StreamResponse(headers={"Cache-Control": "no-cache", **headers})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+
+        async def write(data: bytes) -> None:
             if data:
-                await write(data)
-            item = await self.inbox.next()
-        data = transcoder.finish()
-        if data:
-            await write(data)
-        return item
+                await response.write(frame(data) if frame is not None else data)
+
+        try:
+            item = first
+            while isinstance(item, bytes):
+                await write(transcoder.write(item))
+                item = await self.inbox.next()
+            await write(transcoder.finish())
+            if trailer is not None:
+                await response.write(trailer(item))
+            await response.write_eof()
+        except NativeError as e:
+            log.info("%s %s ended early: %s", request.method, request.path, e.message)
+        except ConnectionError:  # the client went away; closing the session cancels the engine request
+            pass
+        return response

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,6 @@ from gateway.compat import AuthError, Transcoder, gateway_of
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
-
-log = logging.getLogger("voxgate.compat.openai")
 
 BUILTIN_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                   "marin", "cedar")  # all speak with the model's default voice
@@ -174,37 +171,21 @@ async def speech(request: web.Request) -> web.StreamResponse:
             first = await turn.say(req.input)  # the first audio, so an engine refusal still gets a proper status
         except NativeError as e:
             return _from_native(e, "input").response()
-        return await _respond(request, turn, req, first)
+        container, rate, content_type = RESPONSE_FORMATS[req.response_format]
+        transcoder = Transcoder(OutputFormat.from_dict({"format": container, "sample_rate": rate}))
+        if req.stream_format != "sse":
+            return await turn.respond(request, first, transcoder, {"Content-Type": content_type})
 
+        def delta(data: bytes) -> bytes:
+            return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
-async def _respond(request: web.Request, turn: OneTurn, req: SpeechRequest,
-                   first: dict[str, Any] | bytes) -> web.StreamResponse:
-    container, rate, content_type = RESPONSE_FORMATS[req.response_format]
-    sse = req.stream_format == "sse"
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else content_type,
-                                           "Cache-Control": "no-cache"})
-    response.enable_chunked_encoding()
-    await response.prepare(request)
+        def usage(done: dict[str, Any]) -> bytes:
+            patches = round(float(done.get("audio_ms", 0.0)) / (turn.session.model_info.patch_ms or 1.0))
+            return _sse({"type": "speech.audio.done", "usage": {
+                "input_tokens": len(req.input), "output_tokens": patches, "total_tokens": len(req.input) + patches}})
 
-    async def write(data: bytes) -> None:
-        await response.write(_sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-                             if sse else data)
-
-    try:
-        done = await turn.stream(first, Transcoder(OutputFormat.from_dict({"format": container, "sample_rate": rate})),
-                                 write)
-        if sse:
-            audio_ms = float(done.get("audio_ms", 0.0))
-            patches = round(audio_ms / (turn.session.model_info.patch_ms or 1.0))
-            usage = {"input_tokens": len(req.input), "output_tokens": patches,
-                     "total_tokens": len(req.input) + patches}
-            await response.write(_sse({"type": "speech.audio.done", "usage": usage}))
-        await response.write_eof()
-    except NativeError as e:  # mid-stream: the status is sent; end the body early rather than hang
-        log.info("speech stream ended early: %s", e.message)
-    except ConnectionError:  # the client went away; closing the session cancels the engine request
-        pass
-    return response
+        return await turn.respond(request, first, transcoder, {"Content-Type": "text/event-stream"}, frame=delta,
+                                  trailer=usage)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
