@@ -150,6 +150,7 @@ async def test_bad_requests_get_a_typed_error_and_the_socket_serves_on(port, mes
         error = json.loads(await asyncio.wait_for(ws.recv(), 10))
         assert error["type"] == "error" and error["status_code"] == 400 and error["done"] is True
         assert field in error["message"] and error["error_code"] == "invalid_request"
+        assert error["context_id"] == ("x" if '"x"' in message else None)  # the context the request named
         await ws.send(_request("ok", "Still fine.", more=False))
         chunks, _ = await _until_done(ws, "ok")
         assert chunks

@@ -96,10 +96,14 @@ class CartesiaBridge(SocketBridge):
     # ------------------------------------------------------------------------------------------------ client -> us
 
     async def handle(self, raw: str | bytes) -> None:
-        cid = None
         try:
-            m = _parse(raw)
-            cid = m["context_id"]
+            m = json_object(raw)
+        except ValueError as e:
+            await self._error(None, 400, "invalid_request", str(e))
+            return
+        cid = m["context_id"] if isinstance(m.get("context_id"), str) else None  # named in an error about it
+        try:
+            _check(m)
             if m.get("cancel") is True:
                 if cid in self.contexts:
                     await self.to_session("context.cancel", context_id=cid)
@@ -212,15 +216,12 @@ class CartesiaBridge(SocketBridge):
             self.by_index.pop(ctx.index, None)
 
 
-def _parse(raw: str | bytes) -> dict[str, Any]:
-    try:
-        m = json_object(raw)
-    except ValueError as e:
-        raise CartesiaError(str(e)) from None
+def _check(m: dict[str, Any]) -> None:
+    """CartesiaError naming what is wrong with a generation or cancel request."""
     if not isinstance(m.get("context_id"), str) or not m["context_id"]:
         raise CartesiaError("context_id is required (a non-empty string)")
     if m.get("cancel") is True:
-        return m
+        return
     if not isinstance(m.get("transcript"), str):
         raise CartesiaError("transcript is required (a string)")
     for name in ("continue", "flush", "add_timestamps"):
@@ -229,7 +230,6 @@ def _parse(raw: str | bytes) -> dict[str, Any]:
     delay = m.get("max_buffer_delay_ms")
     if delay is not None and (type(delay) is not int or not 0 <= delay <= 5000):
         raise CartesiaError("max_buffer_delay_ms must be an integer from 0 to 5000")
-    return m
 
 
 async def _voice(voice: Any, gw: Gateway) -> str | None:
