@@ -5,13 +5,15 @@ mid-speech leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 
 
-async def run_tts(tts, inputs: list, sample_rate: int, linger_s: float = 0.0) -> list:
-    """Queue `inputs` into a pipeline of `tts` alone, wait for its TTSStoppedFrame (or an ErrorFrame), then `linger_s`
-    more (frames paced to playback, such as word-timed text, keep coming), end it; the frames the service pushed."""
+async def run_tts(tts, inputs: list, sample_rate: int, until: Callable[[list], bool] | None = None) -> list:
+    """Queue `inputs` into a pipeline of `tts` alone, wait for its TTSStoppedFrame (or an ErrorFrame) and, if given,
+    for `until(frames)` (frames paced to playback, such as word-timed text, keep coming after it; at most 30 s), end
+    it; the frames the service pushed."""
     from pipecat.frames.frames import EndFrame, ErrorFrame, TTSStoppedFrame
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.task import PipelineParams
@@ -37,10 +39,20 @@ async def run_tts(tts, inputs: list, sample_rate: int, linger_s: float = 0.0) ->
     for frame in inputs:
         await worker.queue_frame(frame)
     await asyncio.wait_for(stopped.wait(), 30)
-    await asyncio.sleep(linger_s)
+    for _ in range(300):
+        if until is None or until(frames):
+            break
+        await asyncio.sleep(0.1)
     await worker.queue_frame(EndFrame())
     await asyncio.wait_for(run, 30)
     return frames
+
+
+def words_spoken(frames: list) -> list[str]:
+    """The words of the TTSTextFrames a service pushed (its transcript of what was spoken, from our timestamps)."""
+    from pipecat.frames.frames import TTSTextFrame
+
+    return " ".join(f.text for f in frames if isinstance(f, TTSTextFrame)).split()
 
 
 def llm_turn(*tokens: str) -> list:

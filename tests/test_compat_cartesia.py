@@ -11,7 +11,7 @@ import av
 import numpy as np
 import pytest
 import pytest_asyncio
-from compat_support import llm_turn, released, run_tts
+from compat_support import llm_turn, released, run_tts, words_spoken
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -64,14 +64,15 @@ async def _until_done(ws, context_id: str) -> tuple[list[dict], list[dict]]:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
 async def test_pipecat_cartesia_service_speaks_an_llm_turn_with_word_timestamps(port):
-    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame, TTSTextFrame
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
     from pipecat.services.cartesia.tts import CartesiaTTSService
 
+    words = ["Hello", "there,", "how", "are", "you", "today?"]
     tts = CartesiaTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}/tts/websocket", sample_rate=24000,
                              settings=CartesiaTTSService.Settings(voice=VOICE["id"]))
-    # the words are pushed as the audio plays out, in step with the timestamps: linger for them
+    # the words are pushed as the audio plays out, in step with the timestamps: wait for them
     frames = await run_tts(tts, llm_turn("Hello", " there", ",", " how", " are", " you", " today", "?"), 24000,
-                           linger_s=1.5)
+                           until=lambda frames: len(words_spoken(frames)) >= len(words))
 
     assert not [f for f in frames if isinstance(f, ErrorFrame)]
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
@@ -79,9 +80,7 @@ async def test_pipecat_cartesia_service_speaks_an_llm_turn_with_word_timestamps(
     assert all(len(f.audio) == 960 for f in audio)  # 20 ms of 16-bit PCM at 24 kHz per chunk
     kinds = [type(f) for f in frames]
     assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
-    # Pipecat turns our word timestamps into the transcript of what was spoken
-    spoken = " ".join(f.text for f in frames if isinstance(f, TTSTextFrame))
-    assert spoken.split() == ["Hello", "there,", "how", "are", "you", "today?"]
+    assert words_spoken(frames) == words  # Pipecat's transcript of what was spoken, from our word timestamps
 
 
 async def test_continuations_flushes_and_timestamps_in_f32(port):

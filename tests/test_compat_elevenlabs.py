@@ -6,10 +6,11 @@ import base64
 import io
 import json
 
+import aiohttp
 import av
 import pytest
 import pytest_asyncio
-from compat_support import run_tts
+from compat_support import run_tts, words_spoken
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -179,3 +180,97 @@ async def test_stream_input_with_nothing_to_say_ends_at_once(port):
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(ws.recv(), 5)
     assert ws.close_code == 1000
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP
+
+
+async def _post(port: int, variant: str, body: dict | bytes, key: str = KEY, **query: str):
+    """(status, content type, body) of POST /v1/text-to-speech/{VOICE}{variant}."""
+    async with aiohttp.ClientSession() as http:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with http.post(f"http://127.0.0.1:{port}/v1/text-to-speech/{VOICE}{variant}", params=query, data=data,
+                             headers={"xi-api-key": key, "Content-Type": "application/json"}) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
+async def test_pipecat_elevenlabs_http_service_gets_audio_and_the_words_spoken(port):
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService
+
+    words = ["Hello", "there,", "how", "are", "you", "today?"]
+    async with aiohttp.ClientSession() as http:
+        tts = ElevenLabsHttpTTSService(api_key=KEY, base_url=f"http://127.0.0.1:{port}", aiohttp_session=http,
+                                       sample_rate=16000, settings=ElevenLabsHttpTTSService.Settings(voice=VOICE))
+        # the words are pushed as the audio plays out, in step with the alignment: wait for them
+        frames = await run_tts(tts, [TTSSpeakFrame(" ".join(words))], 16000,
+                               until=lambda frames: len(words_spoken(frames)) >= len(words))
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = b"".join(f.audio for f in frames if isinstance(f, TTSAudioRawFrame))
+    assert audio and len(audio) % 640 == 0  # whole 20 ms frames of 16 kHz 16-bit PCM
+    assert words_spoken(frames) == words  # from our alignment
+
+
+@pytest.mark.parametrize("variant, query, frame_bytes", [("/stream", {"output_format": "pcm_16000"}, 640),
+                                                         ("", {"output_format": "ulaw_8000"}, 160)])
+async def test_http_speech_streams_raw_audio(port, variant, query, frame_bytes):
+    status, ctype, data = await _post(port, variant, {"text": "Hello over HTTP.", "model_id": "eleven_flash_v2_5",
+                                                      "voice_settings": {"stability": 0.5}}, **query)
+    assert status == 200 and ctype in ("audio/pcm", "audio/basic")
+    assert data and len(data) % frame_bytes == 0
+
+
+async def test_http_speech_defaults_to_mp3_44100(port):
+    status, ctype, data = await _post(port, "", {"text": "Hello over HTTP."})
+    assert status == 200 and ctype == "audio/mpeg"
+    with av.open(io.BytesIO(data)) as f:
+        assert f.streams.audio[0].rate == 44100 and sum(frame.samples for frame in f.decode(audio=0)) > 0
+
+
+async def test_the_same_seed_gives_the_same_audio(port):
+    body = {"text": "Say it the same way twice.", "seed": 42}
+    first = await _post(port, "/stream", body, output_format="pcm_24000")
+    second = await _post(port, "/stream", body, output_format="pcm_24000")
+    assert first[0] == second[0] == 200 and first[2] == second[2] and first[2]
+
+
+async def test_with_timestamps_aligns_every_character_within_the_audio(port):
+    text = "Hello there. How are you?"
+    status, ctype, data = await _post(port, "/with-timestamps", {"text": text}, output_format="pcm_24000")
+    assert status == 200 and ctype.startswith("application/json")
+    reply = json.loads(data)
+    audio_s = len(base64.b64decode(reply["audio_base64"])) / 48000
+    alignment = reply["alignment"]
+    assert "".join(alignment["characters"]).split() == text.split()
+    starts, ends = alignment["character_start_times_seconds"], alignment["character_end_times_seconds"]
+    assert len(starts) == len(ends) == len(alignment["characters"])
+    assert starts[0] == 0.0 and all(a <= b for a, b in zip(starts, ends, strict=True)) and starts == sorted(starts)
+    assert ends[-1] == pytest.approx(audio_s, abs=0.021)
+    assert reply["normalized_alignment"] == alignment
+
+
+async def test_stream_with_timestamps_sends_json_lines(port):
+    status, ctype, data = await _post(port, "/stream/with-timestamps", {"text": "Hello there. How are you?"},
+                                      output_format="pcm_16000")
+    lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+    assert status == 200 and ctype == "application/x-ndjson"
+    audio = [line for line in lines if "audio_base64" in line]
+    alignments = [line["alignment"] for line in lines if line.get("alignment")]
+    assert audio and all(len(base64.b64decode(line["audio_base64"])) % 640 == 0 for line in audio)
+    chars = [c for a in alignments for c in a["characters"]]
+    assert "".join(chars).split() == ["Hello", "there.", "How", "are", "you?"]
+
+
+@pytest.mark.parametrize("query, body, key, status, error", [
+    ({}, {"text": "Hi."}, "wrong", 401, "invalid_api_key"),
+    ({}, {"model_id": "eleven_flash_v2_5"}, KEY, 422, "invalid_request"),
+    ({}, b"{not json", KEY, 422, "invalid_request"),
+    ({}, {"text": "Hi.", "seed": -1}, KEY, 422, "invalid_request"),
+    ({"output_format": "wav_44100"}, {"text": "Hi."}, KEY, 400, "invalid_output_format"),
+])
+async def test_http_speech_errors_in_elevenlabs_form(port, query, body, key, status, error):
+    got, ctype, data = await _post(port, "/stream", body, key=key, **query)
+    detail = json.loads(data)["detail"]
+    assert got == status and ctype.startswith("application/json")
+    assert detail["status"] == error and detail["message"]

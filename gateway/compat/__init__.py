@@ -54,6 +54,17 @@ def http_status(code: str) -> int:
     return _HTTP_STATUS.get(code, 400)
 
 
+def share_span(weights: list[int], start_ms: float, end_ms: float) -> list[float]:
+    """Edges in seconds (one more than the weights) of consecutive pieces of a segment that share its audio span in
+    proportion to their weights. VoxCPM gives no alignment: word and character timestamps are this estimate, from
+    each segment's real span (known once the next one starts)."""
+    total, edges, done = sum(weights), [round(start_ms / 1000.0, 3)], 0
+    for weight in weights:
+        done += weight
+        edges.append(round((start_ms + (end_ms - start_ms) * done / total) / 1000.0, 3))
+    return edges
+
+
 def json_object(raw: str | bytes) -> dict[str, Any]:
     """A client message that must be one JSON object in a text frame; ValueError saying what is wrong otherwise."""
     if isinstance(raw, bytes):
@@ -188,5 +199,5 @@ class SocketBridge:
         self._tracking.close()
 
 
-__all__ = ["register", "native", "json_object", "http_status", "check_api_key", "gateway_of", "Transcoder",
-           "AuthError", "SocketBridge"]
+__all__ = ["register", "native", "json_object", "http_status", "share_span", "check_api_key", "gateway_of",
+           "Transcoder", "AuthError", "SocketBridge"]

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, unpack_frame_header
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
+from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object, share_span
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
@@ -199,11 +199,9 @@ class CartesiaBridge(SocketBridge):
         words = _WORD.findall(text)
         if not words:
             return
-        weights = np.array([len(w) + 1 for w in words], dtype=np.float64)  # a space's worth of time between words
-        edges = (start_ms + (end_ms - start_ms) * np.concatenate(([0.0], np.cumsum(weights))) / weights.sum()) / 1e3
+        edges = share_span([len(w) + 1 for w in words], start_ms, end_ms)  # a space's worth of time between words
         await self.send_json({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
-                              "word_timestamps": {"words": words, "start": np.round(edges[:-1], 3).tolist(),
-                                                  "end": np.round(edges[1:], 3).tolist()}})
+                              "word_timestamps": {"words": words, "start": edges[:-1], "end": edges[1:]}})
 
     async def _error(self, cid: str | None, status: int, code: str, message: str, done: bool = True) -> None:
         log.info("cartesia socket error %s (context %s): %s", code, cid, message)

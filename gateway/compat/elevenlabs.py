@@ -27,7 +27,17 @@ from typing import Any
 from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
-from gateway.compat import AuthError, SocketBridge, Transcoder, check_api_key, gateway_of, json_object
+from gateway.compat import (
+    AuthError,
+    SocketBridge,
+    Transcoder,
+    check_api_key,
+    gateway_of,
+    http_status,
+    json_object,
+    share_span,
+)
+from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
 from gateway.session import stored_voices
 
@@ -52,9 +62,15 @@ _SERVER_FAULTS = {ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL_ERROR, ErrorCode.OV
 
 
 class ElevenLabsError(Exception):
-    def __init__(self, error: str, message: str, code: int = POLICY_VIOLATION):
+    """`code`: the socket's close code; `status`: the HTTP endpoints' status."""
+
+    def __init__(self, error: str, message: str, code: int = POLICY_VIOLATION, status: int = 400):
         super().__init__(message)
-        self.error, self.message, self.code = error, message, code
+        self.error, self.message, self.code, self.status = error, message, code, status
+
+    def response(self) -> web.Response:
+        """ElevenLabs' HTTP error: {"detail": {"status", "message"}}."""
+        return web.json_response({"detail": {"status": self.error, "message": self.message}}, status=self.status)
 
 
 @dataclass(frozen=True)
@@ -303,6 +319,103 @@ async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
     return ws
 
 
+# ---------------------------------------------------------------------------------------------------- HTTP
+# POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps] on compat.oneshot; the audio is streamed as it is made
+# on every variant (a client of the non-stream ones reads it whole all the same), but the non-stream with-timestamps
+# answer is one JSON object.
+
+CONTENT_TYPES = {"mp3": "audio/mpeg", "ogg_opus": "audio/ogg", "pcm_s16le": "audio/pcm", "mulaw": "audio/basic",
+                 "alaw": "application/octet-stream"}
+
+
+async def text_to_speech(request: web.Request) -> web.StreamResponse:
+    """POST /v1/text-to-speech/{voice_id}, `.../stream`, `.../with-timestamps`, `.../stream/with-timestamps`."""
+    try:
+        key, text, voice, seed, output = await _speech_request(request)
+    except ElevenLabsError as e:
+        return e.response()
+    async with OneTurn.open(request, key) as turn:
+        try:
+            await turn.start(voice=voice, sample_rate=output.sample_rate, generation={"seed": seed})
+            first = await turn.say(text)
+            if not request.path.endswith("/with-timestamps"):
+                return await turn.respond(request, first, Transcoder(output),
+                                          {"Content-Type": CONTENT_TYPES[output.format]})
+            if "/stream" not in request.path:  # one JSON object: the whole audio and its alignment
+                audio, done = await turn.collect(first, Transcoder(output))
+                alignment = _alignment(turn.segments, done["audio_ms"])
+                return web.json_response({"audio_base64": base64.b64encode(audio).decode(), "alignment": alignment,
+                                          "normalized_alignment": alignment})
+        except NativeError as e:
+            return ElevenLabsError(_ERROR_NAMES.get(e.code, e.code), e.message, status=http_status(e.code)).response()
+
+        # newline-delimited JSON: audio lines, and each segment's alignment once its span is known
+        def audio_line(data: bytes) -> bytes:
+            return _line({"audio_base64": base64.b64encode(data).decode(), "alignment": None,
+                          "normalized_alignment": None})
+
+        def alignment_line(k: int, end_ms: float) -> bytes:
+            if k < 0:  # no segment at all (text with nothing to speak)
+                return b""
+            alignment = _alignment([turn.segments[k]], end_ms)
+            return _line({"alignment": alignment, "normalized_alignment": alignment})
+
+        return await turn.respond(request, first, Transcoder(output), {"Content-Type": "application/x-ndjson"},
+                                  frame=audio_line, segment_done=alignment_line,
+                                  trailer=lambda done: alignment_line(len(turn.segments) - 1, done["audio_ms"]))
+
+
+async def _speech_request(request: web.Request) -> tuple[str, str, str | None, int | None, OutputFormat]:
+    """(key, text, voice, seed, what the body carries) of a request; ElevenLabsError with its HTTP status."""
+    gw = gateway_of(request)
+    try:
+        key = check_api_key(gw, request.headers.get("xi-api-key"))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header",
+                              status=401) from None
+    refused = gw.refusal(key)
+    if refused is not None:
+        raise ElevenLabsError("max_concurrency_exceeded", refused.message, status=503 if gw.draining else 429)
+    wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
+    try:
+        body = json_object(await request.text())
+    except ValueError as e:
+        raise ElevenLabsError("invalid_request", str(e), status=422) from None
+    text, seed = body.get("text"), body.get("seed")
+    if not isinstance(text, str) or not text.strip():
+        raise ElevenLabsError("invalid_request", "text is required: a non-empty string", status=422)
+    if len(text) > gw.config.limits.max_buffered_chars:
+        raise ElevenLabsError("text_too_long", f"text has {len(text)} characters; the limit is "
+                              f"{gw.config.limits.max_buffered_chars}", status=400)
+    if seed is not None and (type(seed) is not int or not 0 <= seed <= 4294967295):
+        raise ElevenLabsError("invalid_request", "seed must be an integer from 0 to 4294967295", status=422)
+    voice_id = request.match_info["voice_id"]
+    voice = voice_id if voice_id in await stored_voices(gw.engine) else None
+    return key, text, voice, seed, wire.container or OutputFormat.from_dict(wire.native)
+
+
+def _alignment(segments: list[tuple[float, str]], end_ms: float) -> dict[str, list]:
+    """ElevenLabs' character alignment of these consecutive segments (pts_ms, text), the last ending at `end_ms`:
+    each segment's span shared among its characters and the space after it (compat.share_span: an estimate)."""
+    chars: list[str] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    for k, (start_ms, text) in enumerate(segments):
+        piece = list(text + " ")
+        edges = share_span([1] * len(piece), start_ms, segments[k + 1][0] if k + 1 < len(segments) else end_ms)
+        chars += piece
+        starts += edges[:-1]
+        ends += edges[1:]
+    return {"characters": chars, "character_start_times_seconds": starts, "character_end_times_seconds": ends}
+
+
+def _line(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
 def register(app: web.Application) -> None:
     app.router.add_get("/v1/text-to-speech/{voice_id}/stream-input", stream_input)
     app.router.add_get("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input)
+    for variant in ("", "/stream", "/with-timestamps", "/stream/with-timestamps"):
+        app.router.add_post(f"/v1/text-to-speech/{{voice_id}}{variant}", text_to_speech)

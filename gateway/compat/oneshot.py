@@ -65,13 +65,14 @@ class Inbox:
             self.request.transport.abort()
 
     async def next(self) -> dict[str, Any] | bytes:
-        """The next audio payload, session.started or context.done; NativeError for an error or the session closing."""
+        """The next audio payload, session.started, segment.started or context.done; NativeError for an error or the
+        session closing."""
         while True:
             item = None if self.closed and self.queue.empty() else await self.queue.get()
             if item is None:
                 raise NativeError({"code": ErrorCode.INTERNAL_ERROR,
                                    "message": "the synthesis session closed unexpectedly"})
-            if isinstance(item, bytes) or item.get("type") in ("session.started", "context.done"):
+            if isinstance(item, bytes) or item.get("type") in ("session.started", "segment.started", "context.done"):
                 return item
             if item.get("type") == "error":
                 raise NativeError(item)
@@ -83,6 +84,13 @@ class OneTurn:
 
     def __init__(self, session: Session, inbox: Inbox):
         self.session, self.inbox = session, inbox
+        self.segments: list[tuple[float, str]] = []  # (pts_ms, text) of each segment started so far
+
+    async def _next(self) -> dict[str, Any] | bytes:
+        """Audio or context.done; the segments that start on the way are recorded."""
+        while isinstance(item := await self.inbox.next(), dict) and item["type"] == "segment.started":
+            self.segments.append((float(item["pts_ms"]), item["text"]))
+        return item
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -112,14 +120,26 @@ class OneTurn:
         for i in range(0, len(text), step):
             await self.session.receive(native("text.append", context_id=CONTEXT, text=text[i:i + step]))
         await self.session.receive(native("context.end", context_id=CONTEXT))
-        return await self.inbox.next()
+        return await self._next()
+
+    async def collect(self, first: dict[str, Any] | bytes, transcoder: Transcoder) -> tuple[bytes, dict[str, Any]]:
+        """All of the turn's audio, from `first` on, through the transcoder, and context.done: for an answer sent
+        whole. NativeError if the turn fails."""
+        parts, item = [], first
+        while isinstance(item, bytes):
+            parts.append(transcoder.write(item))
+            item = await self._next()
+        parts.append(transcoder.finish())
+        return b"".join(parts), item
 
     async def respond(self, request: web.Request, first: dict[str, Any] | bytes, transcoder: Transcoder,
                       headers: dict[str, str], frame: Callable[[bytes], bytes] | None = None,
-                      trailer: Callable[[dict[str, Any]], bytes] | None = None) -> web.StreamResponse:
+                      trailer: Callable[[dict[str, Any]], bytes] | None = None,
+                      segment_done: Callable[[int, float], bytes] | None = None) -> web.StreamResponse:
         """The turn's audio, from `first` on, through the transcoder as the chunked body of a 200 response (`frame`
-        wraps each piece; `trailer` makes a last piece from context.done). A failure midway cuts the body short:
-        its status has gone out already."""
+        wraps each piece; `trailer` makes a last piece from context.done; `segment_done(k, end_ms)` one for each
+        segment but the last as soon as the next starts). A failure midway cuts the body short: its status has gone
+        out already."""
         response = web.StreamResponse(headers={"Cache-Control": "no-cache", **headers})
         response.enable_chunked_encoding()
         await response.prepare(request)
@@ -129,10 +149,13 @@ class OneTurn:
                 await response.write(frame(data) if frame is not None else data)
 
         try:
-            item = first
+            item, reported = first, 1  # segments whose start has been reported (the first ends no other)
             while isinstance(item, bytes):
                 await write(transcoder.write(item))
-                item = await self.inbox.next()
+                item = await self._next()
+                while segment_done is not None and reported < len(self.segments):
+                    await response.write(segment_done(reported - 1, self.segments[reported][0]))
+                    reported += 1
             await write(transcoder.finish())
             if trailer is not None:
                 await response.write(trailer(item))
