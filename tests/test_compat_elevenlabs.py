@@ -36,8 +36,8 @@ def _url(port: int, endpoint: str, **query: str) -> str:
     return f"ws://127.0.0.1:{port}/v1/text-to-speech/{VOICE}/{endpoint}?model_id=eleven_flash_v2_5&{q}"
 
 
-async def _until_final(ws, context_id: str | None = None) -> list[bytes]:
-    """Audio payloads (of one context) up to its isFinal message."""
+async def _until_final(ws, context_id: str | None = None, alignments: list | None = None) -> list[bytes]:
+    """Audio payloads (of one context) up to its isFinal message; the alignment messages go to `alignments`."""
     payloads = []
     while True:
         m = json.loads(await asyncio.wait_for(ws.recv(), 20))
@@ -46,18 +46,27 @@ async def _until_final(ws, context_id: str | None = None) -> list[bytes]:
             continue
         if m.get("isFinal") is True:
             return payloads
+        if m["audio"] is None:  # a segment's alignment, in a message of its own
+            assert m["alignment"] == m["normalizedAlignment"] and m["alignment"]["chars"]
+            if alignments is not None:
+                alignments.append(m["alignment"])
+            continue
         assert m["alignment"] is None and m["normalizedAlignment"] is None
         payloads.append(base64.b64decode(m["audio"]))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own (audioop, AudioContextTTSService)
-async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames(port):
+async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames_and_the_words_spoken(port):
     from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStartedFrame, TTSStoppedFrame
     from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
 
+    words = ["Hello", "there.", "How", "are", "you?"]
     tts = ElevenLabsTTSService(api_key=KEY, url=f"ws://127.0.0.1:{port}", sample_rate=24000,
                                settings=ElevenLabsTTSService.Settings(voice=VOICE))
-    frames = await run_tts(tts, [TTSSpeakFrame("Hello there.")], 24000)
+    # Pipecat takes the words spoken from our alignment, pushed as the audio plays out: wait for them
+    frames = await run_tts(tts, [TTSSpeakFrame(" ".join(words))], 24000,
+                           until=lambda frames: len(words_spoken(frames)) >= len(words))
+    assert words_spoken(frames) == words
 
     assert not [f for f in frames if isinstance(f, ErrorFrame)]
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
@@ -65,6 +74,24 @@ async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames(port):
     assert all(len(f.audio) == 960 for f in audio)  # 20 ms of 16-bit PCM at 24 kHz per message
     kinds = [type(f) for f in frames]
     assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+
+
+async def test_alignment_messages_cover_the_text_and_tile_the_audio(port):
+    text = "Hello there. How are you? Fine, thanks."
+    alignments: list[dict] = []
+    async with connect(_url(port, "stream-input", output_format="pcm_16000"),
+                       additional_headers={"xi-api-key": KEY}) as ws:
+        await ws.send(json.dumps({"text": " "}))
+        await ws.send(json.dumps({"text": text, "flush": True}))
+        await ws.send(json.dumps({"text": ""}))
+        audio = await _until_final(ws, alignments=alignments)
+    assert len(alignments) > 1  # one per segment
+    assert "".join(c for a in alignments for c in a["chars"]).split() == text.split()
+    for a in alignments:  # times restart at zero in every message, in whole ms, back to back
+        starts, durations = a["charStartTimesMs"], a["charDurationsMs"]
+        assert starts[0] == 0 and all(s + d == n for s, d, n in zip(starts, durations, starts[1:], strict=False))
+    spans_ms = sum(a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] for a in alignments)
+    assert spans_ms == pytest.approx(sum(map(len, audio)) / 32, abs=len(alignments))  # the spans tile the audio
 
 
 async def test_stream_input_ulaw_with_key_in_first_message(port):

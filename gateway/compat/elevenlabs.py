@@ -7,10 +7,13 @@ stream-input's `text: ""` (end of input) -> context.end; multi-stream's `text: "
 `close_context` -> context.end when everything sent was flushed (Pipecat's end of turn: flush, then close), else
 context.cancel (a barge-in: the unflushed rest is dropped, audio stops now); `close_socket` -> close.
 Native -> client: audio frames -> {"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null,
-"contextId"}; context.done / context.cancelled -> {"isFinal": true, "contextId"}; error -> {"message", "error",
-"code"} and a close with that code (1008 for the client's mistakes and auth, 1011 for server faults).
-`voice_settings` (stability, similarity, style, speed) have no VoxCPM equivalent and are accepted and ignored;
-a `voice_id` that is not a stored voice speaks with the default voice."""
+"contextId"}; each segment's character alignment, once its span is known, in a message of its own ("audio": null;
+estimated: VoxCPM gives none); context.done / context.cancelled -> {"isFinal": true, "contextId"}; error ->
+{"message", "error", "code"} and a close with that code (1008 for the client's mistakes and auth, 1011 for server
+faults). `voice_settings` (stability, similarity, style, speed) have no VoxCPM equivalent and are accepted and
+ignored; a `voice_id` that is not a stored voice speaks with the default voice.
+
+HTTP (below): `POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`, one request one text (compat.oneshot)."""
 
 from __future__ import annotations
 
@@ -114,6 +117,7 @@ class _Context:
     opened: bool = False  # text.append sent (the native turn exists)
     unflushed: bool = False  # text arrived since the last flush
     transcoder: Transcoder | None = None
+    segment: tuple[float, str] | None = None  # (pts_ms, text) of the segment being sent, for its alignment
 
 
 class Bridge(SocketBridge):
@@ -229,12 +233,18 @@ class Bridge(SocketBridge):
             ctx.index = m["index"]
             ctx.transcoder = Transcoder(self.wire.container) if self.wire.container is not None else None
             self.by_index[ctx.index] = cid
+        elif kind == "segment.started" and cid in self.contexts:
+            ctx = self.contexts[cid]
+            await self._alignment(cid, ctx, m["pts_ms"])
+            ctx.segment = (m["pts_ms"], m["text"])
         elif kind in ("context.done", "context.cancelled"):
             ctx = self.contexts.pop(cid, None)
             if ctx is not None and ctx.index is not None:
                 self.by_index.pop(ctx.index, None)
-                if kind == "context.done" and ctx.transcoder is not None:
-                    await self._audio(cid, ctx.transcoder.finish())
+                if kind == "context.done":
+                    await self._alignment(cid, ctx, m["audio_ms"])
+                    if ctx.transcoder is not None:
+                        await self._audio(cid, ctx.transcoder.finish())
             await self._final(cid)
             if not self.multi:
                 self.background(self.close(1000, "done"))
@@ -270,6 +280,23 @@ class Bridge(SocketBridge):
             if self.multi:
                 message["contextId"] = cid
             await self.send_json(message)
+
+    async def _alignment(self, cid: str, ctx: _Context, end_ms: float) -> None:
+        """The alignment of the segment that ends at `end_ms`, in a message of its own (no audio), its times from the
+        segment's start as ElevenLabs' restart in every message: each segment's real span shared among its characters
+        and the space after it (compat.share_span: an estimate), so a client that advances its clock by each
+        alignment's span (Pipecat) stays on the audio's."""
+        if ctx.segment is None:
+            return
+        start_ms, text = ctx.segment
+        chars = list(text + " ")
+        edges = [round(e * 1000) for e in share_span([1] * len(chars), 0.0, end_ms - start_ms)]
+        alignment = {"chars": chars, "charStartTimesMs": edges[:-1],
+                     "charDurationsMs": [b - a for a, b in zip(edges, edges[1:], strict=False)]}
+        message = {"audio": None, "isFinal": False, "normalizedAlignment": alignment, "alignment": alignment}
+        if self.multi:
+            message["contextId"] = cid
+        await self.send_json(message)
 
     async def _final(self, cid: str) -> None:
         await self.send_json({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True})
