@@ -1,5 +1,6 @@
-"""Cartesia `/tts/websocket` against a real aiohttp server and the real tiny engine: Pipecat's own
-CartesiaTTSService fed like an LLM, and a raw `websockets` peer speaking Cartesia's documented message schema."""
+"""Cartesia `/tts/websocket` and `POST /tts/bytes` against a real aiohttp server and the real tiny engine: Pipecat's
+own CartesiaTTSService fed like an LLM and its CartesiaHttpTTSService, and raw peers speaking Cartesia's documented
+message schema."""
 
 import asyncio
 import base64

@@ -1,5 +1,6 @@
-"""Deepgram `/v1/speak` against a real aiohttp server and the real tiny engine: Pipecat's own DeepgramTTSService
-fed like an LLM, and a raw `websockets` peer speaking Deepgram's documented message schema."""
+"""Deepgram `/v1/speak` (the WebSocket and the REST POST) against a real aiohttp server and the real tiny engine:
+Pipecat's own DeepgramTTSService fed like an LLM and its DeepgramHttpTTSService, and raw peers speaking Deepgram's
+documented message schema."""
 
 import asyncio
 import io

@@ -1,5 +1,6 @@
-"""ElevenLabs stream-input / multi-stream-input against a real aiohttp server and the real tiny engine: Pipecat's own
-ElevenLabsTTSService, and a raw `websockets` peer speaking the documented message schema."""
+"""ElevenLabs stream-input / multi-stream-input and the HTTP speech endpoints against a real aiohttp server and the real
+tiny engine: Pipecat's own ElevenLabsTTSService and ElevenLabsHttpTTSService, and raw peers speaking the documented
+message schema."""
 
 import asyncio
 import base64
