@@ -278,3 +278,27 @@ async def test_a_bytes_client_gone_mid_stream_leaves_nothing_behind(port, engine
         await r.content.readexactly(960)
         assert engine.stats().in_flight >= 1
     await released(port, engine)
+
+
+async def test_sse_sends_chunks_word_timestamps_and_done(port):
+    body = {**_bytes_request({"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16000},
+                             "Hello there. How are you today?"), "add_timestamps": True, "context_id": "sse-1"}
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/sse", json=body,
+                                                          headers={"X-API-Key": KEY}) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+        events = [json.loads(line[len(b"data: "):]) for line in (await r.read()).split(b"\n\n") if line]
+    assert all(e["context_id"] == "sse-1" for e in events) and events[-1]["type"] == "done"
+    chunks = [e for e in events if e["type"] == "chunk"]
+    samples = np.concatenate([np.frombuffer(base64.b64decode(c["data"]), dtype="<f4") for c in chunks])
+    assert len(samples) % 320 == 0 and np.abs(samples).max() <= 1.0  # 20 ms of f32 at 16 kHz per chunk
+    words = [w for e in events if e["type"] == "timestamps" for w in e["word_timestamps"]["words"]]
+    ends = [t for e in events if e["type"] == "timestamps" for t in e["word_timestamps"]["end"]]
+    assert words == ["Hello", "there.", "How", "are", "you", "today?"]
+    assert ends[-1] == pytest.approx(len(samples) / 16000, abs=0.021)
+
+
+async def test_sse_takes_raw_output_only(port):
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/sse", headers={
+            "X-API-Key": KEY}, json=_bytes_request({"container": "wav", "encoding": "pcm_s16le",
+                                                    "sample_rate": 16000})) as r:
+        assert r.status == 400 and "raw" in (await r.json())["message"]

@@ -3,8 +3,9 @@ Cartesia clients that take a base URL (LiveKit's plugin authenticates with `?api
 
 Auth: `X-API-Key` or `Authorization: Bearer` headers, `?api_key=`, or `?access_token=` (a voxgate token from
 `POST /v1/tokens`, for browsers); `Cartesia-Version` is accepted and ignored. A refused handshake gets HTTP 401/429/503.
-`POST /tts/bytes` (one transcript, its audio streamed in the body: raw as below, wav or mp3) is the same over HTTP
-(compat.oneshot), for Pipecat's CartesiaHttpTTSService and plain scripts.
+`POST /tts/bytes` (one transcript, its audio streamed in the body: raw as below, wav or mp3) and `POST /tts/sse` (the
+socket's chunk, timestamps and done messages as server-sent events) are the same over HTTP (compat.oneshot), for
+Pipecat's CartesiaHttpTTSService, Cartesia's SDK and plain scripts.
 
 Client -> native:
 - a generation request {context_id, transcript, voice {mode: "id", id}, output_format {container: "raw", encoding:
@@ -32,6 +33,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -192,16 +194,10 @@ class CartesiaBridge(SocketBridge):
             self._forget(cid)
 
     async def _timestamps(self, cid: str, ctx: _Context, end_ms: float) -> None:
-        """Word timestamps of the segment that ends at `end_ms` (its audio span shared among its words by length)."""
-        if not ctx.timestamps or ctx.segment is None:
-            return
-        start_ms, text = ctx.segment
-        words = _WORD.findall(text)
-        if not words:
-            return
-        edges = share_span([len(w) + 1 for w in words], start_ms, end_ms)  # a space's worth of time between words
-        await self.send_json({"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
-                              "word_timestamps": {"words": words, "start": edges[:-1], "end": edges[1:]}})
+        if ctx.timestamps and ctx.segment is not None:
+            message = _word_timestamps(cid, *ctx.segment, end_ms)
+            if message is not None:
+                await self.send_json(message)
 
     async def _error(self, cid: str | None, status: int, code: str, message: str, done: bool = True) -> None:
         log.info("cartesia socket error %s (context %s): %s", code, cid, message)
@@ -306,22 +302,28 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     return ws
 
 
+async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str, str | None]:
+    """(key, body, transcript, voice) of a /tts/bytes or /tts/sse request; CartesiaError with its status."""
+    gw = gateway_of(request)
+    key = _authenticate(request)
+    try:
+        body = json_object(await request.text())
+    except ValueError as e:
+        raise CartesiaError(str(e)) from None
+    transcript = body.get("transcript")
+    if not isinstance(transcript, str) or not transcript.strip():
+        raise CartesiaError("transcript is required (a non-empty string)")
+    if len(transcript) > gw.config.limits.max_buffered_chars:
+        raise CartesiaError(f"transcript has {len(transcript)} characters; the limit is "
+                            f"{gw.config.limits.max_buffered_chars}")
+    return key, body, transcript, await _voice(body.get("voice"), gw)
+
+
 async def tts_bytes(request: web.Request) -> web.StreamResponse:
     """POST /tts/bytes: one transcript, its audio streamed in the response body as it is made."""
-    gw = gateway_of(request)
     try:
-        key = _authenticate(request)
-        body = json_object(await request.text())
-        transcript = body.get("transcript")
-        if not isinstance(transcript, str) or not transcript.strip():
-            raise CartesiaError("transcript is required (a non-empty string)")
-        if len(transcript) > gw.config.limits.max_buffered_chars:
-            raise CartesiaError(f"transcript has {len(transcript)} characters; the limit is "
-                                f"{gw.config.limits.max_buffered_chars}")
-        voice = await _voice(body.get("voice"), gw)
+        key, body, transcript, voice = await _http_request(request)
         out, encoding, content_type = _http_format(body.get("output_format"))
-    except ValueError as e:  # json_object's
-        return CartesiaError(str(e)).response()
     except CartesiaError as e:
         return e.response()
     async with OneTurn.open(request, key) as turn:
@@ -334,6 +336,59 @@ async def tts_bytes(request: web.Request) -> web.StreamResponse:
                                   frame=_f32 if encoding == "pcm_f32le" else None)
 
 
+async def tts_sse(request: web.Request) -> web.StreamResponse:
+    """POST /tts/sse: one transcript (raw output formats), its chunks, timestamps and done as server-sent events."""
+    try:
+        key, body, transcript, voice = await _http_request(request)
+        out, encoding, _ = _http_format(body.get("output_format"))
+        if body["output_format"]["container"] != "raw":
+            raise CartesiaError("output_format.container must be raw for server-sent events")
+        timestamps = body.get("add_timestamps") is True
+        cid = body["context_id"] if isinstance(body.get("context_id"), str) else str(uuid.uuid4())
+    except CartesiaError as e:
+        return e.response()
+    async with OneTurn.open(request, key) as turn:
+        try:
+            await turn.start(voice=voice, sample_rate=out.sample_rate)
+            first = await turn.say(transcript)
+        except NativeError as e:
+            return CartesiaError(e.message, http_status(e.code), e.code).response()
+        last = time.monotonic()
+
+        def chunk(data: bytes) -> bytes:
+            nonlocal last
+            now = time.monotonic()
+            step_ms, last = round((now - last) * 1000.0, 1), now
+            payload = _f32(data) if encoding == "pcm_f32le" else data
+            return _sse({"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(),
+                         "done": False, "status_code": 206, "step_time": step_ms})
+
+        def segment_done(k: int, end_ms: float) -> bytes:
+            message = _word_timestamps(cid, *turn.segments[k], end_ms) if timestamps else None
+            return _sse(message) if message is not None else b""
+
+        def done(event: dict[str, Any]) -> bytes:
+            last_words = segment_done(len(turn.segments) - 1, event["audio_ms"]) if turn.segments else b""
+            return last_words + _sse({"type": "done", "context_id": cid, "done": True, "status_code": 200})
+
+        return await turn.respond(request, first, Transcoder(out), {"Content-Type": "text/event-stream"},
+                                  frame=chunk, segment_done=segment_done, trailer=done)
+
+
+def _word_timestamps(cid: str, start_ms: float, text: str, end_ms: float) -> dict[str, Any] | None:
+    """The timestamps message of a segment (its audio span shared among its words by length), None without words."""
+    words = _WORD.findall(text)
+    if not words:
+        return None
+    edges = share_span([len(w) + 1 for w in words], start_ms, end_ms)  # a space's worth of time between words
+    return {"type": "timestamps", "context_id": cid, "done": False, "status_code": 206,
+            "word_timestamps": {"words": words, "start": edges[:-1], "end": edges[1:]}}
+
+
+def _sse(message: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(message, ensure_ascii=False)}\n\n".encode()
+
+
 def _f32(s16: bytes) -> bytes:
     return (np.frombuffer(s16, dtype="<i2").astype("<f4") / 32768.0).tobytes()
 
@@ -341,3 +396,4 @@ def _f32(s16: bytes) -> bytes:
 def register(app: web.Application) -> None:
     app.router.add_get("/tts/websocket", websocket)
     app.router.add_post("/tts/bytes", tts_bytes)
+    app.router.add_post("/tts/sse", tts_sse)
