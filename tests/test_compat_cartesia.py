@@ -143,6 +143,7 @@ async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_on
     (_request("x", "Hi.", voice={"mode": "embedding", "embedding": [0.1] * 4}), "voice"),
     (_request("x", "Hi.", max_buffer_delay_ms=9000), "max_buffer_delay_ms"),
     (json.dumps({"context_id": "x", "transcript": 7}), "transcript"),
+    (_request("x" * 129, "Hi."), "context_id"),
 ])
 async def test_bad_requests_get_a_typed_error_and_the_socket_serves_on(port, message, field):
     async with _connect(port) as ws:
@@ -150,7 +151,8 @@ async def test_bad_requests_get_a_typed_error_and_the_socket_serves_on(port, mes
         error = json.loads(await asyncio.wait_for(ws.recv(), 10))
         assert error["type"] == "error" and error["status_code"] == 400 and error["done"] is True
         assert field in error["message"] and error["error_code"] == "invalid_request"
-        assert error["context_id"] == ("x" if '"x"' in message else None)  # the context the request named
+        named = json.loads(message).get("context_id") if message.startswith("{\"") else None
+        assert error["context_id"] == named  # the context the request named, if it named one
         await ws.send(_request("ok", "Still fine.", more=False))
         chunks, _ = await _until_done(ws, "ok")
         assert chunks

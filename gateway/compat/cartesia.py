@@ -44,7 +44,7 @@ from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, un
 from gateway.auth import AuthError
 from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object, share_span
 from gateway.compat.oneshot import NativeError, OneTurn
-from gateway.protocol import ErrorCode
+from gateway.protocol import ErrorCode, Limits
 from gateway.session import stored_voices
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class CartesiaBridge(SocketBridge):
             return
         cid = m["context_id"] if isinstance(m.get("context_id"), str) else None  # named in an error about it
         try:
-            _check(m)
+            _check(m, self.gw.config.limits)
             if m.get("cancel") is True:
                 if cid in self.contexts:
                     await self.to_session("context.cancel", context_id=cid)
@@ -210,10 +210,11 @@ class CartesiaBridge(SocketBridge):
             self.by_index.pop(ctx.index, None)
 
 
-def _check(m: dict[str, Any]) -> None:
+def _check(m: dict[str, Any], limits: Limits) -> None:
     """CartesiaError naming what is wrong with a generation or cancel request."""
-    if not isinstance(m.get("context_id"), str) or not m["context_id"]:
-        raise CartesiaError("context_id is required (a non-empty string)")
+    cid = m.get("context_id")
+    if not isinstance(cid, str) or not 0 < len(cid) <= limits.max_id_chars:
+        raise CartesiaError(f"context_id is required: a string of 1 to {limits.max_id_chars} characters")
     if m.get("cancel") is True:
         return
     if not isinstance(m.get("transcript"), str):
