@@ -329,8 +329,7 @@ async def tts_bytes(request: web.Request) -> web.StreamResponse:
         return e.response()
     async with OneTurn.open(request, key) as turn:
         try:
-            await turn.start(voice=voice, sample_rate=out.sample_rate)
-            first = await turn.say(transcript)
+            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
         except NativeError as e:
             return CartesiaError(e.message, http_status(e.code), e.code).response()
         return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
@@ -350,8 +349,7 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
         return e.response()
     async with OneTurn.open(request, key) as turn:
         try:
-            await turn.start(voice=voice, sample_rate=out.sample_rate)
-            first = await turn.say(transcript)
+            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
         except NativeError as e:
             return CartesiaError(e.message, http_status(e.code), e.code).response()
         last = time.monotonic()

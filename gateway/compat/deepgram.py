@@ -325,8 +325,7 @@ async def speak_rest(request: web.Request) -> web.StreamResponse:
         return e.response()
     async with OneTurn.open(request, key) as turn:
         try:
-            await turn.start(voice=voice, sample_rate=output.sample_rate)
-            first = await turn.say(text)
+            first = await turn.speak(text, voice=voice, sample_rate=output.sample_rate)
         except NativeError as e:
             return DeepgramError(http_status(e.code), e.code.upper(), e.message).response()
         return await turn.respond(request, first, Transcoder(output), {

@@ -363,8 +363,7 @@ async def text_to_speech(request: web.Request) -> web.StreamResponse:
         return e.response()
     async with OneTurn.open(request, key) as turn:
         try:
-            await turn.start(voice=voice, sample_rate=output.sample_rate, generation={"seed": seed})
-            first = await turn.say(text)
+            first = await turn.speak(text, voice=voice, sample_rate=output.sample_rate, generation={"seed": seed})
             if not request.path.endswith("/with-timestamps"):
                 return await turn.respond(request, first, Transcoder(output),
                                           {"Content-Type": CONTENT_TYPES[output.format]})

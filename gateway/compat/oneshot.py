@@ -122,6 +122,12 @@ class OneTurn:
         await self.session.receive(native("context.end", context_id=CONTEXT))
         return await self._next()
 
+    async def speak(self, text: str, *, voice: str | None, sample_rate: int,
+                    generation: dict[str, Any] | None = None) -> dict[str, Any] | bytes:
+        """`start`, then `say`: the first audio (or context.done); NativeError if either is refused."""
+        await self.start(voice=voice, sample_rate=sample_rate, generation=generation)
+        return await self.say(text)
+
     async def collect(self, first: dict[str, Any] | bytes, transcoder: Transcoder) -> tuple[bytes, dict[str, Any]]:
         """All of the turn's audio, from `first` on, through the transcoder, and context.done: for an answer sent
         whole. NativeError if the turn fails."""
