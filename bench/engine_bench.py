@@ -353,6 +353,21 @@ def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
     end.synchronize()
     return start.elapsed_time(end) / replays
 
+def pipelined_step_ms(runner, b: int, steps: int = 20) -> float:
+    """Wall ms per decode step of `b` rows in steady state with the VAE lane: each step graph replayed on the main
+    stream while the previous step's VAE graph runs on the lane (as serving runs them), host launches included."""
+    def step() -> None:
+        runner._lane_audio(b, runner.graphs.replay(b))
+
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / steps
+
+
 def profiled(fn, host: bool = False, **options):
     """torch.profiler over one eager call of `fn` after a warm-up call (compiles, cuBLAS choices): GPU activity,
     and the host's with `host`; `options` go to the profiler (record_shapes, with_stack)."""
@@ -411,9 +426,16 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
         "vae": gpu_ms(lambda: runner._vae_decode(i.vae_slots[:b], sampled)),
     }
     if runner.graphs is not None and b in runner.graphs.graphs:
-        times["whole_step_graph"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
-    # eager, the same work the decode graph captures; a count, not ms
+        if runner.vae_graphs is None:
+            times["whole_step_graph"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
+        else:  # the step graph alone, the VAE lane's graph alone, and steady steps with the two overlapping
+            times["step_graph_without_vae"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
+            times["vae_graph"] = gpu_ms(lambda: runner.vae_graphs.replay(b), graphed=True)
+            times["whole_step_graph"] = pipelined_step_ms(runner, b)
+    # eager, the same work the decode graph (and the VAE lane's) captures; a count, not ms
     times["kernels_per_step"] = kernel_count(lambda: runner._decode_body(b, runner.max_positions))
+    if runner.vae_graphs is not None:
+        times["kernels_per_step"] += kernel_count(lambda: runner._vae_body(b))
     times["dit_kernels"] = kernel_count(lambda: net.sample_patches(x, x, patches, noise, timesteps, cfg))
     return times
 
@@ -447,6 +469,7 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     out["vae_dtypes"] = _profile_vae_dtypes(runner, loaded.vae, (1, 64, 256))
     out["top_kernels"] = {
         "decode_256": top_kernels(lambda: runner._decode_body(max(batches), runner.max_positions)),
+        "decode_1": top_kernels(lambda: runner._decode_body(1, runner.max_positions), top=30),
         "prefill_64": top_kernels(lambda: _prefill(runner, 64, PREFILL_POSITIONS)),
     }
     if loras:  # where the adapters' time goes at the issue's concurrency

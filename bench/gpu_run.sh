@@ -11,7 +11,7 @@
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
-#   stages: quick_sweep sweep capacity profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity vae_ab profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -118,6 +118,12 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             stage 70 160 "A/B: $n LoRA adapters, c=1,64,1,64" $BENCH --concurrency 1,64,1,64 --requests-factor 2 \
                 --max-num-seqs 256 $([ "$n" -gt 0 ] && echo "--lora $n") --out "$OUT/lora_ab_$n.json" \
                 2>"$OUT/lora_ab_$n.log" >/dev/null
+        done ;;
+    vae_ab)  # the VAE lane against the VAE inside each step's graph: c=1,64,1,64 and a steady closed loop, each
+        for v in 1 0; do
+            stage 70 170 "A/B: VAE lane $v" env VOXGATE_VAE_STREAM=$v $BENCH --concurrency 1,64,1,64 \
+                --requests-factor 2 --max-num-seqs 512 --extra "${VAE_AB_EXTRA:-closed:128}" --ramp 3 --duration 10 \
+                --out "$OUT/vae_ab_$v.json" 2>"$OUT/vae_ab_$v.log" >/dev/null
         done ;;
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
         stage 70 150 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \

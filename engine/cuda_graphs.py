@@ -149,7 +149,7 @@ class FlatBuffers:
 class DecodeResult:
     patches: Tensor  # [B, P, D] f32
     stops: Tensor  # [B] bool
-    audio: Tensor  # [B, samples] f32
+    audio: Tensor | None  # [B, samples] f32; None from a step graph whose VAE runs on the VAE lane
 
 
 class StepGraphs:

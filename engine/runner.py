@@ -13,15 +13,23 @@ block tables), and one VAE stream state with a row per request slot. The paths:
 `launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
 CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.
 
+The VAE lane (CUDA graphs): a step's streaming VAE decode is its own graph, replayed on a second CUDA stream as soon
+as the step's patches exist, while the main stream goes on with the next step's LMs and LocDiT (which need only the
+patches). The VAE's memory-bound convolutions then fill the SMs that the LocDiT's small kernels and GEMM tails
+leave idle, instead of adding their time to every step. Everything that touches the VAE state (decodes, resets,
+continuation priming) runs on that stream, so its order is the order of launch. `VOXGATE_VAE_STREAM=0`: the VAE
+stays inside the step's graph, on the main stream (`WorkerConfig.vae_stream`).
+
 On a GPU the KV cache takes what `gpu_memory_utilization` leaves after the weights, the static buffers, the
 measured peak of a largest eager step and the graphs' memory pool (estimated by the largest decode step's peak).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +91,7 @@ class PendingStep:
     kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
     sampled: torch.Tensor | None = None  # its patches where it made them (on the device), row j = seq emit[j]
+    audio_event: torch.cuda.Event | None = None  # the VAE lane: its audio is in `result` once this fired
 
 
 @dataclass
@@ -175,6 +184,13 @@ class Runner:
         self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
         self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
         self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
+        # the VAE lane (module docstring): its stream, the static inputs its graphs read (each step's patches and
+        # VAE rows, copied there: the next step overwrites its own), and the event of their last read
+        self.vae_stream = torch.cuda.Stream(self.device) if cuda and cfg.cuda_graphs and cfg.vae_stream else None
+        self.vae_in = torch.zeros(cfg.max_num_seqs, p, d, device=self.device)
+        self.vae_in_slots = torch.full((cfg.max_num_seqs,), self.scratch_slot, dtype=torch.long, device=self.device)
+        self.vae_graphs: StepGraphs | None = None
+        self._vae_read: torch.cuda.Event | None = None
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
 
@@ -213,6 +229,9 @@ class Runner:
                         self.model.lora.bypass = False
                     if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
                         self.model.lora.merged.capture()
+                if self.vae_stream is not None:  # a pool of its own: replayed beside the step graphs, not after them
+                    self.vae_graphs = StepGraphs(self._vae_body, self.buckets or [], self._pad_vae,
+                                                 torch.cuda.graph_pool_handle())
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
@@ -242,14 +261,16 @@ class Runner:
             s.num_hidden_layers * s.num_key_value_heads * s.head_dim for s in self.kv_stacks)
 
     def _blocks_from_budget(self, cfg: WorkerConfig, weights: int) -> int:
-        mixed, decode = self._measure_activations(cfg)
+        mixed, decode, vae = self._measure_activations(cfg)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
-        graphs = GRAPH_POOL_FACTOR * decode * (2 if self.lora else 1)  # with LoRA: the adapter-free sets too
-        budget = total * cfg.gpu_memory_utilization - (total - free) - max(mixed, decode) - graphs - MEMORY_MARGIN
-        self.memory.update(weights_gib=weights / GiB, eager_peak_gib=max(mixed, decode) / GiB,
+        # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
+        graphs = GRAPH_POOL_FACTOR * (decode * (2 if self.lora else 1) + vae)
+        eager = max(mixed, decode, vae)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - eager - graphs - MEMORY_MARGIN
+        self.memory.update(weights_gib=weights / GiB, eager_peak_gib=eager / GiB,
                            graph_estimate_gib=graphs / GiB, total_gib=total / GiB)
         blocks = int(budget // self._kv_bytes_per_block())
         if blocks < 1:
@@ -258,9 +279,10 @@ class Runner:
         return blocks
 
     @torch.inference_mode()
-    def _measure_activations(self, cfg: WorkerConfig) -> tuple[int, int]:
-        """Peak bytes of (a prefill step of max_num_batched_tokens tokens, a decode step of max_num_seqs rows),
-        run eagerly on a scratch KV cache that every sequence shares (prefill at its padded eager bucket's size)."""
+    def _measure_activations(self, cfg: WorkerConfig) -> tuple[int, int, int]:
+        """Peak bytes of (a prefill step of max_num_batched_tokens tokens, a decode step of max_num_seqs rows, the
+        VAE lane's decode of as many: 0 without the lane, where the decode step holds it), run eagerly on a scratch
+        KV cache that every sequence shares (prefill at its padded eager bucket's size)."""
         tokens = eager_flat_key(cfg.max_num_batched_tokens, 0)[0]
         seqs = min(cfg.max_num_seqs, tokens)
         lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
@@ -286,8 +308,12 @@ class Runner:
             torch.tensor(np.cumsum(lens) - 1, device=dev)))
         self._pad_all(cfg.max_num_seqs)
         decode = peak(lambda: self._decode_body(cfg.max_num_seqs, self.max_positions))
+        vae = 0
+        if self.vae_stream is not None:
+            self._pad_vae(cfg.max_num_seqs)
+            vae = peak(lambda: self._vae_body(cfg.max_num_seqs))
         del self.caches
-        return mixed, decode
+        return mixed, decode, vae
 
     def _log_memory(self, cfg: WorkerConfig, weights: int) -> None:
         block_bytes = self._kv_bytes_per_block()
@@ -341,8 +367,9 @@ class Runner:
                                                 torch.randn(rows, d, p, device=dev, dtype=self.dtype),
                                                 self.timesteps, torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
             self.model.stop_flags(h)
-            slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
-            self._vae_decode(slots, sampled)
+            with self._on_vae_lane(join=True):
+                slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
+                self._vae_decode(slots, sampled)
         # eager mixed steps: every flat bucket up to WARM_EAGER_TOKENS once, all padding (one sequence in the scratch
         # block), so each GEMM shape has met cuBLAS before a step does (larger ones come in bursts whose GPU work
         # hides that first meeting)
@@ -352,8 +379,9 @@ class Runner:
                 self.lm_body((tokens, 16), eager=True)
         # a continuation primes its VAE row with the prompt's last 1..CONTEXT_PATCHES patches, eagerly: lengths
         # whose kernels (Triton specializations, ~1 s to compile) the decodes above never run
-        for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
-            self._prime_context(self.scratch_slot, torch.zeros(k, p, d))
+        with self._on_vae_lane(join=True):
+            for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
+                self._prime_context(self.scratch_slot, torch.zeros(k, p, d))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
@@ -419,7 +447,7 @@ class Runner:
                 ks = sorted(fed)
                 self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
-                result = decode_graphs.replay(rows)
+                result = self._lane_audio(rows, decode_graphs.replay(rows))
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n))
             pending = self._download(seqs, result, n, None)
@@ -449,7 +477,8 @@ class Runner:
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = sample_graphs.replay(rows) if sample_graphs is not None else self._sample_body(rows)
+        result = self._lane_audio(rows, sample_graphs.replay(rows)) if sample_graphs is not None \
+            else self._sample_body(rows)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
@@ -476,8 +505,9 @@ class Runner:
         if pending.done is not None:
             return pending.done
         assert pending.result is not None
-        if pending.event is not None:
-            pending.event.synchronize()
+        for event in (pending.event, pending.audio_event):
+            if event is not None:
+                event.synchronize()
         r = pending.result
         patches = list(r.patches.clone())  # the requests keep these; the pinned buffers are reused
         stops = r.stops.tolist()
@@ -576,12 +606,20 @@ class Runner:
                                emit=emit)
         out = self.outputs[self.parity]
         self.parity ^= 1
-        for dst, src in ((out.patches, result.patches), (out.stops, result.stops), (out.audio, result.audio)):
+        lane = self.vae_stream
+        copies = [(out.patches, result.patches), (out.stops, result.stops)]
+        for dst, src in copies + ([(out.audio, result.audio)] if lane is None else []):
             dst[:n].copy_(src[:n], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
+        audio_event = None
+        if lane is not None:  # behind the step's VAE decode on its lane
+            with torch.cuda.stream(lane):
+                out.audio[:n].copy_(result.audio[:n], non_blocking=True)
+                audio_event = torch.cuda.Event()
+                audio_event.record()
         return PendingStep(seqs, result=DecodeResult(out.patches[:n], out.stops[:n], out.audio[:n]), event=event,
-                           emit=emit)
+                           emit=emit, audio_event=audio_event)
 
     def _stage_padding(self, rows: int, first: int = 0) -> None:
         """Host rows [first, rows): sequences of length 1 in the scratch KV block, decoding into the scratch VAE row."""
@@ -612,7 +650,8 @@ class Runner:
 
     def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None
                      ) -> DecodeResult:
-        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones)."""
+        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones).
+        With the VAE lane, no VAE (audio None): `_lane_audio` queues it on its own stream."""
         b = self.inputs
         self.model.set_lora_indices(seqs=self.lora_rows[:rows])
         lm_h = self.lm_h[:rows] if lm_h is None else lm_h
@@ -620,7 +659,54 @@ class Runner:
         sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
                                             b.noise[:rows].to(self.dtype), self.timesteps, b.cfg[:rows].to(self.dtype))
         stops = self.model.stop_flags(lm_h)
+        if self.vae_stream is not None:
+            return DecodeResult(sampled, stops, None)
         return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+
+    # ---- the VAE lane -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _on_vae_lane(self, join: bool = False) -> Iterator[None]:
+        """Run the enclosed VAE-state work on the VAE lane, after all work queued so far on the main stream (its
+        tensors must be made inside, or outlive the lane's use of them); `join`: the main stream then waits for it.
+        Without the lane, in place."""
+        lane = self.vae_stream
+        main = torch.cuda.current_stream(self.device) if lane is not None else None
+        if lane is None or main == lane:
+            yield
+            return
+        lane.wait_stream(main)
+        with torch.cuda.stream(lane):
+            yield
+        if join:
+            main.wait_stream(lane)
+
+    def _vae_body(self, rows: int) -> torch.Tensor:
+        """The VAE lane's decode of the first `rows` rows of its static inputs (what its graphs capture)."""
+        return self._vae_decode(self.vae_in_slots[:rows], self.vae_in[:rows])
+
+    def _pad_vae(self, rows: int) -> None:
+        self.vae_in[:rows].zero_()
+        self.vae_in_slots[:rows].fill_(self.scratch_slot)
+
+    def _lane_audio(self, rows: int, result: DecodeResult) -> DecodeResult:
+        """`result` with its audio: the step's VAE decode queued on the VAE lane behind its patches (without the
+        lane the graph made it already). The main stream waits only for the previous lane decode to have read its
+        inputs, before their buffers take this step's: a step's LMs and LocDiT take far longer than a VAE decode,
+        so it is long done."""
+        if result.audio is not None:
+            return result
+        assert self.vae_stream is not None and self.vae_graphs is not None
+        main = torch.cuda.current_stream(self.device)
+        if self._vae_read is not None:
+            main.wait_event(self._vae_read)
+        self.vae_in[:rows].copy_(result.patches[:rows])
+        self.vae_in_slots[:rows].copy_(self.inputs.vae_slots[:rows])
+        self.vae_stream.wait_stream(main)
+        with torch.cuda.stream(self.vae_stream):
+            audio = self.vae_graphs.replay(rows)
+            self._vae_read = torch.cuda.Event()
+            self._vae_read.record()
+        return DecodeResult(result.patches, result.stops, audio)
 
     def _host_outputs(self, rows: int) -> DecodeResult:
         c = self.config
@@ -819,8 +905,9 @@ class Runner:
     def decode_audio(self, reqs: list, patches: torch.Tensor) -> np.ndarray:
         """One patch of audio per request, through each request's row of the streaming VAE state."""
         self._prime([r for r in reqs if not r.vae_primed])
-        slots = torch.tensor([r.vae_slot for r in reqs], device=self.vae_state.buffers[0].device)
-        return self._vae_decode(slots, patches).cpu().numpy()
+        with self._on_vae_lane(join=True):
+            slots = torch.tensor([r.vae_slot for r in reqs], device=self.vae_state.buffers[0].device)
+            return self._vae_decode(slots, patches).cpu().numpy()
 
     def _vae_decode(self, slots: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """[B, P, D] patches -> [B, samples] float32 audio, advancing the VAE state rows `slots`."""
@@ -837,18 +924,21 @@ class Runner:
             return
         dev = self.vae_state.buffers[0].device
         slots = torch.tensor([r.vae_slot for r in reqs])
-        self.vae_state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
-        for req in reqs:
-            context = req.spec.context_patches
-            if context is not None and len(context):
-                self._prime_context(req.vae_slot, context)
-            req.vae_primed = True
+        with self._on_vae_lane():  # in order with the lane's decodes, and the main stream never waits for it
+            self.vae_state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
+            for req in reqs:
+                context = req.spec.context_patches
+                if context is not None and len(context):
+                    self._prime_context(req.vae_slot, context)
+                req.vae_primed = True
 
     def _prime_context(self, slot: int, context: torch.Tensor) -> None:
         """Replay a continuation's prompt tail [k, P, D] into VAE row `slot` (its audio is the previous segment's)."""
         dev = self.vae_state.buffers[0].device
         rows = torch.full((1,), slot, device=dev)  # a fill on the device: a pageable copy would wait for the stream
         part = self.vae_state.gather(rows)
+        if dev.type == "cuda":  # pinned, for the same reason
+            context = context.pin_memory()
         latents = context.to(self.device, non_blocking=True).to(self.vae_dtype)
         latents = latents.reshape(1, -1, self.config.feat_dim).transpose(1, 2)
         self.vae.decode_stream(latents, part)

@@ -85,6 +85,10 @@ class WorkerConfig:
     async_mixed: bool | None = field(
         default_factory=lambda: {"1": True, "0": False}.get(os.environ.get("VOXGATE_ASYNC_MIXED", "")))
 
+    # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
+    # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
+    vae_stream: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_STREAM", "1") != "0")
+
     def mixed_ahead(self, cuda: bool) -> bool:
         """Whether steps launched ahead admit prompts (`async_mixed`, resolved for the device)."""
         return self.async_mixed if self.async_mixed is not None else cuda

@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU: bf16 vs fp32 per module, graphed decode step == eager step, graphs in the serving
-engine, and the memory budget at gpu_memory_utilization 0.9 with 512 concurrent streams.
+engine (steps launched ahead, split decodes, the VAE lane), and the memory budget at gpu_memory_utilization 0.9
+with 512 concurrent streams.
 
 Run on the GPU machine: `python -m pytest -q -m gpu tests/gpu/test_engine_gpu.py` (bench/gpu_run.sh does). One test
 runs on CPU too: the bucket padding of the static-buffer path (graphs are CUDA-only; their body is not).
@@ -292,6 +293,37 @@ async def test_split_decodes_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeyp
     assert split_steps > 0 and sync_split == 0
     assert all([c.index for c in a] == list(range(14)) for a in split)
     assert_same_streams(split, sync)
+
+
+@gpu
+async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, monkeypatch):
+    """The VAE lane (each step's VAE decode replayed on a second stream while the next step runs) gives the streams
+    of the VAE inside each step's graph: with steps launched ahead, prompts admitted ahead, streams ending and their
+    VAE rows reused, and continuation segments whose rows are primed on the lane from the prompt's patches."""
+    texts = ["Streaming speech should start quickly.", "Hi there.", "The quick brown fox jumps over the lazy dog.",
+             "Good morning!", "One more voice in the batch."]
+
+    async def streams(engine: Engine) -> list[list]:
+        first = [c async for c in engine.generate("A first segment to continue from.", seed=7, max_length=6,
+                                                  min_length=6)]
+        context = np.stack([c.latents for c in first])
+
+        async def one(i: int) -> list:
+            await asyncio.sleep(0.02 * i)  # arrivals while the others speak
+            kwargs: dict = dict(seed=i, max_length=8 + 2 * i, min_length=0 if i % 2 else 8 + 2 * i)
+            if i % 2 == 0:  # a continuation: its VAE row starts from the first segment's last patches
+                kwargs.update(prompt_latents=context, prompt_text="A first segment to continue from.")
+            return [c async for c in engine.generate(texts[i % len(texts)], **kwargs)]
+
+        return [first, *await asyncio.gather(*(one(i) for i in range(10)))]
+
+    mixed = {"VOXGATE_ASYNC_SCHEDULING": "1", "VOXGATE_ASYNC_MIXED": "1"}
+    lane, ahead = await serve_tiny(tiny_v2_dir, monkeypatch, {**mixed, "VOXGATE_VAE_STREAM": "1"}, streams,
+                                   "ahead_steps")
+    inside, _ = await serve_tiny(tiny_v2_dir, monkeypatch, {**mixed, "VOXGATE_VAE_STREAM": "0"}, streams,
+                                 "ahead_steps")
+    assert ahead > 0
+    assert_same_streams(lane, inside)
 
 
 @gpu
