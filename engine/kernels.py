@@ -27,24 +27,36 @@ def snake_f32(x, alpha):
 
 
 @triton.jit(do_not_specialize=["numel", "length"])  # sizes vary with batch: no recompiles
-def _snake_kernel(x_ptr, alpha_ptr, y_ptr, numel, channels, length, BLOCK: tl.constexpr):
+def _snake_kernel(x_ptr, alpha_ptr, scale_ptr, shift_ptr, y_ptr, numel, channels, length, AFFINE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     # Flat over B*C*T so short streaming chunks (a few samples per channel) still fill whole blocks.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    alpha = tl.load(alpha_ptr + (offsets // length) % channels, mask=mask, other=1.0).to(tl.float32)
+    chan = (offsets // length) % channels
+    alpha = tl.load(alpha_ptr + chan, mask=mask, other=1.0).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if AFFINE:  # the per-channel x * scale + shift before it, in fp32
+        scale = tl.load(scale_ptr + chan, mask=mask, other=1.0).to(tl.float32)
+        shift = tl.load(shift_ptr + chan, mask=mask, other=0.0).to(tl.float32)
+        x = x * scale + shift
     tl.store(y_ptr + offsets, snake_f32(x, alpha).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def snake(x: Tensor, alpha: Tensor) -> Tensor:
-    """y = x + 1/(alpha + 1e-9) * sin(alpha x)^2 over x [B, C, T], one alpha per channel (e.g. [1, C, 1]); fp32 math."""
+def snake(x: Tensor, alpha: Tensor, affine: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """y = x + 1/(alpha + 1e-9) * sin(alpha x)^2 over x [B, C, T], one alpha per channel (e.g. [1, C, 1]); fp32 math.
+    `affine` (scale, shift), each [C]: snake of x * scale + shift instead, in the same pass."""
     if x.dim() != 3 or alpha.numel() != x.shape[1]:
         raise ValueError(f"snake needs x [B, C, T] and C alphas (got x {tuple(x.shape)}, alpha {tuple(alpha.shape)})")
+    if affine is not None and any(t.numel() != x.shape[1] for t in affine):
+        raise ValueError(f"snake's affine needs {x.shape[1]} scales and shifts")
     x = x.contiguous()
     y = torch.empty_like(x)
+    alpha = alpha.reshape(-1).contiguous()
+    scale, shift = (alpha, alpha) if affine is None else (t.reshape(-1).contiguous() for t in affine)
     if y.numel():
         _snake_kernel[(triton.cdiv(y.numel(), 1024),)](
-            x, alpha.reshape(-1).contiguous(), y, y.numel(), x.shape[1], x.shape[2], BLOCK=1024, num_warps=4)
+            x, alpha, scale, shift, y, y.numel(), x.shape[1], x.shape[2], AFFINE=affine is not None, BLOCK=1024,
+            num_warps=4)
     return y
 
 

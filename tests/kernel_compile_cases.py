@@ -220,6 +220,9 @@ def launch_cases(recorder: Recorder) -> None:
         cfg = ModelConfig.from_dict(make())
         recorder.case = f"{model} snake fp32 (the VAE always runs in fp32)"
         kernels.snake(torch.randn(1, cfg.audio_vae.decoder_dim, 7), torch.ones(1, cfg.audio_vae.decoder_dim, 1))
+        recorder.case = f"{model} snake fp32 after a sample-rate condition's affine"
+        c = cfg.audio_vae.decoder_dim
+        kernels.snake(torch.randn(1, c, 7), torch.ones(1, c, 1), (torch.ones(c), torch.zeros(c)))
         for dtype in DTYPES:
             dt = str(dtype).removeprefix("torch.")
             recorder.case = f"{model} CFG-Zero* Euler, LocDiT output {dt}"

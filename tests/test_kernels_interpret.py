@@ -139,6 +139,27 @@ def test_fused_snake_matches_torch(kernels, dtype):
     assert relative_error(y, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
 
 
+def test_fused_snake_applies_a_channel_affine_first(kernels):
+    """snake(x * scale + shift) in one pass (a VAE sample-rate condition folded into the Snake after it)."""
+    _, fused = kernels
+    gen = torch.Generator().manual_seed(4)
+    module = Snake(5)
+    with torch.no_grad():
+        module.alpha.copy_(torch.rand(1, 5, 1, generator=gen) * 2 + 0.05)
+    x = torch.randn(3, 5, 37, generator=gen) * 3
+    scale, shift = torch.rand(5, generator=gen) + 0.5, torch.randn(5, generator=gen)
+
+    y = fused.snake(x, module.alpha.detach(), (scale, shift))
+
+    with torch.no_grad():
+        ref = module(x.double() * scale.double()[:, None] + shift.double()[:, None])
+        plain = module(x.double())
+    assert relative_error(y, ref) < 1e-6
+    assert relative_error(y, plain) > 0.1  # the affine was applied
+    with pytest.raises(ValueError, match="affine"):
+        fused.snake(x, module.alpha.detach(), (scale[:4], shift))
+
+
 
 @pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                      (torch.float16, torch.float32)])

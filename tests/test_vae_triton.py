@@ -117,6 +117,10 @@ def small_vae() -> AudioVAE:
         for name, p in vae.named_parameters():
             if name.endswith("alpha"):
                 p.uniform_(0.5, 2.0)
+            elif "scale_embed" in name:  # the sample-rate conditions (ones and zeros at init) really act
+                p.uniform_(0.5, 1.5)
+            elif "bias_embed" in name:
+                p.normal_(std=0.1)
     return vae
 
 

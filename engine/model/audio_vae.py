@@ -57,11 +57,14 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
-    def forward(self, x: Tensor, states: States = None) -> Tensor:
+    def forward(self, x: Tensor, states: States = None, affine: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`affine` (scale, shift) [C]: of x * scale + shift (a `SampleRateCondition` before it; one pass on CUDA)."""
         if fused(x):  # one fused pass instead of five kernels; triton comes with CUDA torch
             from engine.kernels import snake
 
-            return snake(x, self.alpha)
+            return snake(x, self.alpha, affine)
+        if affine is not None:
+            x = x * affine[0][:, None] + affine[1][:, None]
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
@@ -188,6 +191,13 @@ class DecoderBlock(_Sequence):
         super().__init__()
         self.block = nn.ModuleList([Snake(cin), CausalConvTranspose1d(cin, cout, stride), *_residual_units(cout)])
 
+    def forward(self, x: Tensor, states: States = None, affine: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`affine`: a sample-rate condition's (scale, shift) for the first Snake to apply as it reads x."""
+        x = self.block[0](x, states, affine)
+        for layer in self.block[1:]:
+            x = layer(x, states)
+        return x
+
 
 class Encoder(nn.Module):
     def __init__(self, config: AudioVAEConfig):
@@ -217,6 +227,10 @@ class SampleRateCondition(nn.Module):
         nn.init.ones_(self.scale_embed.weight)
         nn.init.zeros_(self.bias_embed.weight)
         self.out_layer = nn.ModuleList([Snake(dim), CausalConv1d(dim, dim, 1)]) if out_layer else None
+
+    def affine(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """(scale, shift) [C] of this bucket: views, no copy."""
+        return self.scale_embed.weight[bucket], self.bias_embed.weight[bucket]
 
     def forward(self, x: Tensor, bucket: int) -> Tensor:
         x = x * self.scale_embed.weight[bucket, :, None] + self.bias_embed.weight[bucket, :, None]
@@ -261,6 +275,11 @@ class Decoder(nn.Module):
     def forward(self, x: Tensor, states: States = None) -> Tensor:
         conds = self.sr_cond_model if self.sr_cond_model is not None else [None] * len(self.model)
         for layer, cond in zip(self.model, conds, strict=True):
+            if cond is not None and cond.out_layer is None and fused_decoder(x):
+                # the condition's x * scale + shift done by the block's first Snake as it reads x: two passes over
+                # the activations fewer per block (at batch 256, fp32: ~1.4 ms of a ~17 ms VAE on an H200)
+                x = layer(x, states, cond.affine(self.bucket))
+                continue
             if cond is not None:
                 x = cond(x, self.bucket)
             x = layer(x, states)

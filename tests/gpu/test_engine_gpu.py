@@ -299,7 +299,8 @@ async def test_split_decodes_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeyp
 async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, monkeypatch):
     """The VAE lane (each step's VAE decode replayed on a second stream while the next step runs) gives the streams
     of the VAE inside each step's graph: with steps launched ahead, prompts admitted ahead, streams ending and their
-    VAE rows reused, and continuation segments whose rows are primed on the lane from the prompt's patches."""
+    VAE rows reused, and continuation segments whose rows are primed on the lane from the prompt's patches (lengths
+    fixed, bf16 audio within the batch-invariance tolerance)."""
     texts = ["Streaming speech should start quickly.", "Hi there.", "The quick brown fox jumps over the lazy dog.",
              "Good morning!", "One more voice in the batch."]
 
@@ -310,7 +311,8 @@ async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, 
 
         async def one(i: int) -> list:
             await asyncio.sleep(0.02 * i)  # arrivals while the others speak
-            kwargs: dict = dict(seed=i, max_length=8 + 2 * i, min_length=0 if i % 2 else 8 + 2 * i)
+            # lengths fixed: arrival times may change batch partners, and bf16 rounding with them a stop decision
+            kwargs: dict = dict(seed=i, max_length=8 + 2 * i, min_length=8 + 2 * i)
             if i % 2 == 0:  # a continuation: its VAE row starts from the first segment's last patches
                 kwargs.update(prompt_latents=context, prompt_text="A first segment to continue from.")
             return [c async for c in engine.generate(texts[i % len(texts)], **kwargs)]
