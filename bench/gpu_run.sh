@@ -11,7 +11,7 @@
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
-#   stages: quick_sweep sweep capacity vae_ab linear skinny_ab profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity vae_ab profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -125,14 +125,6 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --requests-factor 2 --max-num-seqs 512 --extra "${VAE_AB_EXTRA:-closed:128}" --ramp 3 --duration 10 \
                 --out "$OUT/vae_ab_$v.json" 2>"$OUT/vae_ab_$v.log" >/dev/null
         done ;;
-    linear)  # few-rows linears: cuBLAS against linear_triton.skinny_linear and its tile variants
-        stage 40 150 "few-rows linear bench" $PY bench/linear_bench.py --out "$OUT/linear.json" >"$OUT/linear.log" 2>&1
-        tail -12 "$OUT/linear.log" ;;
-    skinny_ab)  # the engine with and without the few-rows linears: c=1,8,1,8
-        for v in 1 0; do
-            stage 50 100 "A/B: skinny linears $v" env VOXGATE_SKINNY_LINEAR=$v $BENCH --concurrency 1,8,1,8 \
-                --requests-factor 2 --max-num-seqs 64 --out "$OUT/skinny_ab_$v.json" 2>"$OUT/skinny_ab_$v.log" >/dev/null
-        done ;;
     lora256)  # issue 9's second figure: 256 registered adapters, requests spread across all of them
         stage 70 150 "LoRA: 256 adapters at c=1 and 64" $BENCH --concurrency 1,64 --requests-factor 2 \
             --max-num-seqs 256 --lora 256 --out "$OUT/engine_voxcpm2_lora256.json" 2>"$OUT/lora256.log" >/dev/null ;;
@@ -179,8 +171,7 @@ out, commit, gpu = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
-             "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json",
-             "skinny_ab_1.json", "skinny_ab_0.json"):
+             "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json"):
     path = out / name
     if not path.exists():  # a stage not in the plan, or one that failed (its log is in logs.tar.gz)
         continue

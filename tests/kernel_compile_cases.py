@@ -248,13 +248,6 @@ def launch_cases(recorder: Recorder) -> None:
     for dtype in DTYPES:  # the engine runs the VAE in fp32; bf16 is supported too
         recorder.case = f"VoxCPM2 AudioVAE fused residual units {str(dtype).removeprefix('torch.')}"
         launch_vae_residual_units(vae_model, dtype)
-    from engine.model.linear_triton import skinny_linear
-
-    cfg = ModelConfig.from_dict(voxcpm2())
-    for dtype in DTYPES:
-        for rows, (n, k) in ((1, (cfg.lm.intermediate_size, cfg.lm.hidden_size)), (22, (1024, 4096)), (22, (64, 64))):
-            recorder.case = f"VoxCPM2 few-rows linear {rows} x {k} -> {n} {str(dtype).removeprefix('torch.')}"
-            skinny_linear(torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype))
 
 
 # ---- compile ----------------------------------------------------------------------------------------------------

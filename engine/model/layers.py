@@ -20,8 +20,6 @@ from engine.config import StackConfig
 
 # Off (VOXGATE_FUSED_KERNELS=0): plain torch ops on CUDA too, for A/B timing and as a fallback.
 FUSED_KERNELS = os.environ.get("VOXGATE_FUSED_KERNELS", "1") != "0"
-# On (VOXGATE_SKINNY_LINEAR=1): linears of at most 32 rows on CUDA through engine.model.linear_triton, not cuBLAS.
-SKINNY_LINEAR = os.environ.get("VOXGATE_SKINNY_LINEAR", "0") == "1"
 
 
 def fused(x: Tensor) -> bool:
@@ -94,27 +92,10 @@ def _fusable(linears: Sequence[nn.Module]) -> bool:
                and len(m._forward_hooks) <= (1 if shared else 0) for m in linears)
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear(x, weight), no bias; on CUDA with `SKINNY_LINEAR`, a few rows through `linear_triton.skinny_linear`."""
-    if SKINNY_LINEAR and fused(x):
-        from engine.model import linear_triton
-
-        if linear_triton.supports(x, weight):
-            return linear_triton.skinny_linear(x, weight)
-    return F.linear(x, weight)
-
-
-def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
-    """module(x): through `linear` when it is a plain bias-free nn.Linear without hooks (LoRA, TP wrappers: as is)."""
-    if type(module) is nn.Linear and module.bias is None and not (module._forward_hooks or module._forward_pre_hooks):
-        return linear(x, module.weight)
-    return module(x)
-
-
 def fused_linear(x: Tensor, weight: Tensor, linears: Sequence[nn.Module]) -> Tensor:
     """The linears' outputs side by side from one GEMM with their fused weight, plus their shared LoRA's deltas
     (one shrink and one expand) when they carry one."""
-    y = linear(x, weight)
+    y = F.linear(x, weight)
     lora = getattr(linears[0], "fused_lora", None)
     return y if lora is None else lora(x, y)
 
@@ -137,7 +118,7 @@ class SwiGLU(nn.Module):
         gate_up = fused_weight(self.gate_up, (self.gate_proj, self.up_proj))
         if gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return apply_linear(self.down_proj, silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj))))
+        return self.down_proj(silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj))))
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

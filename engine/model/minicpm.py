@@ -19,16 +19,7 @@ from torch import Tensor, nn
 from engine.config import StackConfig
 from engine.model import layers
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
-from engine.model.layers import (
-    LongRoPE,
-    RMSNorm,
-    SwiGLU,
-    apply_linear,
-    apply_rope,
-    fuse_linears,
-    fused_linear,
-    fused_weight,
-)
+from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
 # Dense stacks with fewer sequences than this rotate q|k with the rope_ kernel first: at a few sequences the rotation
 # inside the short attention kernel costs more than the launch it saves (H200, bench/kernels_bench.py: LocDiT
@@ -71,7 +62,7 @@ class Attention(nn.Module):
             if rope is not None:
                 qk = apply_rope(qk, *rope)
             q, k = qk[..., :self.heads, :], qk[..., self.heads:, :]
-        return apply_linear(self.o_proj, attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
+        return self.o_proj(attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
