@@ -608,7 +608,9 @@ class Runner:
         self.parity ^= 1
         lane = self.vae_stream
         copies = [(out.patches, result.patches), (out.stops, result.stops)]
-        for dst, src in copies + ([(out.audio, result.audio)] if lane is None else []):
+        if lane is None:  # else the audio comes back on the lane, below
+            copies.append((out.audio, result.audio))
+        for dst, src in copies:
             dst[:n].copy_(src[:n], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -670,10 +672,10 @@ class Runner:
         tensors must be made inside, or outlive the lane's use of them); `join`: the main stream then waits for it.
         Without the lane, in place."""
         lane = self.vae_stream
-        main = torch.cuda.current_stream(self.device) if lane is not None else None
-        if lane is None or main == lane:
+        if lane is None or torch.cuda.current_stream(self.device) == lane:
             yield
             return
+        main = torch.cuda.current_stream(self.device)
         lane.wait_stream(main)
         with torch.cuda.stream(lane):
             yield

@@ -5,9 +5,24 @@ mid-speech leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+
+from gateway.auth import Auth
+from gateway.server import ServerConfig, create_app, start_server
+
+
+@contextlib.asynccontextmanager
+async def compat_server(engine, key: str) -> AsyncIterator[int]:
+    """A real gateway with the compat endpoints on, over `engine`, accepting API key `key`: its port."""
+    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({key}),
+                                                 compat=True))
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 async def run_tts(tts, inputs: list, sample_rate: int, until: Callable[[list], bool] | None = None) -> list:

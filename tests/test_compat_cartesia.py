@@ -12,12 +12,9 @@ import av
 import numpy as np
 import pytest
 import pytest_asyncio
-from compat_support import llm_turn, released, run_tts, words_spoken
+from compat_support import compat_server, llm_turn, released, run_tts, words_spoken
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
-
-from gateway.auth import Auth
-from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -28,10 +25,8 @@ PCM_24K = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def port(engine):
-    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
-    runner, port = await start_server(app)
-    yield port
-    await runner.cleanup()
+    async with compat_server(engine, KEY) as port:
+        yield port
 
 
 def _connect(port: int, **kwargs):

@@ -10,12 +10,9 @@ import aiohttp
 import av
 import pytest
 import pytest_asyncio
-from compat_support import llm_turn, released, run_tts
+from compat_support import compat_server, llm_turn, released, run_tts
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK, InvalidStatus
-
-from gateway.auth import Auth
-from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -25,10 +22,8 @@ STORY = " ".join(f"This is part {i} of a long reply that the listener interrupts
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def port(engine):
-    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
-    runner, port = await start_server(app)
-    yield port
-    await runner.cleanup()
+    async with compat_server(engine, KEY) as port:
+        yield port
 
 
 def _connect(port: int, query: str = "model=aura-2-helena-en&encoding=linear16&sample_rate=24000", **kwargs):

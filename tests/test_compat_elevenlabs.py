@@ -11,12 +11,9 @@ import aiohttp
 import av
 import pytest
 import pytest_asyncio
-from compat_support import run_tts, words_spoken
+from compat_support import compat_server, run_tts, words_spoken
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
-
-from gateway.auth import Auth
-from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -26,10 +23,8 @@ VOICE = "21m00Tcm4TlvDq8ikWAM"  # an ElevenLabs voice id: not stored here, so th
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def port(engine):
-    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
-    runner, port = await start_server(app)
-    yield port
-    await runner.cleanup()
+    async with compat_server(engine, KEY) as port:
+        yield port
 
 
 def _url(port: int, endpoint: str, **query: str) -> str:

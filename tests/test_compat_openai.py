@@ -12,9 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 import soxr
-
-from gateway.auth import Auth
-from gateway.server import ServerConfig, create_app, start_server
+from compat_support import compat_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -26,10 +24,8 @@ SHORT = {"seed": SEED, "max_length": 4}  # 4 patches: enough to check a containe
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def base_url(engine):
-    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
-    runner, port = await start_server(app)
-    yield f"http://127.0.0.1:{port}/v1"
-    await runner.cleanup()
+    async with compat_server(engine, KEY) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture

@@ -11,13 +11,12 @@ import time
 
 import pytest
 import pytest_asyncio
+from compat_support import compat_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.auth import Auth
 from gateway.client import VoxgateClient
 from gateway.protocol import AudioFrame
-from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -27,10 +26,8 @@ STREAM_SID = "MZ18ad3ab5a668481ce02b83e7395059f0"
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def base(engine):
-    app = create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({KEY}), compat=True)
-    runner, port = await start_server(app)
-    yield f"ws://127.0.0.1:{port}/v1/twilio"
-    await runner.cleanup()
+    async with compat_server(engine, KEY) as port:
+        yield f"ws://127.0.0.1:{port}/v1/twilio"
 
 
 class TwilioPeer:
