@@ -162,7 +162,15 @@ def launch_short_attention(stack: StackConfig, length: int, dtype: torch.dtype) 
     qkv = torch.randn(2, length, heads + 2 * kv, d, dtype=dtype)
     q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
     short_attention(q, k, v)
-    short_attention(q, k, v, (torch.randn(length, d), torch.randn(length, d)))  # RoPE in the kernel (CUDA path)
+    rope = (torch.randn(length, d), torch.randn(length, d))
+    short_attention(q, k, v, rope)  # RoPE in the kernel (CUDA path)
+    for rank in LORA_RANKS:  # the LocDiT's q|k|v and o LoRA in the kernel (lora_triton.AttentionLoRA)
+        rows, width = 2 * length, max(16, triton.next_power_of_2(3 * rank))
+        lora = lora_triton.AttentionLoRA.make(
+            torch.tensor([1, 0]), torch.empty(3, rows, width), torch.empty(LORA_SLOTS, (heads + 2 * kv) * d, rank,
+                                                                           dtype=dtype),
+            torch.empty(LORA_SLOTS, rank, heads * d, dtype=dtype), kv)
+        short_attention(q, k, v, rope, lora)
 
 
 def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
@@ -211,6 +219,10 @@ def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:
         for dilation in (1, 3, 9):
             for history in (None, torch.zeros(1, channels, 6 * dilation, dtype=dtype)):
                 vae_triton.residual_unit(x, alpha, dw_weight, bias, alpha, pw_weight, bias, dilation, history)
+        # a block's first unit: the upsampling's unbiased output y[..., :n] read in place, its bias added on load
+        xv = torch.zeros(1, channels, length + stride, dtype=dtype)[..., :length]
+        for history in (None, torch.zeros(1, channels, 6, dtype=dtype)):
+            vae_triton.residual_unit(xv, alpha, dw_weight, bias, alpha, pw_weight, bias, 1, history, in_bias=bias)
 
 
 def launch_cases(recorder: Recorder) -> None:

@@ -107,6 +107,86 @@ def test_residual_unit_matches_eager(monkeypatch, dtype):
             history.clone()))
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["offline", "streaming"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_bias_on_a_strided_x_matches_eager(dtype, streaming):
+    """in_bias: the unit on x + in_bias, with x a view of rows longer than T (the transposed conv's y[..., :n]) read
+    in place: equal to the kernel on the contiguous biased x, and to the eager unit on it; the same history."""
+    unit = random_unit(5, 3, dtype, seed=2)
+    snake1, conv, snake2, pointwise = unit.block
+    gen = torch.Generator().manual_seed(2 + streaming)
+    bias = torch.randn(5, generator=gen).to(dtype)
+    history = torch.randn(2, 5, 18, generator=gen).to(dtype) if streaming else None
+    ref_history = None if history is None else history.clone()
+    # chunks shorter than the history; one program per row; several (the history staged)
+    for length, block_t in [(7, None), (33, None), (100, 64)]:
+        y = (2 * torch.randn(2, 5, length + 4, generator=gen)).to(dtype)
+        x = y[..., :length]
+        assert not x.is_contiguous()
+        biased = rounded(x.float() + bias.float()[:, None], dtype)  # as the kernel adds it (and as eager's x + bias)
+        plain_history = None if history is None else history.clone()
+        plain = vae_triton.residual_unit(biased, snake1.alpha, conv.weight, conv.bias, snake2.alpha, pointwise.weight,
+                                         pointwise.bias, 3, plain_history, block_t=block_t)
+        z, ref_history = eager_three(unit, biased, ref_history)
+        want = biased.float() + torch.nn.functional.conv1d(z.float(), pointwise.weight.float(),
+                                                           pointwise.bias.float())
+        y_before = y.clone()
+        got = vae_triton.residual_unit(x, snake1.alpha, conv.weight, conv.bias, snake2.alpha, pointwise.weight,
+                                       pointwise.bias, 3, history, in_bias=bias, block_t=block_t)
+        assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+        assert torch.equal(got, plain), length  # the same kernel on the same values
+        assert rel_err(got, want) < TOLERANCE[dtype], length
+        assert torch.equal(y, y_before)  # read in place, nothing written
+        if streaming:
+            assert torch.equal(history, plain_history), length  # snake1 outputs of the biased x
+            assert rel_err(history, ref_history) < TOLERANCE[dtype], length
+
+
+def random_block(cin: int, cout: int, stride: int) -> audio_vae.DecoderBlock:
+    torch.manual_seed(stride)
+    block = audio_vae.DecoderBlock(cin, cout, stride).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.uniform_(0.5, 2.0) if name.endswith("alpha") else p.normal_(0.0, 0.5)
+    stateful = [m for m in block.modules() if isinstance(m, audio_vae.CausalConvTranspose1d)
+                or (isinstance(m, audio_vae.CausalConv1d) and m.context)]
+    for slot, module in enumerate(stateful):
+        module.slot = slot
+    return block
+
+
+@pytest.mark.parametrize("frames", [3, 30], ids=["gemm-upsampling", "conv-upsampling"])
+def test_decoder_block_on_the_fused_path_equals_eager(monkeypatch, frames):
+    """A DecoderBlock on the fused path hands the upsampling's unbiased view and bias to its first residual unit
+    (no separate bias pass): offline and streaming (two chunks) equal the eager block, the same state too."""
+    block = random_block(6, 4, 5)
+    states_shapes = [(4, 5)] + [(4, 6 * d) for d in (1, 3, 9)]  # the upsampling's overlap, the three histories
+    x = torch.randn(2, 6, frames)
+    with torch.no_grad():
+        want = block(x)  # eager (FUSED_DECODER None: False on CPU)
+        eager_states = [torch.randn(2, c, n) for c, n in states_shapes]
+        fused_states = [s.clone() for s in eager_states]
+        want_stream = [block(part, eager_states) for part in (x[..., :2], x[..., 2:])]
+
+        monkeypatch.setattr(audio_vae, "FUSED_DECODER", True)
+        monkeypatch.setattr(vae_triton, "MAX_BLOCK_T", 128)  # 150 samples: two programs per row
+        calls, residual_unit = [], vae_triton.residual_unit
+
+        def spy(x, *args, **kwargs):
+            calls.append((x, kwargs))
+            return residual_unit(x, *args, **kwargs)
+
+        monkeypatch.setattr(vae_triton, "residual_unit", spy)
+        got = block(x)
+        assert [k["in_bias"] is block.block[1].bias for _, k in calls] == [True, False, False]
+        assert not calls[0][0].is_contiguous()  # the view of the untrimmed output, no copy
+        got_stream = [block(part, fused_states) for part in (x[..., :2], x[..., 2:])]
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(torch.cat(got_stream, -1), torch.cat(want_stream, -1)) < 1e-5
+    for fused_state, eager_state in zip(fused_states, eager_states, strict=True):
+        assert rel_err(fused_state, eager_state) < 1e-5
+
+
 def small_vae() -> AudioVAE:
     """A VoxCPM2-style VAE with two decoder blocks (16 -> 8 -> 4 channels, hop 20): every residual unit runs."""
     torch.manual_seed(3)

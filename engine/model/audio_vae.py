@@ -99,6 +99,11 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         self.slot = -1
 
     def forward(self, x: Tensor, states: States = None) -> Tensor:
+        return self.unbiased(x, states) + self.bias[:, None]
+
+    def unbiased(self, x: Tensor, states: States = None) -> Tensor:
+        """The output before its bias, y[..., :n] of the untrimmed y: a strided view, for a consumer that adds the
+        bias as it reads it (the fused decoder's first residual unit)."""
         s = self.stride[0]
         # A few wide frames (the first block sees a patch's 4 latent frames x 2048 channels): cuDNN picks a slow
         # fp32 kernel there (14.7 ms of a 85 ms batch-256 step on an H200); one GEMM of 69 GFLOP (TF32) instead.
@@ -109,7 +114,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
             overlap = states[self.slot]
             y[..., :s] += overlap
             overlap.copy_(y[..., n:])
-        return y[..., :n] + self.bias[:, None]
+        return y[..., :n]
 
 
 SHORT_TRANSPOSED_FRAMES = 8
@@ -141,22 +146,25 @@ class ResidualUnit(nn.Module):
             Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation, groups=dim), Snake(dim), CausalConv1d(dim, dim, 1),
         ])
 
-    def forward(self, x: Tensor, states: States = None) -> Tensor:
+    def forward(self, x: Tensor, states: States = None, in_bias: Tensor | None = None) -> Tensor:
+        """`in_bias` [C]: the unit runs on x + in_bias[:, None] (on the fused path added as its kernel loads x)."""
         if fused_decoder(x):
-            return self._fused_forward(x, states)
+            return self._fused_forward(x, states, in_bias)
+        if in_bias is not None:
+            x = x + in_bias[:, None]
         y = x
         for layer in self.block:
             y = layer(y, states)
         return x + y
 
-    def _fused_forward(self, x: Tensor, states: States) -> Tensor:
+    def _fused_forward(self, x: Tensor, states: States, in_bias: Tensor | None) -> Tensor:
         # Two launches instead of seven: engine.model.vae_triton (triton comes with CUDA torch)
         from engine.model.vae_triton import residual_unit
 
         snake1, conv, snake2, pointwise = self.block
         history = None if states is None else states[conv.slot]
         return residual_unit(x, snake1.alpha, conv.weight, conv.bias, snake2.alpha, pointwise.weight, pointwise.bias,
-                             conv.dilation[0], history)
+                             conv.dilation[0], history, in_bias=in_bias)
 
 
 def _residual_units(dim: int) -> list[nn.Module]:
@@ -193,8 +201,15 @@ class DecoderBlock(_Sequence):
 
     def forward(self, x: Tensor, states: States = None, affine: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`affine`: a sample-rate condition's (scale, shift) for the first Snake to apply as it reads x."""
-        x = self.block[0](x, states, affine)
-        for layer in self.block[1:]:
+        snake, upsample, first, *rest = self.block
+        x = snake(x, states, affine)
+        if fused_decoder(x):
+            # the upsampling's bias added by the first residual unit's kernel as it loads x, which it reads as a
+            # view of the untrimmed output: a read and a write of the block's largest activation fewer
+            x = first(upsample.unbiased(x, states), states, in_bias=upsample.bias)
+        else:
+            x = first(upsample(x, states), states)
+        for layer in rest:
             x = layer(x, states)
         return x
 
