@@ -213,3 +213,52 @@ async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v
     assert rms(merged[0] - kernels[0]) < 1e-2 * rms(kernels[0])
     assert rms(merged[0] - merged[1]) > 10 * rms(merged[0] - kernels[0])  # the adapter's effect is far larger
     np.testing.assert_allclose(merged[1], kernels[1], atol=1e-4)  # the originals back (bits: CPU test)
+
+
+@pytest.mark.parametrize("seqs", [2, 128, 512])  # the LocDiT's CFG rows at c=1, 64 and 256
+def test_lora_in_the_short_attention_kernel_at_locdit_size(cuda, seqs: int) -> None:
+    """VoxCPM2's LocDiT attention (16 q heads over 2 kv heads of 128, 11 tokens, RoPE), rank 32 in slots of 32, bf16,
+    inside a CUDA graph: the kernel doing q|k|v's LoRA expand (in place) and o's shrink == the expand kernel, then
+    the kernel without LoRA, then o's shrink with torch."""
+    from engine.model.attention_triton import short_attention
+    from engine.model.lora_triton import AttentionLoRA, lora_expand_, lora_shrink
+
+    q_heads, kv_heads, d, length, hidden, rank, num_slots = 16, 2, 128, 11, 1024, 32, 33
+    heads, rows, dtype = q_heads + 2 * kv_heads, seqs * length, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(seqs)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    a_qkv, b_qkv = rand(num_slots, 3 * rank, hidden, scale=hidden ** -0.5), rand(num_slots, heads * d, rank)
+    a_o = rand(num_slots, rank, q_heads * d, scale=(q_heads * d) ** -0.5)
+    x, qkv = rand(rows, hidden), rand(rows, heads * d)
+    half = torch.randint(0, num_slots, (seqs // 2,), device="cuda", generator=gen)
+    half[0] = 0  # a sequence without adapter
+    slots = torch.cat((half, half))
+    positions = torch.arange(length, device="cuda").float()[:, None]
+    freqs = positions / 10000 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    rope = (emb.cos(), emb.sin())
+    ours_qkv, ref_qkv = qkv.clone(), qkv.clone()
+
+    def views(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.view(seqs, length, heads, d).split((q_heads, kv_heads, kv_heads), dim=2)
+
+    seg = segment_rows(slots, length, num_slots)
+    t = lora_shrink(x, a_qkv, 3, rank, seg)
+    lora = AttentionLoRA.make(slots, t, b_qkv, a_o, kv_heads)
+    graph = torch.cuda.CUDAGraph()
+    short_attention(*views(ours_qkv.clone()), rope, lora)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        ours = short_attention(*views(ours_qkv), rope, lora)
+    graph.replay()
+    lora_expand_(ref_qkv, t, b_qkv, (q_heads * d, kv_heads * d, kv_heads * d), seg)
+    ref = short_attention(*views(ref_qkv), rope)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(ours_qkv, ref_qkv, rtol=1e-2, atol=1e-2)
+    assert (ours_qkv != ref_qkv).float().mean() < 1e-3  # the same roundings but for rare last-bit ties
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
+    live = (slots != 0).repeat_interleave(length)
+    want = torch.einsum("mk,mrk->mr", ours.reshape(rows, -1).float(), a_o.float()[slots.repeat_interleave(length)])
+    torch.testing.assert_close(lora.o_t[:, live, :rank].sum(0), want[live], rtol=1e-2, atol=1e-2)
