@@ -147,22 +147,34 @@ def _short_attention_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int64)
         live = (tok < length) & (slot != 0)  # slot 0 (no adapter): its rows of t are never written
         t_ok = live[:, None] & (ranks < RANK)[None, :]
-        y_ok = live[:, None] & (dims < HEAD_DIM)[None, :]
-        b_ok = (ranks < RANK)[:, None] & (dims < HEAD_DIM)[None, :]
         t_rows = qkv_t_ptr + (b * length + tok)[:, None] * stride_tm + ranks[None, :]
-        b_cols = qkv_b_ptr + slot * stride_bs + ranks[:, None] + dims[None, :] * stride_bn
-        t = _sum_planes(t_rows, t_ok, stride_ts, lora_splits, PLANES, "")
-        for g in tl.static_range(GROUP):
-            head = kv_head * GROUP + g
-            _add_lora_head(q_ptr + b * stride_qb + head * stride_qh + tok[:, None] * stride_ql + dims[None, :], y_ok,
-                           t, b_cols + head * HEAD_DIM * stride_bn, b_ok, PRECISION)
+        b_slot = qkv_b_ptr + slot * stride_bs + ranks[:, None]
+        b_ok = (ranks < RANK)[:, None] & (dims < HEAD_DIM)[None, :]
+        # the group's q heads side by side: [tokens, GROUP * BLOCK_D], column c in head kv_head * GROUP + c // BLOCK_D
+        # (their B rows are contiguous too), so q's delta is one dot. Every load before the first store: a store
+        # between them would keep the next loads from issuing before it (they might alias), one round trip each.
+        cols = tl.arange(0, GROUP * BLOCK_D)
+        col_head, col_dim = kv_head * GROUP + cols // BLOCK_D, cols % BLOCK_D
+        q_ok = live[:, None] & (col_dim < HEAD_DIM)[None, :]
+        q_tile = q_ptr + b * stride_qb + tok[:, None] * stride_ql + (col_head * stride_qh + col_dim)[None, :]
+        k_tile = k_ptr + b * stride_kb + kv_head * stride_kh + tok[:, None] * stride_kl + dims[None, :]
+        v_tile = v_ptr + b * stride_vb + kv_head * stride_vh + tok[:, None] * stride_vl + dims[None, :]
+        kv_ok = live[:, None] & (dims < HEAD_DIM)[None, :]
         q_heads = tl.num_programs(1) * GROUP
-        t = _sum_planes(t_rows + RANK, t_ok, stride_ts, lora_splits, PLANES, "")
-        _add_lora_head(k_ptr + b * stride_kb + kv_head * stride_kh + tok[:, None] * stride_kl + dims[None, :], y_ok,
-                       t, b_cols + (q_heads + kv_head) * HEAD_DIM * stride_bn, b_ok, PRECISION)
-        t = _sum_planes(t_rows + 2 * RANK, t_ok, stride_ts, lora_splits, PLANES, "")
-        _add_lora_head(v_ptr + b * stride_vb + kv_head * stride_vh + tok[:, None] * stride_vl + dims[None, :], y_ok,
-                       t, b_cols + (q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM * stride_bn, b_ok, PRECISION)
+        t_q = _sum_planes(t_rows, t_ok, stride_ts, lora_splits, PLANES, "")
+        t_k = _sum_planes(t_rows + RANK, t_ok, stride_ts, lora_splits, PLANES, "")
+        t_v = _sum_planes(t_rows + 2 * RANK, t_ok, stride_ts, lora_splits, PLANES, "")
+        b_q = tl.load(b_slot + (col_head * HEAD_DIM + col_dim)[None, :] * stride_bn,
+                      mask=(ranks < RANK)[:, None] & (col_dim < HEAD_DIM)[None, :], other=0.0)
+        b_k = tl.load(b_slot + ((q_heads + kv_head) * HEAD_DIM + dims)[None, :] * stride_bn, mask=b_ok, other=0.0)
+        b_v = tl.load(b_slot + ((q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)[None, :] * stride_bn,
+                      mask=b_ok, other=0.0)
+        y_q = tl.load(q_tile, mask=q_ok, other=0.0)
+        y_k = tl.load(k_tile, mask=kv_ok, other=0.0)
+        y_v = tl.load(v_tile, mask=kv_ok, other=0.0)
+        _add_delta(t_q, b_q, y_q, q_tile, q_ok, PRECISION)
+        _add_delta(t_k, b_k, y_k, k_tile, kv_ok, PRECISION)
+        _add_delta(t_v, b_v, y_v, v_tile, kv_ok, PRECISION)
         tl.debug_barrier()  # every thread's stores visible to the whole program before the loads below
     rows = tl.arange(0, GROUP * BLOCK_L)  # row r: query head kv_head * GROUP + r // BLOCK_L, token r % BLOCK_L
     token = rows % BLOCK_L
@@ -188,28 +200,17 @@ def _short_attention_kernel(
     tl.store(out_rows + token[:, None] * stride_ol + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
     if LORA:  # o_proj's LoRA shrink of this program's heads of the output: this kv head's plane of its K split
-        tl.debug_barrier()  # the output tile stored by every thread, read back below one head at a time
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        live = (tok < length) & (slot != 0)  # slot-0 rows of the planes are never read
-        a_cols = o_a_ptr + slot * stride_as + ranks[None, :] * stride_ar + dims[:, None]
-        a_ok = (dims < HEAD_DIM)[:, None] & (ranks < RANK)[None, :]
-        acc = tl.zeros((BLOCK_L, BLOCK_R), tl.float32)
-        for g in tl.static_range(GROUP):
-            head = kv_head * GROUP + g
-            o = tl.load(out_rows + tok[:, None] * stride_ol + head * stride_oh + dims[None, :],
-                        mask=live[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-            a = tl.load(a_cols + head * HEAD_DIM, mask=a_ok, other=0.0)
-            acc = tl.dot(o, a, acc, input_precision=PRECISION)
+        # A^T's rows for the group's heads, [GROUP * BLOCK_D, ranks], loaded while the output's stores complete
+        cols = tl.arange(0, GROUP * BLOCK_D)
+        col_head, col_dim = kv_head * GROUP + cols // BLOCK_D, cols % BLOCK_D
+        a = tl.load(o_a_ptr + slot * stride_as + ranks[None, :] * stride_ar + (col_head * HEAD_DIM + col_dim)[:, None],
+                    mask=(col_dim < HEAD_DIM)[:, None] & (ranks < RANK)[None, :], other=0.0)
+        tl.debug_barrier()  # the output tile stored by every thread, read back with the heads side by side
+        o = tl.load(out_rows + tok[:, None] * stride_ol + (col_head * stride_oh + col_dim)[None, :],
+                    mask=live[:, None] & (col_dim < HEAD_DIM)[None, :], other=0.0)
+        acc = tl.dot(o, a, input_precision=PRECISION)
         tl.store(o_t_ptr + kv_head * stride_ots + (b * length + tok)[:, None] * stride_otm + ranks[None, :], acc,
-                 mask=live[:, None] & (ranks < RANK)[None, :])
-
-
-@triton.jit
-def _add_lora_head(y_ptrs, y_ok, t, b_ptrs, b_ok, PRECISION: tl.constexpr):
-    """One head's tile of q, k or v (at y_ptrs) += t @ B^T, rounded as the LoRA expand kernel rounds it."""
-    b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-    y = tl.load(y_ptrs, mask=y_ok, other=0.0)
-    _add_delta(t, b, y, y_ptrs, y_ok, PRECISION)
+                 mask=t_ok)
 
 
 @triton.jit
