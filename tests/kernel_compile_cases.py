@@ -162,15 +162,7 @@ def launch_short_attention(stack: StackConfig, length: int, dtype: torch.dtype) 
     qkv = torch.randn(2, length, heads + 2 * kv, d, dtype=dtype)
     q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
     short_attention(q, k, v)
-    rope = (torch.randn(length, d), torch.randn(length, d))
-    short_attention(q, k, v, rope)  # RoPE in the kernel (CUDA path)
-    for rank in LORA_RANKS:  # the LocDiT's q|k|v and o LoRA in the kernel (lora_triton.AttentionLoRA)
-        rows, width = 2 * length, max(16, triton.next_power_of_2(3 * rank))
-        lora = lora_triton.AttentionLoRA.make(
-            torch.tensor([1, 0]), torch.empty(3, rows, width), torch.empty(LORA_SLOTS, (heads + 2 * kv) * d, rank,
-                                                                           dtype=dtype),
-            torch.empty(LORA_SLOTS, rank, heads * d, dtype=dtype), kv)
-        short_attention(q, k, v, rope, lora)
+    short_attention(q, k, v, (torch.randn(length, d), torch.randn(length, d)))  # RoPE in the kernel (CUDA path)
 
 
 def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:

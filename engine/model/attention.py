@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -169,29 +169,18 @@ class TorchAttention:
         return out[batch, local]
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, rope: Rope | None = None, lora: Any = None) -> Tensor:
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, rope: Rope | None = None) -> Tensor:
     """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]; rope: (cos, sin)
     [L, D] still to apply to q and k (None: applied already, or no RoPE). On CUDA one Triton kernel for these
-    few-token sequences (`short_attention`, which also does the rotation), else `apply_rope` and torch's SDPA.
-    lora: the layer's LoRA for the kernel to do (lora_triton.AttentionLoRA), only where `dense_kernel_fits`."""
+    few-token sequences (`short_attention`, which also does the rotation), else `apply_rope` and torch's SDPA."""
     if layers.fused(q):
         from engine.model.attention_triton import short_attention, short_attention_fits
 
         if short_attention_fits(q, k) and min(t.stride(-1) for t in (q, k, v)) == 1:
-            return short_attention(q, k, v, rope, lora)
-    if lora is not None:
-        raise ValueError(f"only the short attention kernel does a layer's LoRA (q {tuple(q.shape)} on {q.device})")
+            return short_attention(q, k, v, rope)
     q, k = rotate(q, k, rope)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
     return out.transpose(1, 2)
-
-
-def dense_kernel_fits(length: int, q_heads: int, kv_heads: int) -> bool:
-    """Whether `dense_attention` runs sequences of `length` tokens in its Triton kernel on CUDA (fused q|k|v views
-    have unit stride in D)."""
-    from engine.model.attention_triton import short_attention_fits_shape
-
-    return short_attention_fits_shape(length, q_heads, kv_heads)
 
 
 class FlashAttention:

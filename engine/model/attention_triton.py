@@ -26,7 +26,6 @@ from torch import Tensor
 
 from engine.kernels import rope_f32, rope_heads_
 from engine.model.attention import AttentionMetadata, rope_and_store_kv
-from engine.model.lora_triton import AttentionLoRA, _add_delta, _sum_planes
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
@@ -129,56 +128,17 @@ def _short_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, length,
     stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
     stride_ob, stride_ol, stride_oh, stride_c, scale_log2e,
-    slot_ptr, qkv_t_ptr, qkv_b_ptr, o_a_ptr, o_t_ptr, lora_splits,
-    stride_ts, stride_tm, stride_bs, stride_bn, stride_as, stride_ar, stride_ots, stride_otm,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-    HAS_ROPE: tl.constexpr, LORA: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    PLANES: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head): all of its GROUP query heads x L tokens are the rows of one tile, its
     # L keys one tile, so softmax needs no online rescaling and every byte is read once.
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    dims = tl.arange(0, BLOCK_D)
-    # LoRA tiles: this sequence's tokens x ranks (t) or head dims (q, k, v, out), ranks x head dims (B^T, A^T)
-    tok = tl.arange(0, BLOCK_L)
-    ranks = tl.arange(0, BLOCK_R)
-    if LORA:  # q|k|v's LoRA expand first, in place: this program alone reads its heads of this sequence
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        live = (tok < length) & (slot != 0)  # slot 0 (no adapter): its rows of t are never written
-        t_ok = live[:, None] & (ranks < RANK)[None, :]
-        t_rows = qkv_t_ptr + (b * length + tok)[:, None] * stride_tm + ranks[None, :]
-        b_slot = qkv_b_ptr + slot * stride_bs + ranks[:, None]
-        b_ok = (ranks < RANK)[:, None] & (dims < HEAD_DIM)[None, :]
-        # the group's q heads side by side: [tokens, GROUP * BLOCK_D], column c in head kv_head * GROUP + c // BLOCK_D
-        # (their B rows are contiguous too), so q's delta is one dot. Every load before the first store: a store
-        # between them would keep the next loads from issuing before it (they might alias), one round trip each.
-        cols = tl.arange(0, GROUP * BLOCK_D)
-        col_head, col_dim = kv_head * GROUP + cols // BLOCK_D, cols % BLOCK_D
-        q_ok = live[:, None] & (col_dim < HEAD_DIM)[None, :]
-        q_tile = q_ptr + b * stride_qb + tok[:, None] * stride_ql + (col_head * stride_qh + col_dim)[None, :]
-        k_tile = k_ptr + b * stride_kb + kv_head * stride_kh + tok[:, None] * stride_kl + dims[None, :]
-        v_tile = v_ptr + b * stride_vb + kv_head * stride_vh + tok[:, None] * stride_vl + dims[None, :]
-        kv_ok = live[:, None] & (dims < HEAD_DIM)[None, :]
-        q_heads = tl.num_programs(1) * GROUP
-        t_q = _sum_planes(t_rows, t_ok, stride_ts, lora_splits, PLANES, "")
-        t_k = _sum_planes(t_rows + RANK, t_ok, stride_ts, lora_splits, PLANES, "")
-        t_v = _sum_planes(t_rows + 2 * RANK, t_ok, stride_ts, lora_splits, PLANES, "")
-        b_q = tl.load(b_slot + (col_head * HEAD_DIM + col_dim)[None, :] * stride_bn,
-                      mask=(ranks < RANK)[:, None] & (col_dim < HEAD_DIM)[None, :], other=0.0)
-        b_k = tl.load(b_slot + ((q_heads + kv_head) * HEAD_DIM + dims)[None, :] * stride_bn, mask=b_ok, other=0.0)
-        b_v = tl.load(b_slot + ((q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)[None, :] * stride_bn,
-                      mask=b_ok, other=0.0)
-        y_q = tl.load(q_tile, mask=q_ok, other=0.0)
-        y_k = tl.load(k_tile, mask=kv_ok, other=0.0)
-        y_v = tl.load(v_tile, mask=kv_ok, other=0.0)
-        _add_delta(t_q, b_q, y_q, q_tile, q_ok, PRECISION)
-        _add_delta(t_k, b_k, y_k, k_tile, kv_ok, PRECISION)
-        _add_delta(t_v, b_v, y_v, v_tile, kv_ok, PRECISION)
-        tl.debug_barrier()  # every thread's stores visible to the whole program before the loads below
     rows = tl.arange(0, GROUP * BLOCK_L)  # row r: query head kv_head * GROUP + r // BLOCK_L, token r % BLOCK_L
     token = rows % BLOCK_L
     head = kv_head * GROUP + rows // BLOCK_L
+    dims = tl.arange(0, BLOCK_D)
     row_mask = (token < length)[:, None] & (dims < HEAD_DIM)[None, :]
     q_rows = q_ptr + b * stride_qb + token[:, None] * stride_ql + head[:, None] * stride_qh
     q = tl.load(q_rows + dims[None, :], mask=row_mask, other=0.0)
@@ -196,21 +156,8 @@ def _short_attention_kernel(
     s = tl.where(key_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - tl.max(s, 1)[:, None])
     out = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) / tl.sum(p, 1)[:, None]
-    out_rows = out_ptr + b * stride_ob
-    tl.store(out_rows + token[:, None] * stride_ol + head[:, None] * stride_oh + dims[None, :],
+    tl.store(out_ptr + b * stride_ob + token[:, None] * stride_ol + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    if LORA:  # o_proj's LoRA shrink of this program's heads of the output: this kv head's plane of its K split
-        # A^T's rows for the group's heads, [GROUP * BLOCK_D, ranks], loaded while the output's stores complete
-        cols = tl.arange(0, GROUP * BLOCK_D)
-        col_head, col_dim = kv_head * GROUP + cols // BLOCK_D, cols % BLOCK_D
-        a = tl.load(o_a_ptr + slot * stride_as + ranks[None, :] * stride_ar + (col_head * HEAD_DIM + col_dim)[:, None],
-                    mask=(col_dim < HEAD_DIM)[:, None] & (ranks < RANK)[None, :], other=0.0)
-        tl.debug_barrier()  # the output tile stored by every thread, read back with the heads side by side
-        o = tl.load(out_rows + tok[:, None] * stride_ol + (col_head * stride_oh + col_dim)[None, :],
-                    mask=live[:, None] & (col_dim < HEAD_DIM)[None, :], other=0.0)
-        acc = tl.dot(o, a, input_precision=PRECISION)
-        tl.store(o_t_ptr + kv_head * stride_ots + (b * length + tok)[:, None] * stride_otm + ranks[None, :], acc,
-                 mask=t_ok)
 
 
 @triton.jit
@@ -232,22 +179,15 @@ MAX_SHORT_ROWS = 256  # query heads per kv head x padded tokens in one tile (reg
 
 def short_attention_fits(q: Tensor, k: Tensor) -> bool:
     """Whether `short_attention` takes these shapes: q [B, L, Hq, D], k [B, L, Hkv, D] with few tokens."""
-    return short_attention_fits_shape(q.shape[1], q.shape[2], k.shape[2])
+    group = q.shape[2] // k.shape[2]
+    return q.shape[2] % k.shape[2] == 0 and group * max(16, _next_pow2(q.shape[1])) <= MAX_SHORT_ROWS
 
 
-def short_attention_fits_shape(length: int, q_heads: int, kv_heads: int) -> bool:
-    """`short_attention_fits` from host ints: sequences of `length` tokens, q_heads query heads over kv_heads."""
-    return q_heads % kv_heads == 0 and q_heads // kv_heads * max(16, _next_pow2(length)) <= MAX_SHORT_ROWS
-
-
-def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None,
-                    lora: AttentionLoRA | None = None) -> Tensor:
+def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Bidirectional attention (GQA, scale 1/sqrt(D)) over sequences of a few tokens, one launch: q [B, L, Hq, D],
     k/v [B, L, Hkv, D], any strides with unit stride in D (views of a fused qkv output work). Returns [B, L, Hq, D].
     rope: (cos, sin) fp32 [L, D] to rotate q and k by as they are loaded (rotate-half, token t at row t; q and k
     are not written): the same result, bit for bit, as `rope_` on q and k before a call without it.
-    lora: the layer's q|k|v and o LoRA (`AttentionLoRA`): q, k and v (not rotated yet) get their LoRA deltas added
-    in place first, as the expand kernel would add them, and o_proj's shrink of the output lands in `lora.o_t`.
 
     torch's SDPA pads such short sequences into 64-128-row tiles: on an H200 it took 168 us per LocDiT layer at
     batch 256 where the bytes take ~11 us."""
@@ -260,31 +200,13 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]
                          f"for q {tuple(q.shape)})")
     cos, sin = (q, q) if rope is None else (t.float().contiguous() for t in rope)  # unused pointers without rope
     out = torch.empty(b, length, q_heads, head_dim, device=q.device, dtype=q.dtype)
-    rank = 1 if lora is None else lora.qkv_b.shape[2]
-    if lora is not None:
-        rows, rows_r = b * length, max(16, _next_pow2(rank))
-        if (lora.slots.shape != (b,) or lora.qkv_t.shape[1] != rows or lora.qkv_t.shape[2] < 3 * rank
-                or lora.qkv_b.shape[1] != (q_heads + 2 * kv_heads) * head_dim or lora.o_a.shape[1:] !=
-                (rank, q_heads * head_dim) or lora.o_t.shape != (kv_heads, rows, rows_r)):
-            raise ValueError(f"short_attention: LoRA shapes disagree with q {tuple(q.shape)}, k {tuple(k.shape)}: "
-                             f"slots {tuple(lora.slots.shape)}, qkv_t {tuple(lora.qkv_t.shape)}, qkv_b "
-                             f"{tuple(lora.qkv_b.shape)}, o_a {tuple(lora.o_a.shape)}, o_t {tuple(lora.o_t.shape)}")
-        slots, qkv_t, qkv_b, o_a, o_t = lora
-    else:
-        slots = qkv_t = qkv_b = o_a = o_t = out  # unused pointers without LoRA
     if out.numel():
         block_l = max(16, _next_pow2(length))  # tl.dot needs 16 rows/columns
         group = q_heads // kv_heads
-        lora_strides = (0,) * 8 if lora is None else (qkv_t.stride(0), qkv_t.stride(1), qkv_b.stride(0),
-                                                     qkv_b.stride(1), o_a.stride(0), o_a.stride(1),
-                                                     o_t.stride(0), o_t.stride(1))
         _short_attention_kernel[(b, kv_heads)](
             q, k, v, out, cos, sin, length, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            cos.stride(0), LOG2E / math.sqrt(head_dim), slots, qkv_t, qkv_b, o_a, o_t,
-            1 if lora is None else qkv_t.shape[0], *lora_strides, GROUP=group, HEAD_DIM=head_dim,
+            cos.stride(0), LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim,
             BLOCK_D=_next_pow2(max(16, head_dim)), BLOCK_L=block_l, HAS_ROPE=rope is not None,
-            LORA=lora is not None, RANK=rank, BLOCK_R=max(16, _next_pow2(rank)),
-            PLANES=1 if lora is None else _next_pow2(qkv_t.shape[0]),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if group * block_l <= 64 else 8)
     return out
 

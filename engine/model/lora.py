@@ -247,47 +247,6 @@ def apply_lora(state: LoRAState, group: str, x: Tensor, y: Tensor, lora_a: Tenso
     return y
 
 
-def attention_lora_active(attn: nn.Module) -> bool:
-    """Whether a dense attention layer's q|k|v and o LoRA can run inside its attention kernel this step: both carry
-    LoRA (q|k|v as one intact FusedLoRA, o_proj a plain linear whose only hook is its LoRA's), an adapter may act
-    (row slots set, no bypass), on CUDA. The answer is the same for every layer of a stack."""
-    qkv_lora, o_proj = getattr(attn.q_proj, "fused_lora", None), attn.o_proj
-    if qkv_lora is None or getattr(o_proj, "lora", None) is None or not fused(o_proj.weight):
-        return False
-    state = qkv_lora.state
-    return (state.rows(qkv_lora.group) is not None and not state.bypass and qkv_lora.intact()
-            and type(o_proj) is nn.Linear and o_proj.bias is None and not o_proj._forward_pre_hooks
-            and len(o_proj._forward_hooks) == 1)
-
-
-def attention_lora(attn: nn.Module, x: Tensor) -> Any:
-    """Launch q|k|v's LoRA shrink of x [B, L, H] and return the layer's `lora_triton.AttentionLoRA` for its short
-    attention kernel, which adds q|k|v's deltas and shrinks o_proj's input (see `attention_lora_active`); the
-    caller then runs the fused qkv GEMM and o_proj's GEMM without their hooks and adds o's delta (`add_o_lora`)."""
-    from engine.model.lora_triton import AttentionLoRA, lora_shrink
-
-    qkv_lora: FusedLoRA = attn.q_proj.fused_lora
-    state, index = qkv_lora.state, qkv_lora.state.rows(qkv_lora.group)
-    x2 = x.reshape(-1, x.shape[-1])
-    segments = state.segments(qkv_lora.group, x2.shape[0] // index.shape[0])
-    t = lora_shrink(x2 if x2.stride(-1) == 1 else x2.contiguous(), qkv_lora.lora_A, len(qkv_lora.outs),
-                    state.max_rank, segments)
-    return AttentionLoRA.make(index, t, qkv_lora.lora_B, attn.o_proj.lora.lora_A, attn.kv_heads)
-
-
-def add_o_lora(o_proj: nn.Module, lora: Any, y: Tensor) -> Tensor:
-    """y (o_proj's GEMM output, [..., out]) plus o's LoRA delta from the shrink planes the attention kernel wrote
-    into `lora.o_t`: the expand kernel, in place."""
-    from engine.model.lora_triton import lora_expand_
-
-    layer: LoRALayer = o_proj.lora
-    y2 = y.view(-1, y.shape[-1])
-    index = layer.state.rows(layer.group)
-    lora_expand_(y2, lora.o_t, layer.lora_B, (y2.shape[1],),
-                 layer.state.segments(layer.group, y2.shape[0] // index.shape[0]))
-    return y
-
-
 def lora_delta_add(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor,
                    outs: tuple[int, ...] | None = None) -> Tensor:
     """y + per-row LoRA of x with torch ops (the CPU path and the kernels' reference): x [R, ..., in],

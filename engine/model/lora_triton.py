@@ -116,29 +116,6 @@ class Segments(NamedTuple):
     grid: int
 
 
-class AttentionLoRA(NamedTuple):
-    """A LocDiT attention layer's q|k|v and o LoRA, done by the short attention kernel around its attention
-    (engine.model.attention_triton.short_attention): two launches fewer per layer than expand, then shrink.
-    Sequence b of the batch uses slot `slots[b]`. `qkv_t` [splits, B*L, R] are q|k|v's shrink planes (`lora_shrink`:
-    part j's ranks at j * rank), which the kernel expands through `qkv_b` [S, Nq + Nk + Nv, rank] into q, k and v in
-    place before attending; `o_a` [S, rank, Hq * D] is o_proj's A, whose shrink of the attention output it writes
-    into `o_t` [Hkv, B*L, R] (fp32), one K-split plane per kv head, for `lora_expand_` after o_proj's GEMM."""
-
-    slots: Tensor
-    qkv_t: Tensor
-    qkv_b: Tensor
-    o_a: Tensor
-    o_t: Tensor
-
-    @classmethod
-    def make(cls, slots: Tensor, qkv_t: Tensor, qkv_b: Tensor, o_a: Tensor, kv_heads: int) -> AttentionLoRA:
-        """With `o_t` allocated (empty: the expand reads only the rows the kernel writes, those with an adapter)."""
-        rank = qkv_b.shape[2]
-        o_t = torch.empty(kv_heads, qkv_t.shape[1], max(16, triton.next_power_of_2(rank)), device=qkv_t.device,
-                          dtype=torch.float32)
-        return cls(slots, qkv_t, qkv_b, o_a, o_t)
-
-
 class Plan(NamedTuple):
     """Launch shape of one linear's K split: `splits` K ranges of `k_per_split` columns (a multiple of the K step)."""
 
@@ -441,7 +418,7 @@ def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tenso
     elif variant is None:
         variant = choose(m, k, rank, outs, seg.grid, x.element_size())
     launch = {"two": _two_launches, "one": _one_launch, "split": _one_launch}[variant.path]
-    launch(y, x, lora_a, lora_b, outs, seg, variant)
+    launch(y, x, lora_a, lora_b, outs, seg, variant, "ieee" if x.dtype == torch.float32 else "tf32")
 
 
 def _planes(split: Plan) -> int:
@@ -459,58 +436,32 @@ def _pdl(v: Variant, device: torch.device) -> bool:
 
 
 def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
-                  v: Variant) -> None:
+                  v: Variant, precision: str) -> None:
     """Shrink (K split as `plan` says) into t's planes, then expand (summing them)."""
-    pdl = _pdl(v, x.device)
-    t = lora_shrink(x, lora_a, len(outs), lora_b.shape[2], seg, v, pdl)
-    lora_expand_(y, t, lora_b, outs, seg, v, pdl)
-
-
-def lora_shrink(x: Tensor, lora_a: Tensor, parts: int, rank: int, seg: Segments,
-                variant: Variant | str = LARGE_VARIANT, pdl: bool = False) -> Tensor:
-    """The first of the two launches: t [splits, M, R] fp32, the K-split partial planes of x [M, K] @ A[slot]^T
-    (A [S, parts * rank, K]; R >= parts * rank, a power of two). Only the rows of `seg`'s tiles are written (slot-0
-    rows are neither written nor read): a reader sums the planes of its rows (`lora_expand_`, the attention kernel)."""
-    v = VARIANTS[variant] if isinstance(variant, str) else variant
     m, k = x.shape
+    rank, slots = lora_b.shape[2], lora_a.shape[0]
     split = plan(k, seg.grid, x.device, v.block_k, v.per_sm)
-    shrink_r = max(16, triton.next_power_of_2(rank * parts))
+    pdl = _pdl(v, x.device)
+    shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
     # empty: every plane a tile's rows read is written by its split; slot-0 rows are neither written nor read
     t = torch.empty((split.splits, m, shrink_r), device=x.device, dtype=torch.float32)
-    _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.table, t, k, split.k_per_split, lora_a.shape[0],
+    _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.table, t, k, split.k_per_split, slots,
                                              x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-                                             t.stride(1), RANK=rank * parts, BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
-                                             BLOCK_K=v.block_k, PDL=pdl, PRECISION=_precision(x),
-                                             num_warps=v.warps, num_stages=v.stages)
-    return t
-
-
-def lora_expand_(y: Tensor, t: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
-                 variant: Variant | str = LARGE_VARIANT, pdl: bool = False) -> None:
-    """The second launch: y [M, N] += (sum of t's planes) @ B[slot]^T for the rows of `seg`'s tiles; t [splits, M,
-    R] holds part j's ranks at j * rank (`lora_shrink`, or any kernel writing that layout). `pdl`: launched as a
-    programmatic dependent of the shrink just before it."""
-    v = VARIANTS[variant] if isinstance(variant, str) else variant
-    rank, slots = lora_b.shape[2], lora_b.shape[0]
+                                             t.stride(1), RANK=rank * len(outs), BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
+                                             BLOCK_K=v.block_k, PDL=pdl, PRECISION=precision, num_warps=v.warps,
+                                             num_stages=v.stages)
     n0, n1, n2 = (*outs, 0, 0)[:3]
-    _expand_kernel[(seg.grid, col_tiles(outs, v.block_n))](t, lora_b, seg.table, y, n0, n1, n2, t.shape[0], slots,
-                                                           t.stride(0), t.stride(1), lora_b.stride(0),
-                                                           lora_b.stride(1), y.stride(0), RANK=rank,
-                                                           BLOCK_M=BLOCK_M,
+    _expand_kernel[(seg.grid, col_tiles(outs, v.block_n))](t, lora_b, seg.table, y, n0, n1, n2,
+                                                           split.splits, slots, t.stride(0), t.stride(1),
+                                                           lora_b.stride(0), lora_b.stride(1), y.stride(0),
+                                                           RANK=rank, BLOCK_M=BLOCK_M,
                                                            BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                                                           BLOCK_N=v.block_n,
-                                                           PLANES=triton.next_power_of_2(t.shape[0]), PDL=pdl,
-                                                           PRECISION=_precision(y), num_warps=v.warps,
-                                                           launch_pdl=pdl)
-
-
-def _precision(x: Tensor) -> str:
-    """tl.dot's input precision: exact fp32 products for fp32 tensors (16-bit ones have nothing to choose)."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
+                                                           BLOCK_N=v.block_n, PLANES=_planes(split), PDL=pdl,
+                                                           PRECISION=precision, num_warps=v.warps, launch_pdl=pdl)
 
 
 def _one_launch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
-                v: Variant) -> None:
+                v: Variant, precision: str) -> None:
     """`_split_kernel` where the variant splits K, the plan gives several splits and the counters cover the column
     tiles, else `_fused_kernel`."""
     k = x.shape[1]
@@ -520,7 +471,6 @@ def _one_launch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tupl
     block_r = max(16, triton.next_power_of_2(rank))
     split = plan(k, seg.grid * tiles, x.device, v.block_k, v.per_sm) if v.path == "split" else Plan(1, k)
     options = {"num_warps": v.warps, "num_stages": v.stages}
-    precision = _precision(x)
     if split.splits > 1 and tiles <= COUNTER_COLS:
         t = torch.empty(seg.grid * tiles * split.splits * BLOCK_M * block_r, device=x.device, dtype=torch.float32)
         _split_kernel[(seg.grid, tiles, split.splits)](x, lora_a, lora_b, seg.table, t, seg.counters, y, k,

@@ -14,14 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
 from engine.model import layers
-from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention, dense_kernel_fits
+from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
-from engine.model.lora import add_o_lora, attention_lora, attention_lora_active
 
 # Dense stacks with fewer sequences than this rotate q|k with the rope_ kernel first: at a few sequences the rotation
 # inside the short attention kernel costs more than the launch it saves (H200, bench/kernels_bench.py: LocDiT
@@ -29,9 +27,8 @@ from engine.model.lora import add_o_lora, attention_lora, attention_lora_active
 # measured between; the batch is a host int, so each CUDA graph bucket takes one path.
 DENSE_ROPE_IN_ATTENTION_MIN_SEQS = 64
 
-# attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v[, lora]) -> [..., Hq, D]; `lora` only where the stack
-# runs its layers with lora_in_attention (the dense kernel's lora_triton.AttentionLoRA)
-Attend = Callable[..., Tensor]
+# attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class Attention(nn.Module):
@@ -48,18 +45,9 @@ class Attention(nn.Module):
         """Run q/k/v as one GEMM (and rotate q and k together) from now on, when they are plain linears."""
         self.qkv = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int,
-                lora_in_attention: bool = False) -> Tensor:
-        """`lora_in_attention`: the stack's attention kernel does q|k|v's and o's LoRA (engine.model.lora's
-        `attention_lora`: the caller checked `attention_lora_active`); their GEMMs then run without hooks."""
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
         shape = x.shape[:-1]
         qkv = fused_weight(self.qkv, (self.q_proj, self.k_proj, self.v_proj))
-        if qkv is not None and lora_in_attention:
-            lora = attention_lora(self, x)
-            qkv_out = F.linear(x, qkv).view(*shape, self.heads + 2 * self.kv_heads, self.head_dim)
-            q, k, v = qkv_out.split((self.heads, self.kv_heads, self.kv_heads), dim=-2)
-            h = attend(layer, q, k, v, lora).reshape(*shape, self.heads * self.head_dim)
-            return add_o_lora(self.o_proj, lora, F.linear(h, self.o_proj.weight))
         if qkv is None:
             q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
             k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
@@ -88,12 +76,12 @@ class DecoderLayer(nn.Module):
         self.branch_scale = stack.scale_depth / math.sqrt(stack.num_hidden_layers) if stack.use_mup else None
 
     def forward(self, x: Tensor, branch: Tensor | None, rope: tuple[Tensor, Tensor] | None, attend: Attend,
-                layer: int, lora_in_attention: bool = False) -> tuple[Tensor, Tensor]:
+                layer: int) -> tuple[Tensor, Tensor]:
         """The residual stream x, with the previous layer's MLP `branch` still to be added (None in the first layer),
         through this layer -> (x, this layer's MLP branch, still to be added). Each add is done with the norm after
         it (`RMSNorm.add_and_norm`: one kernel on CUDA); the stack adds the last branch with its final norm."""
         x, normed = self.input_layernorm.add_and_norm(x, branch, self.branch_scale)
-        h = self.self_attn(normed, rope, attend, layer, lora_in_attention)
+        h = self.self_attn(normed, rope, attend, layer)
         x, normed = self.post_attention_layernorm.add_and_norm(x, h, self.branch_scale)
         return x, self.mlp(normed)
 
@@ -115,12 +103,11 @@ class MiniCPM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend,
-            lora_in_attention: bool = False) -> Tensor:
+    def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend) -> Tensor:
         """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE)."""
         branch = None  # a layer's MLP output: the next layer adds it together with its input norm
         for i, layer in enumerate(self.layers):
-            x, branch = layer(x, branch, rope, attend, i, lora_in_attention)
+            x, branch = layer(x, branch, rope, attend, i)
         return self.norm.add_and_norm(x, branch, self.layers[-1].branch_scale)[1]
 
     def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
@@ -137,9 +124,6 @@ class MiniCPM(nn.Module):
         On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own), from
         `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
-        if layers.fused(x):
-            attn = self.layers[0].self_attn
-            lora = attention_lora_active(attn) and dense_kernel_fits(x.shape[1], attn.heads, attn.kv_heads)
-            if lora or x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS:  # a LoRA delta goes in before the rotation
-                return self.run(x, None, lambda i, q, k, v, lora=None: dense_attention(q, k, v, rope, lora), lora)
+        if layers.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS:
+            return self.run(x, None, lambda i, q, k, v: dense_attention(q, k, v, rope))
         return self.run(x, rope, lambda i, q, k, v: dense_attention(q, k, v))
