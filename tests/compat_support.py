@@ -63,6 +63,19 @@ async def run_tts(tts, inputs: list, sample_rate: int, until: Callable[[list], b
     return frames
 
 
+def spoken_audio(frames: list, sample_rate: int) -> list:
+    """The TTSAudioRawFrames of a service's utterance, once the frames are checked as any Pipecat TTS service must
+    push them: no ErrorFrame, mono audio at `sample_rate`, after a TTSStartedFrame and before a TTSStoppedFrame."""
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
+
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == sample_rate and f.num_channels == 1 for f in audio)
+    kinds = [type(f) for f in frames]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+    return audio
+
+
 def words_spoken(frames: list) -> list[str]:
     """The words of the TTSTextFrames a service pushed (its transcript of what was spoken, from our timestamps)."""
     from pipecat.frames.frames import TTSTextFrame

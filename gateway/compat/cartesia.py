@@ -64,6 +64,11 @@ class CartesiaError(Exception):
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
 
+    @classmethod
+    def of(cls, e: NativeError) -> CartesiaError:
+        """A native session's refusal (unknown voice, bad setting, ...) in Cartesia's form, with its HTTP status."""
+        return cls(e.message, http_status(e.code), e.code)
+
     def response(self) -> web.Response:
         """The error as an HTTP answer (a refused handshake, or /tts/bytes before its first byte)."""
         return web.json_response({"error": self.code, "message": self.message, "status_code": self.status},
@@ -331,7 +336,7 @@ async def tts_bytes(request: web.Request) -> web.StreamResponse:
         try:
             first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
         except NativeError as e:
-            return CartesiaError(e.message, http_status(e.code), e.code).response()
+            return CartesiaError.of(e).response()
         return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
                                   frame=_f32 if encoding == "pcm_f32le" else None)
 
@@ -351,7 +356,7 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
         try:
             first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
         except NativeError as e:
-            return CartesiaError(e.message, http_status(e.code), e.code).response()
+            return CartesiaError.of(e).response()
         last = time.monotonic()
 
         def chunk(data: bytes) -> bytes:
