@@ -1,9 +1,10 @@
 """Micro-benchmark of the Triton kernels on one GPU (VoxCPM2 shapes); prints JSON, then a table.
 
-Attention: one decode step's worth of paged attention (28 base-LM + 8 residual-LM layers, each with its own cache
-layer) for batches 1/8/64/256 at contexts 128/512, captured in a CUDA graph per backend and timed by replay:
-TritonAttention (auto KV splits, and a few fixed settings), TorchAttention (the reference), and SDPA over contiguous
-K/V (no paging, a roofline-ish reference). GB/s counts the cached K/V bytes each layer must read.
+Attention: a burst's prefill (64 prompts of 114 positions) at a few query tiles; one decode step's worth of paged
+attention (28 base-LM + 8 residual-LM layers, each with its own cache layer) for batches 1/8/64/256 at contexts
+128/512, captured in a CUDA graph per backend and timed by replay: TritonAttention (auto KV splits, and a few fixed
+settings), TorchAttention (the reference), and SDPA over contiguous K/V (no paging, a roofline-ish reference).
+GB/s counts the cached K/V bytes each layer must read.
 Fused kernels vs their eager torch chains: Snake over the AudioVAE decoder's largest activations (fp32, like the
 VAE weights), RMSNorm on LM and LocDiT rows, the CFG-Zero* combine + Euler update at 1 and 256 streams.
 RoPE fusions vs the launches they replace, per layer: the LocDiT's short attention rotating q and k itself vs rope_
@@ -99,6 +100,39 @@ def paged_times(q, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache
         step = lambda backend=backend: [backend(q, k, v, k_cache[i], v_cache[i], meta) for i in range(LAYERS)]
         timed.append((name, *time_ms(step)))
     return timed
+
+
+def prefill_attention_rows(seqs: int = 64, tokens: int = 114) -> list[dict]:
+    """A burst's prefill: `seqs` prompts of `tokens` positions each, no cache before them, through every LM layer
+    (own cache layer each): TritonAttention at a few query tiles (rows_per_program: query heads x tokens per
+    program; each program reads its keys once, so larger tiles read the cache fewer times) and dense causal SDPA
+    over padded contiguous K/V as a reference. Each call also stores the layer's K/V (`rope_and_store_kv`)."""
+    gen = torch.Generator("cuda").manual_seed(tokens)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=DTYPE)
+    n, per_seq = seqs * tokens, math.ceil(tokens / PAGE)
+    q, k, v = randn(n, Q_HEADS, HEAD_DIM), randn(n, KV_HEADS, HEAD_DIM), randn(n, KV_HEADS, HEAD_DIM)
+    num_blocks = seqs * per_seq + 1
+    tables = torch.randperm(num_blocks, generator=gen, device="cuda")[:seqs * per_seq].view(seqs, per_seq).tolist()
+    meta = AttentionMetadata.build([tokens] * seqs, [0] * seqs, tables, PAGE, "cuda")
+    k_cache, v_cache = (torch.zeros(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+                        for _ in "kv")
+    backends = {f"triton rows={rows} block_n={block_n}": TritonAttention(block_n=block_n, rows_per_program=rows)
+                for rows, block_n in ((64, 64), (128, 64), (128, 128), (256, 64), (32, 64))}
+    timed = []
+    for name, backend in backends.items():
+        step = lambda backend=backend: [backend(q, k, v, k_cache[i], v_cache[i], meta) for i in range(LAYERS)]
+        try:  # a tile too large for the SM's registers or shared memory fails to compile: report, go on
+            timed.append((name, *time_ms(step)))
+        except Exception as error:
+            print(f"{name}: {type(error).__name__}: {str(error)[:200]}")
+            timed.append((name, float("nan"), "failed"))
+    q4 = q.view(seqs, tokens, Q_HEADS, HEAD_DIM).transpose(1, 2)
+    k4, v4 = (t.view(seqs, tokens, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous() for t in (k, v))
+    timed.append(("sdpa causal contiguous", *time_ms(lambda: [
+        F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True) for _ in range(LAYERS)])))
+    torch.cuda.empty_cache()
+    return [{"kernel": "attention prefill", "backend": name, "batch": seqs, "context": tokens, "mode": mode,
+             "auto_splits": 1, "step_ms": ms, "layer_us": 1e3 * ms / LAYERS, "gbs": 0.0} for name, ms, mode in timed]
 
 
 def contiguous_time(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[float, str]:
@@ -224,10 +258,19 @@ def fused_vs_eager(kernel: str, shape: list[int], fused: Callable[[], object], e
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--only-prefill", action="store_true", help="only the prefill attention rows (seconds)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     ceiling = bandwidth_ceiling_gbs()
-    rows = [row for b in BATCHES for c in CONTEXTS for row in attention_rows(b, c)]
+    rows = prefill_attention_rows()
+    if args.only_prefill:
+        for r in rows:
+            print(f"{r['backend']:<32}{r['mode']:>7}{r['layer_us']:>10.1f} us/layer{r['step_ms']:>9.3f} ms")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)
+        return
+    rows += [row for b in BATCHES for c in CONTEXTS for row in attention_rows(b, c)]
     # VoxCPM2 decoder: 2048 channels at the latent rate down to 32 at 48 kHz; 4 latent frames per patch.
     for shape in ((256, 32, 7680), (256, 64, 3840), (256, 1024, 32), (1, 64, 3840)):
         rows += snake_rows(shape)
@@ -248,12 +291,12 @@ def main() -> None:
     print(f"{'attention decode':<20}{'B':>5}{'ctx':>6}{'splits':>7}{'mode':>7}{'us/layer':>10}{'step ms':>9}"
           f"{'GB/s':>8}{'% copy':>8}")
     for r in rows:
-        if r["kernel"] == "attention decode":
+        if r["kernel"] in ("attention decode", "attention prefill"):
             print(f"{r['backend']:<20}{r['batch']:>5}{r['context']:>6}{r['auto_splits']:>7}{r['mode']:>7}"
                   f"{r['layer_us']:>10.1f}{r['step_ms']:>9.3f}{r['gbs']:>8.0f}{100 * r['gbs'] / ceiling:>8.1f}")
     print(f"{'fused kernel':<30}{'shape':>20}{'mode':>7}{'us':>10}{'GB/s':>8}")
     for r in rows:
-        if r["kernel"] not in ("attention decode", "vae decode patch"):
+        if r["kernel"] not in ("attention decode", "attention prefill", "vae decode patch"):
             print(f"{r['kernel'] + ' ' + r['backend']:<30}{str(tuple(r['shape'])):>20}{r['mode']:>7}{r['us']:>10.1f}"
                   f"{r['gbs']:>8.0f}")
 

@@ -88,6 +88,9 @@ class WorkerConfig:
     # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
     # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
     vae_stream: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_STREAM", "1") != "0")
+    # the VAE lane's stream at the device's highest priority: its blocks go before the next step's waiting ones, so
+    # a step's audio is out sooner (first audio, chunk gaps) at the same total work; VOXGATE_VAE_PRIORITY=0: normal
+    vae_priority: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_PRIORITY", "1") != "0")
 
     def mixed_ahead(self, cuda: bool) -> bool:
         """Whether steps launched ahead admit prompts (`async_mixed`, resolved for the device)."""
@@ -461,6 +464,8 @@ class Worker:
             audio = np.concatenate(audio_parts)
             span = self.ring.write(audio)
             self.results.send(("step", chunks, span if span is not None else audio, self.stats()))
+            if log.isEnabledFor(logging.DEBUG):  # to line up with the clients' first chunks (bench --timeline)
+                log.debug("published step %d at %.4f: %d chunks", chunks[0][-1], time.time(), len(chunks))
         else:
             self.results.send(("stats", self.stats()))
         for req in finished:  # after the stats, so a caller woken by the reply sees the voice's blocks
