@@ -11,7 +11,7 @@
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
-#   stages: quick_sweep sweep capacity vae_ab priority_ab prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -126,14 +126,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --requests-factor 2 --max-num-seqs 512 --extra "${VAE_AB_EXTRA:-closed:128}" --ramp 3 --duration 10 \
                 --out "$OUT/vae_ab_$v.json" 2>"$OUT/vae_ab_$v.log" >/dev/null
         done ;;
-    priority_ab)  # the VAE lane's stream at the highest priority against a normal one: three bursts each at c=1 and
-        # c=64 (every step and publish logged, every request's start and TTFB kept) and a steady closed loop
-        for v in 1 0; do
-            stage 60 150 "A/B: VAE lane priority $v" env VOXGATE_VAE_PRIORITY=$v VOXGATE_LOG=DEBUG $BENCH \
-                --concurrency 1,64,1,64,1,64 --requests-factor 1 --max-num-seqs 512 --timeline \
-                --extra "${PRIORITY_AB_EXTRA:-closed:128}" --ramp 3 --duration 10 \
-                --out "$OUT/priority_ab_$v.json" 2>"$OUT/priority_ab_$v.log" >/dev/null
-        done ;;
+    bursts)  # three bursts each at c=1, 8 and 64, every step and publish logged and every request's start and TTFB
+        # kept (bench/burst_timeline.py splits each c=64 burst's TTFB into its host and device parts)
+        stage 60 150 "bursts with timelines" env VOXGATE_LOG=DEBUG $BENCH --concurrency 1,8,64,1,8,64,1,8,64 \
+            --requests-factor 1 --max-num-seqs 512 --timeline --out "$OUT/bursts.json" 2>"$OUT/bursts.log" >/dev/null ;;
     prefill_attention)  # the LMs' paged attention over a burst's prefill at a few query tiles (bench/kernels_bench.py)
         stage 20 90 "prefill attention tiles" $PY bench/kernels_bench.py --only-prefill \
             --out "$OUT/prefill_attention.json" 2>&1 | tail -8 | tee -a "$OUT/smoke.log" ;;
@@ -184,7 +180,7 @@ print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
              "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json",
-             "priority_ab_1.json", "priority_ab_0.json"):
+             "bursts.json"):
     path = out / name
     if not path.exists():  # a stage not in the plan, or one that failed (its log is in logs.tar.gz)
         continue

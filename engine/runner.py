@@ -17,9 +17,8 @@ The VAE lane (CUDA graphs): a step's streaming VAE decode is its own graph, repl
 as the step's patches exist, while the main stream goes on with the next step's LMs and LocDiT (which need only the
 patches). The VAE's memory-bound convolutions then fill the SMs that the LocDiT's small kernels and GEMM tails
 leave idle, instead of adding their time to every step. Everything that touches the VAE state (decodes, resets,
-continuation priming) runs on that stream, so its order is the order of launch. The lane's stream has the highest
-priority (`WorkerConfig.vae_priority`): a step's audio does not queue behind the next step's blocks.
-`VOXGATE_VAE_STREAM=0`: the VAE stays inside the step's graph, on the main stream (`WorkerConfig.vae_stream`).
+continuation priming) runs on that stream, so its order is the order of launch. `VOXGATE_VAE_STREAM=0`: the VAE
+stays inside the step's graph, on the main stream (`WorkerConfig.vae_stream`).
 
 On a GPU the KV cache takes what `gpu_memory_utilization` leaves after the weights, the static buffers, the
 measured peak of a largest eager step and the graphs' memory pool (estimated by the largest decode step's peak).
@@ -187,9 +186,7 @@ class Runner:
         self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
         # the VAE lane (module docstring): its stream, the static inputs its graphs read (each step's patches and
         # VAE rows, copied there: the next step overwrites its own), and the event of their last read
-        self.vae_stream = None
-        if cuda and cfg.cuda_graphs and cfg.vae_stream:  # priority: out of range maps to the highest the device has
-            self.vae_stream = torch.cuda.Stream(self.device, priority=-100 if cfg.vae_priority else 0)
+        self.vae_stream = torch.cuda.Stream(self.device) if cuda and cfg.cuda_graphs and cfg.vae_stream else None
         self.vae_in = torch.zeros(cfg.max_num_seqs, p, d, device=self.device)
         self.vae_in_slots = torch.full((cfg.max_num_seqs,), self.scratch_slot, dtype=torch.long, device=self.device)
         self.vae_graphs: StepGraphs | None = None

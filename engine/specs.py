@@ -2,7 +2,7 @@
 
 This runs on the event loop once per request, so it builds no per-position Python or tensor objects: the prompt
 layout comes as plain lists (`engine.prompt.prompt_layout`), and a text-only prompt's all-zero patches are a view of
-one zero (the pickle sends their shape; the worker builds its own tensor).
+one zero (`engine.request.zero_patches`; the pickle sends their shape, the worker makes the same view).
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import EngineError, InvalidRequest, TextTooLong
 from engine.prompt import layout_patches, length_cap, prompt_layout
-from engine.request import RequestSpec, SamplingParams
+from engine.request import RequestSpec, SamplingParams, zero_patches
 from engine.text import Tokenizer
-
-# A fresh [N, P, D] zeros tensor per request cost ~50 us of page faults in a burst of requests; an expanded view of
-# this one allocates nothing, and in-place writes to it raise instead of corrupting it.
-_ZERO = torch.zeros((), dtype=torch.float32)
 
 
 def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
@@ -45,7 +41,7 @@ def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *
     if layout.audio:
         patches = layout_patches(config, layout)
     else:
-        patches = _ZERO.expand(n, config.patch_size, config.feat_dim)
+        patches = zero_patches((n, config.patch_size, config.feat_dim))
     return RequestSpec(
         request_id=request_id, token_ids=layout.token_ids, patches=patches, audio_mask=layout.audio_mask,
         cond=patches[-1].clone(), context_patches=patches[n - layout.n_context:], params=params, voice_id=voice_id,

@@ -88,9 +88,6 @@ class WorkerConfig:
     # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
     # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
     vae_stream: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_STREAM", "1") != "0")
-    # the VAE lane's stream at the device's highest priority: its blocks go before the next step's waiting ones, so
-    # a step's audio is out sooner (first audio, chunk gaps) at the same total work; VOXGATE_VAE_PRIORITY=0: normal
-    vae_priority: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_PRIORITY", "1") != "0")
 
     def mixed_ahead(self, cuda: bool) -> bool:
         """Whether steps launched ahead admit prompts (`async_mixed`, resolved for the device)."""

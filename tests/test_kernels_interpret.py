@@ -87,6 +87,37 @@ def test_triton_attention_matches_torch(kernels, case, head_dim, q_heads, page, 
     assert torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)  # new K/V stored
 
 
+@pytest.mark.parametrize("rows", [128, 256])
+def test_large_query_tiles_match_torch(kernels, rows):
+    """Prefill tiles of 16 / 32 tokens x 8 query heads (what `rows_for` picks for a burst of prompts), over chunks
+    shorter and longer than a tile, with and without cached keys."""
+    attention_triton, _ = kernels
+    gen = torch.Generator().manual_seed(rows)
+    (q, k, v, k_cache, v_cache), meta = paged_case([40, 7, 33, 1], [0, 0, 9, 20], 8, 16, 2, 16, torch.float32, gen)
+    ref = TorchAttention()(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), meta)
+
+    out = attention_triton.TritonAttention(block_n=16, rows_per_program=rows)(q, k, v, k_cache, v_cache, meta)
+
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_query_tile_follows_the_prompts_length_and_the_sms(kernels):
+    """Large tiles for a burst of prompts; the small one when decode rows dominate (a tile computes all of its rows)
+    or when larger tiles would leave SMs without a program; a set rows_per_program always wins."""
+    attention_triton, _ = kernels
+    backend, cpu = attention_triton.TritonAttention(), torch.device("cpu")
+
+    def meta(query_lens):
+        return AttentionMetadata.build(query_lens, [0] * len(query_lens), [[0] * 8] * len(query_lens), 16, "cpu")
+
+    burst = meta([114] * 64)
+    assert backend.rows_for(64 * 114, 64, 2, 8, burst, cpu) == 256
+    joining = meta([114] * 16 + [1] * 400)  # prompts joining 400 speaking streams
+    assert backend.rows_for(16 * 114 + 400, 416, 2, 8, joining, cpu) == 64
+    assert backend.rows_for(114, 1, 2, 8, meta([114]), cpu) == 64  # one prompt: 8 programs at most
+    assert attention_triton.TritonAttention(rows_per_program=128).rows_for(114, 1, 2, 8, meta([114]), cpu) == 128
+
+
 @pytest.mark.parametrize("splits", [2, 3, 16])
 def test_split_kv_decode_matches_torch(kernels, splits):
     """Flash-decoding: KV ranges split across programs (some splits empty for short sequences), merged by LSE."""

@@ -58,16 +58,18 @@ def test_decode_matches_torch(cuda, batch, page, head_dim):
     ([300, 1, 1, 77], [0, 900, 10, 500]),  # a prefill chunk among decodes
     ([1024], [0]),  # one long prefill
     ([128] * 8, [0, 64, 128, 256, 384, 512, 640, 896]),  # chunked prefills
+    ([114] * 64, [0] * 64),  # a burst of prompts (the largest query tile)
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_prefill_and_mixed_match_torch(cuda, query_lens, cached_lens, head_dim):
+@pytest.mark.parametrize("rows", [None, 128, 256])  # the tile `rows_for` picks, and each large one forced
+def test_prefill_and_mixed_match_torch(cuda, query_lens, cached_lens, head_dim, rows):
     from engine.model.attention_triton import TritonAttention
 
     tensors, meta = paged_case(query_lens, cached_lens, 16, 16, 2, head_dim, torch.bfloat16,
                                torch.Generator(cuda).manual_seed(len(query_lens)), cuda)
     ref, ref_k, ref_v = reference(*tensors, meta)
     q, k, v, k_cache, v_cache = tensors
-    out = TritonAttention()(q, k, v, k_cache, v_cache, meta)
+    out = TritonAttention(rows_per_program=rows)(q, k, v, k_cache, v_cache, meta)
     assert relative_error(out, ref.double()) < BF16_TOLERANCE
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
 
