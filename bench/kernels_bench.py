@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -267,8 +270,13 @@ def main() -> None:
         for r in rows:
             print(f"{r['backend']:<32}{r['mode']:>7}{r['layer_us']:>10.1f} us/layer{r['step_ms']:>9.3f} ms")
         if args.out:
+            sys.path.insert(0, str(Path(__file__).parent))  # run as a script or as -m bench.kernels_bench
+            from gateway_proc import git_commit
+
             with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)
+                json.dump({"command": " ".join(sys.argv), "git_commit": git_commit(), "date":
+                           datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
+                           "rows": rows}, f)
         return
     rows += [row for b in BATCHES for c in CONTEXTS for row in attention_rows(b, c)]
     # VoxCPM2 decoder: 2048 channels at the latent rate down to 32 at 48 kHz; 4 latent frames per patch.
