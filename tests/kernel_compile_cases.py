@@ -170,6 +170,7 @@ def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
     k_cache, v_cache = (torch.zeros(8, BLOCK_SIZE, kv, d, dtype=dtype) for _ in range(2))
     tables = [[0, 1], [2, 3]]
     for backend, query_lens, cached_lens in ((TritonAttention(), [20, 3], [0, 5]),  # prefill chunks
+                                             (TritonAttention(rows_per_program=256), [20, 3], [0, 5]),  # a burst's
                                              (TritonAttention(), [1, 1], [20, 9]),  # decode, one KV split
                                              (TritonAttention(num_splits=4), [1, 1], [20, 9])):  # flash-decoding
         meta = AttentionMetadata.build(query_lens, cached_lens, tables, BLOCK_SIZE, "cpu")
@@ -184,15 +185,16 @@ def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
 
 def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) -> None:
     """Decode at c=1 (one row, K split 16 ways), a mixed batch (a full tile of a slot and partial ones, K split)
-    and a prefill-sized one (enough tiles that K is not split), each on both paths (one launch, and shrink + expand),
-    so each plan's argument specializations compile."""
+    and a prefill-sized one (enough tiles that K is not split), each on both paths (one launch, and shrink + expand)
+    and on the PDL two launches at 64-row tiles (larger tiles for row groups with many rows per adapter), so each
+    plan's argument specializations compile."""
     lora_a = torch.empty(LORA_SLOTS, rank * len(outs), k, dtype=dtype)
     lora_b = torch.empty(LORA_SLOTS, sum(outs), rank, dtype=dtype)
     for index in (torch.tensor([2]), torch.tensor([1] * 17 + [3, 0, 3]), torch.tensor([1] * 4200 + [3, 0, 3, 4])):
         rows = index.shape[0]  # nothing runs: empty tensors of the launch's shapes
-        for fused in (True, False):
+        for how in ({"fused": True}, {"fused": False}, {"variant": "two_pdl_m64"}):
             lora_triton.lora_add_(torch.empty(rows, sum(outs), dtype=dtype), torch.empty(rows, k, dtype=dtype),
-                                  lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, fused=fused)
+                                  lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, **how)
 
 
 def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:
