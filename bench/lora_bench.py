@@ -21,8 +21,7 @@ adapters (so nothing stays in L2 from one layer to the next, as in the step), ro
 2 CFG index entries per sequence, 11 tokens each; LM: 1 row per sequence), adapters round-robin over 32 slots, and
 `segment_rows` once per graph. The base-only graph is timed (and with `segment_rows` alone: the per-step cost all
 variants share), then one graph per variant (every `VARIANTS` entry, and `default`: what `choose` picks), each LoRA op
-forced to it and `segment_rows` at its row tile (`block_m`; the module's BLOCK_M for `default` and the segments-only
-graph): overhead = graph - base graph, per LoRA op = overhead / ops.
+forced to it: overhead = graph - base graph, per LoRA op = overhead / ops.
 Each variant's last outputs are checked against a torch reference and replayed twice for bit-reproducibility. The
 table's last lines project a whole step's LoRA overhead from the per-op costs (216 LocDiT + 72 LM ops; the residual
 LM runs the LM's shapes) against the no-LoRA step measured on the H200 (STEP_MS_NO_LORA).
@@ -325,10 +324,9 @@ class StepCase(NamedTuple):
         xo = y[:, :shape.outs[0]]
         forced = None if variant == DEFAULT else variant
         lora = variant not in (None, SEGMENTS)
-        block_m = step_block_m(variant)
 
         def run() -> None:
-            seg = None if variant is None else lora_triton.segment_rows(index, shape.per, ADAPTERS + 1, block_m)
+            seg = None if variant is None else lora_triton.segment_rows(index, shape.per, ADAPTERS + 1)
             for _ in range(shape.evals):
                 for layer in self.layers:
                     torch.mm(x, layer["w_qkv"].t(), out=y)
@@ -354,11 +352,6 @@ class StepCase(NamedTuple):
             got = y.float() - torch.mm(x, w.t()).float()
             worst = max(worst, (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
         return worst
-
-
-def step_block_m(variant: str | None) -> int:
-    """The row tile a variant's segments are built with (the module's for the base, SEGMENTS and DEFAULT)."""
-    return lora_triton.VARIANTS[variant].block_m if variant in lora_triton.VARIANTS else lora_triton.BLOCK_M
 
 
 def step_case(stack: str, shape: StepShape, batch: int, layers: list[dict[str, torch.Tensor]], device: str,
@@ -394,9 +387,7 @@ def step_variant(case: StepCase, variant: str, base_us: float | None, replays: i
     """Time (GPU) or just run (CPU) the case with `variant`; check the last outputs; on GPU replay twice more for
     bit-reproducibility."""
     ops = case.shape.ops()
-    block_m = step_block_m(variant)
-    out: dict = {"error": None, "block_m": block_m,
-                 "grid": lora_triton.tile_grid(case.index.shape[0], case.shape.per, ADAPTERS + 1, block_m)}
+    out: dict = {"error": None}
     try:
         if base_us is None:  # CPU: the interpreter, no graph, no time
             case.body(variant)()

@@ -102,6 +102,7 @@ class StepTiming:
     prefill_tokens: int  # positions fed by chunks of more than one position, or a first patch's prompt
     decode_rows: int
     gpu_ms: float | None  # CUDA events around the step's device work (None on CPU)
+    audio_ms: float | None = None  # from the step's start until its audio was back on the host (the VAE lane)
 
 
 @dataclass
@@ -499,13 +500,15 @@ class Runner:
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's outputs (and note its timing in `last_step`)."""
         out = self._collect(pending)
-        gpu_ms = None
+        gpu_ms = audio_ms = None
         if pending.events is not None:
             pending.events[1].synchronize()
             gpu_ms = pending.events[0].elapsed_time(pending.events[1])
+            if pending.audio_event is not None:
+                audio_ms = pending.events[0].elapsed_time(pending.audio_event)
         prefill = sum(s.num_tokens for s in pending.seqs if s.num_tokens > 1 or not s.request.generated)
         decode = sum(1 for s in pending.seqs if s.num_tokens == 1 and s.request.generated)
-        self.last_step = StepTiming(pending.kind, prefill, decode, gpu_ms)
+        self.last_step = StepTiming(pending.kind, prefill, decode, gpu_ms, audio_ms)
         return out
 
     def _collect(self, pending: PendingStep) -> StepOutput:
@@ -625,7 +628,7 @@ class Runner:
         if lane is not None:  # behind the step's VAE decode on its lane
             with torch.cuda.stream(lane):
                 out.audio[:n].copy_(result.audio[:n], non_blocking=True)
-                audio_event = torch.cuda.Event()
+                audio_event = torch.cuda.Event(enable_timing=True)  # `collect` times the audio's return too
                 audio_event.record()
         return PendingStep(seqs, result=DecodeResult(out.patches[:n], out.stops[:n], out.audio[:n]), event=event,
                            emit=emit, audio_event=audio_event)

@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any
 
@@ -292,10 +293,15 @@ class Worker:
     def receive(self) -> None:
         """Handle one batch of commands (engine.worker_handle sends them in batches); note a stop or a lost pool."""
         try:
-            batch = self.commands.recv()
+            data = self.commands.recv_bytes()
         except EOFError:
             self.stopping = "eof"
             return
+        arrived = time.perf_counter()
+        batch = ForkingPickler.loads(data)  # what Connection.recv does, timed apart for the DEBUG line
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("received %d commands (%d bytes) at %.4f, unpickled in %.2f ms", len(batch), len(data),
+                      time.time() - (time.perf_counter() - arrived), 1e3 * (time.perf_counter() - arrived))
         for msg in batch:
             if msg[0] == "stop":
                 self.stopping = "stop"
@@ -382,7 +388,10 @@ class Worker:
                 # first request wakes the worker; the rest arrive while that step is staged)
                 while self.stopping is None and self.commands.poll():
                     self.receive()
+            ahead_at = time.perf_counter()
             self.ahead = self._launch_ahead(current) if self.stopping is None else None
+            if self.ahead is not None and log.isEnabledFor(logging.DEBUG):  # bench/burst_timeline.py reads it
+                log.debug("step %d launched ahead in %.2f ms", self.ahead.step, 1e3 * (time.perf_counter() - ahead_at))
             out = self.runner.collect(current.pending)
             now = time.perf_counter()
             # wall: launch to collection, or since the last collection when this step was queued behind it
@@ -442,10 +451,10 @@ class Worker:
             return
         self.step_stats.record(t.kind, wall_ms, t.gpu_ms, t.prefill_tokens, t.decode_rows, triton_compiles())
         if log.isEnabledFor(logging.DEBUG):  # wall-clock start, to line steps up with other processes' events
-            log.debug("step %d %s at %.4f: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles",
-                      self.scheduler.num_steps, t.kind, time.time() - wall_ms / 1e3, wall_ms,
+            log.debug("step %d %s at %.4f: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles, "
+                      "audio %s ms", self.scheduler.num_steps, t.kind, time.time() - wall_ms / 1e3, wall_ms,
                       "-" if t.gpu_ms is None else f"{t.gpu_ms:.2f}", t.prefill_tokens, t.decode_rows,
-                      self.step_stats.compiles)
+                      self.step_stats.compiles, "-" if t.audio_ms is None else f"{t.audio_ms:.2f}")
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's stats and the step timing (`StepStats`)."""

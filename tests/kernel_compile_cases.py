@@ -185,16 +185,15 @@ def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:
 
 def launch_lora(k: int, outs: tuple[int, ...], rank: int, dtype: torch.dtype) -> None:
     """Decode at c=1 (one row, K split 16 ways), a mixed batch (a full tile of a slot and partial ones, K split)
-    and a prefill-sized one (enough tiles that K is not split), each on both paths (one launch, and shrink + expand)
-    and on the PDL two launches at 64-row tiles (larger tiles for row groups with many rows per adapter), so each
-    plan's argument specializations compile."""
+    and a prefill-sized one (enough tiles that K is not split), each on both paths (one launch, and shrink + expand),
+    so each plan's argument specializations compile."""
     lora_a = torch.empty(LORA_SLOTS, rank * len(outs), k, dtype=dtype)
     lora_b = torch.empty(LORA_SLOTS, sum(outs), rank, dtype=dtype)
     for index in (torch.tensor([2]), torch.tensor([1] * 17 + [3, 0, 3]), torch.tensor([1] * 4200 + [3, 0, 3, 4])):
         rows = index.shape[0]  # nothing runs: empty tensors of the launch's shapes
-        for how in ({"fused": True}, {"fused": False}, {"variant": "two_pdl_m64"}):
+        for fused in (True, False):
             lora_triton.lora_add_(torch.empty(rows, sum(outs), dtype=dtype), torch.empty(rows, k, dtype=dtype),
-                                  lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, **how)
+                                  lora_a, lora_b, index, 1, outs if len(outs) > 1 else None, fused=fused)
 
 
 def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:

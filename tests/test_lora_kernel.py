@@ -6,9 +6,8 @@ below the slot width (zero padding), ragged sizes, and K split over several prog
 K blocks, the last one ragged), each through every variant (`VARIANTS`: two launches, shrink and expand, at several
 tiles; one launch walking all of K; one launch with K split and the last arrival adding) and the legacy `fused` flag,
 and which one `choose` picks. The split kernel's counters are back to zero after each linear (segments shared by the
-linears of a step stay usable). Segments of 32- and 64-row tiles run every path too (each variant at the segments'
-tile; a variant made for other tiles is refused). PDL is a GPU launch attribute: in the interpreter its variant runs
-without it. Needs `triton` installed (the test extras pin it).
+linears of a step stay usable). PDL is a GPU launch attribute: in the interpreter its variant runs without it. Needs
+`triton` installed (the test extras pin it).
 """
 
 from __future__ import annotations
@@ -171,27 +170,25 @@ def test_segments_group_rows_by_slot(kernels) -> None:
     assert seg.counters.shape == (seg.grid * kernels.COUNTER_COLS,) and not seg.counters.any()
 
 
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_tile_table_lists_each_tiles_slot_and_rows(kernels, block_m: int) -> None:
-    """Tile i's entries, slot << SLOT_SHIFT | row + 1: the slot whose tiles cover i and its block_m rows from `order`
-    (-1 past them); past the last tile, slot S (none) and no rows. 70 rows of slot 1 take 5 / 3 / 2 tiles, the last
-    one partial."""
-    index = torch.tensor([1] * 70 + [0, 3, 3, 0, 2])
-    seg = kernels.segment_rows(index, 1, 5, block_m)
-    assert seg.block_m == block_m
+def test_tile_table_lists_each_tiles_slot_and_rows(kernels) -> None:
+    """Tile i's entries, slot << SLOT_SHIFT | row + 1: the slot whose tiles cover i and its BLOCK_M rows from `order`
+    (-1 past them); past the last tile, slot S (none) and no rows. 40 rows of slot 1 take three tiles, the last one
+    partial."""
+    index = torch.tensor([1] * 40 + [0, 3, 3, 0, 2])
+    seg = kernels.segment_rows(index, 1, 5)
     expected_slots, expected_rows = [], []
     for slot in range(1, 5):
         rows = seg.order[seg.starts[slot]:seg.starts[slot + 1]].tolist()
-        for first in range(0, len(rows), block_m):
-            chunk = rows[first:first + block_m]
+        for first in range(0, len(rows), kernels.BLOCK_M):
+            chunk = rows[first:first + kernels.BLOCK_M]
             expected_slots.append(slot)
-            expected_rows.append(chunk + [-1] * (block_m - len(chunk)))
+            expected_rows.append(chunk + [-1] * (kernels.BLOCK_M - len(chunk)))
     spare = seg.grid - len(expected_slots)
     assert spare >= 0
-    assert seg.table.dtype == torch.int32 and seg.table.shape == (seg.grid, block_m)
+    assert seg.table.dtype == torch.int32 and seg.table.shape == (seg.grid, kernels.BLOCK_M)
     shift = kernels.SLOT_SHIFT
-    assert (seg.table >> shift).tolist() == [[slot] * block_m for slot in expected_slots + [5] * spare]
-    assert ((seg.table & ((1 << shift) - 1)) - 1).tolist() == expected_rows + [[-1] * block_m] * spare
+    assert (seg.table >> shift).tolist() == [[slot] * kernels.BLOCK_M for slot in expected_slots + [5] * spare]
+    assert ((seg.table & ((1 << shift) - 1)) - 1).tolist() == expected_rows + [[-1] * kernels.BLOCK_M] * spare
 
 
 @pytest.mark.parametrize("variant", ["split", "split_n64", "split_4sm"])
@@ -239,16 +236,15 @@ def test_plan_covers_k_once_and_fills_the_gpu(kernels, k: int, grid: int) -> Non
         assert grid * splits >= kernels.PROGRAMS_PER_SM * kernels.CPU_SMS
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_segment_grid_bounds_the_tiles(kernels, block_m: int) -> None:
+def test_segment_grid_bounds_the_tiles(kernels) -> None:
     """The tile bound from host ints (rows, index entries, slots) is never below the tiles the device counts."""
     gen = torch.Generator().manual_seed(0)
     for entries, per, slots in ((2, 11, 33), (1, 1, 33), (64, 1, 33), (128, 11, 33), (300, 1, 5), (7, 3, 2)):
         for _ in range(5):
             index = torch.randint(0, slots, (entries,), generator=gen)
-            seg = kernels.segment_rows(index, per, slots, block_m)
+            seg = kernels.segment_rows(index, per, slots)
             assert seg.tiles[-1].item() <= seg.grid <= entries * per
-            assert seg.grid == kernels.tile_grid(entries, per, slots, block_m)
+            assert seg.grid == kernels.tile_grid(entries, per, slots)
     assert kernels.segment_rows(torch.tensor([5, 5]), 11, 33).grid == 4  # a LocDiT step of one sequence
 
 
@@ -305,76 +301,3 @@ def test_lora_add_launches_what_choose_picks(kernels, monkeypatch) -> None:
         log.clear()
         kernels.lora_add_(torch.zeros(rows, 8), torch.randn(rows, k), a, b, torch.ones(rows, dtype=torch.long), 1)
         assert log == launched
-
-
-# LocDiT-like rows (11 per index entry): slot 1's 66 rows are 2 full 32-row tiles and a partial one, or a full 64-row
-# tile and a partial one; slots 2 and 3 one partial tile each; slot 0 none. K 300: split for "two" and "split"
-TILED_SLOTS, TILED_PER, TILED_IN, TILED_OUTS, TILED_RANK = [1, 0, 2, 1, 1, 3, 1, 2, 1, 0, 1], 11, 300, (40, 8, 8), 4
-
-
-@pytest.mark.parametrize("block_m", [32, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("variant", ["two", "two_pdl", "one", "split", None])
-def test_larger_row_tiles_match_torch(kernels, block_m: int, dtype: torch.dtype, variant: str | None) -> None:
-    """Segments of 32- and 64-row tiles through every path (the variant made for them; None: `choose`) == the torch
-    reference; slot-0 rows stay bit for bit."""
-    gen = torch.Generator().manual_seed(block_m)
-    index = torch.tensor(TILED_SLOTS)
-    rows, fan_out = len(TILED_SLOTS) * TILED_PER, sum(TILED_OUTS)
-    a = torch.randn(4, TILED_RANK * len(TILED_OUTS), TILED_IN, generator=gen) / TILED_IN ** 0.5
-    b = torch.randn(4, fan_out, TILED_RANK, generator=gen) / TILED_RANK ** 0.5
-    a[0], b[0] = 0, 0
-    x, y = torch.randn(rows, TILED_IN, generator=gen), torch.randn(rows, fan_out, generator=gen)
-    x, y, a, b = (t.to(dtype) for t in (x, y, a, b))
-    seg = kernels.segment_rows(index, TILED_PER, 4, block_m)
-    assert seg.table.shape == (seg.grid, block_m)
-    v = None if variant is None else kernels.VARIANTS[variant]._replace(block_m=block_m)
-    if v is not None and v.path != "one":  # K really split, within the planes' cap for this tile
-        programs = seg.grid * (kernels.col_tiles(TILED_OUTS, v.block_n) if v.path == "split" else 1)
-        splits = kernels.plan(TILED_IN, programs, torch.device("cpu"), v.block_k, v.per_sm, block_m).splits
-        assert 1 < splits <= kernels.max_splits(block_m)
-    ref = lora_delta_add(y.double().view(len(TILED_SLOTS), TILED_PER, fan_out),
-                         x.double().view(len(TILED_SLOTS), TILED_PER, TILED_IN), a.double(), b.double(), index,
-                         TILED_OUTS).view(rows, fan_out)
-    out = y.clone()
-    kernels.lora_add_(out, x, a, b, index, TILED_PER, TILED_OUTS, seg, variant=v)
-    tol = 1e-5 if dtype == torch.float32 else 3e-3
-    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
-    base = torch.tensor([s == 0 for s in TILED_SLOTS]).repeat_interleave(TILED_PER)
-    assert torch.equal(out[base], y[base])
-    assert not seg.counters.any()
-
-
-@pytest.mark.parametrize("block_m", [0, 8, 48, 256])
-def test_row_tile_must_be_a_power_of_two_from_16_to_128(kernels, block_m: int) -> None:
-    with pytest.raises(ValueError, match="row tile"):
-        kernels.segment_rows(torch.tensor([1, 2]), 3, 4, block_m)
-
-
-def test_variant_refuses_segments_of_other_row_tiles(kernels, monkeypatch) -> None:
-    """A variant given explicitly runs at its own row tile only: segments of another are refused (even for no
-    rows); without segments, lora_add_ builds them at the variant's."""
-    index = torch.tensor([1, 2])
-    x, a, b = torch.randn(6, 16), torch.randn(3, 4, 16), torch.randn(3, 8, 4)
-    for seg, variant in ((kernels.segment_rows(index, 3, 3, 32), "two"),
-                         (kernels.segment_rows(index, 3, 3), "two_pdl_m64"),
-                         (kernels.segment_rows(index, 3, 3, 64), kernels.VARIANTS["one"]._replace(block_m=32))):
-        for rows in (6, 0):
-            with pytest.raises(ValueError, match="row tiles"):
-                kernels.lora_add_(torch.zeros(rows, 8), x[:rows], a, b, index, 3, None, seg, variant=variant)
-    built: list[int] = []
-    segment_rows = kernels.segment_rows
-    monkeypatch.setattr(kernels, "segment_rows", lambda *args: built.append(args[3]) or segment_rows(*args))
-    kernels.lora_add_(torch.zeros(6, 8), x, a, b, index, 3, variant="two_m64")
-    kernels.lora_add_(torch.zeros(6, 8), x, a, b, index, 3)
-    assert built == [64, kernels.BLOCK_M]
-
-
-def test_lora_state_builds_segments_at_each_groups_row_tile(kernels) -> None:
-    from engine.model.lora import LoRAState
-
-    state = LoRAState(num_slots=4, max_rank=4)
-    state.block_m["dit"] = 64
-    state.tokens, state.dit = torch.tensor([1, 0, 3]), torch.tensor([2, 1])
-    assert state.segments("dit", 11).block_m == 64
-    assert state.segments("tokens", 1).block_m == kernels.BLOCK_M

@@ -58,10 +58,6 @@ class LoRAState:
         self.merged: MergedAdapter | None = None  # `merge_into_weights`
         self._rows: dict[str, Tensor | None] = {"tokens": None, "seqs": None, "dit": None}
         self._segments: dict[tuple[str, int], Any] = {}
-        # the Triton kernels' row tile by row group (segment_rows' block_m, default its BLOCK_M): a group with many
-        # rows per adapter (the LocDiT at large batches) may read each A fewer times with larger ones. Set it before
-        # the first step: segments already made keep theirs
-        self.block_m: dict[str, int] = {}
 
     def _set(self, group: str, index: Tensor | None) -> None:
         self._rows[group] = index
@@ -79,10 +75,9 @@ class LoRAState:
         (recomputed after the group's indices are set again, also inside a CUDA graph capture)."""
         key = (group, rows_per_index)
         if key not in self._segments:
-            from engine.model.lora_triton import BLOCK_M, segment_rows
+            from engine.model.lora_triton import segment_rows
 
-            self._segments[key] = segment_rows(self._rows[group], rows_per_index, self.num_slots,
-                                               self.block_m.get(group, BLOCK_M))
+            self._segments[key] = segment_rows(self._rows[group], rows_per_index, self.num_slots)
         return self._segments[key]
 
     def begin_sampling(self) -> None:

@@ -1,17 +1,15 @@
 """Triton batched-LoRA kernels, Punica/S-LoRA shrink/expand: y[m] += (x[m] @ A[slot(m)]^T) @ B[slot(m)]^T.
 
 Rows are grouped by slot on the device once per step and row group (`segment_rows`): a stable sort of the row slots,
-each slot's segment cut into tiles of `block_m` rows, and a tile table (each tile's slot and row ids, written by one
+each slot's segment cut into tiles of BLOCK_M rows, and a tile table (each tile's slot and row ids, written by one
 small kernel) from which a LoRA program reads its rows with one load instead of searching the segments (a chain of
 dependent loads every launch would pay again). A program handles one tile, so the adapter's weights are read once per
-tile, not once per row. The row tile is the segments' (BLOCK_M = 16 unless a row group asks for more): many rows per
-adapter (a large LocDiT batch) might read each adapter's A fewer times with 32 or 64, decode rows (a few per adapter)
-would only mask more; bench/lora_bench.py --step measures the variants that ask for more. Every tile runs as `tl.dot`, a
-partial one (decode rows: a few rows per adapter) with its missing rows masked: on tensor cores a 16-row tile with one
-valid row costs what a matvec costs, without a serial row loop. Slot 0 (no adapter) gets no tiles: programs beyond the
-last tile read and write nothing (masks and empty K ranges rather than an early exit, which would make the compiler load
-the rows only after the slot). Every offset is read in-kernel and every launch shape comes from host ints (rows, index
-entries, slots, K, SM count), so a fixed batch shape replays under a CUDA graph with new slots.
+tile, not once per row. Every tile runs as `tl.dot`, a partial one (decode rows: a few rows per adapter) with its
+missing rows masked: on tensor cores a 16-row tile with one valid row costs what a matvec costs, without a serial row
+loop. Slot 0 (no adapter) gets no tiles: programs beyond the last tile read and write nothing (masks and empty K
+ranges rather than an early exit, which would make the compiler load the rows only after the slot). Every offset is
+read in-kernel and every launch shape comes from host ints (rows, index entries, slots, K, SM count), so a fixed batch
+shape replays under a CUDA graph with new slots.
 
 The shrink maps x to rank space (fp32) over the stacked A's of linears sharing x (q/k/v: [S, 3r, in]); the expand adds
 each linear's part into its own column block of one fused output (B's stacked [S, q+k+v, r]). A linear runs one of
@@ -48,18 +46,15 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-BLOCK_M = 16  # the default row tile (`segment_rows`' block_m): tl.dot's smallest M; register notes below are at 16
-MAX_BLOCK_M = 128  # beyond, a q|k|v tile's fp32 shrink result (rows x 128 at r 32) outgrows a 4-warp program
-BLOCK_K = 64  # bf16 q|k|v shrink (A tile [64, 128]) at 16 rows: ptxas sm_90a 80 registers, no spills, 36 KB shared
+BLOCK_M = 16
+BLOCK_K = 64  # bf16 q|k|v shrink (A tile [64, 128]): ptxas sm_90a 80 registers, no spills, 36 KB shared (3 stages)
 BLOCK_N = 64
-MAX_SPLITS = 16  # at most, at 16-row tiles; the planes of t are loaded all at once, [next power of 2 of splits,
-# rows, r] fp32, so larger row tiles split K fewer times (`max_splits`) to hold no more registers than at 16
+MAX_SPLITS = 16  # at most; the planes of t are loaded all at once, [next power of 2 of splits, BLOCK_M, r] fp32
 PROGRAMS_PER_SM = 2  # split K until programs x splits reaches this many programs per SM
 CPU_SMS = 132  # an H200's SM count: CPU tensors (interpreter tests, compile cases) plan like the GPU the engine uses
-# The one-launch kernels' tiles at 16 rows. bf16, 4 warps: t 16 x r fp32, A 128 x r, B r x 128, x 16 x 128,
-# y 16 x 128 fp32 are ~60 registers a thread at r 32; ptxas sm_90a (one launch / split): 72 / 80 registers at r 32,
-# 80 / 96 at r 64, 126 / 135 at r 128, no spills, 32 KB shared at r 32 (tests/test_lora_kernel_compile.py checks
-# every variant's).
+# The one-launch kernels' tiles. bf16, 4 warps: t 16 x r fp32, A 128 x r, B r x 128, x 16 x 128, y 16 x 128 fp32 are
+# ~60 registers a thread at r 32; ptxas sm_90a (one launch / split): 72 / 80 registers at r 32, 80 / 96 at r 64,
+# 126 / 135 at r 128, no spills, 32 KB shared at r 32 (tests/test_lora_kernel_compile.py checks every variant's).
 # A column tile of 128 halves the repeated shrinks (and the programs) against 64.
 FUSED_BLOCK_N = 128
 FUSED_BLOCK_K = 128  # the K walk is serial in each program: fewer, larger steps keep more loads in flight
@@ -76,8 +71,7 @@ class Variant(NamedTuple):
     """How `lora_add_` runs one linear. `path`: "two" (shrink, expand), "one" (`_fused_kernel`) or "split"
     (`_split_kernel`). `block_n`: the expand's / one launch's column tile; `block_k`: the K step of the shrink loop;
     `warps`, `stages`: Triton's num_warps and num_stages (the K loop's software pipeline depth); `per_sm`: programs
-    per SM the K split aims at ("two" and "split"); `pdl` ("two"): the expand as a programmatic dependent launch;
-    `block_m`: the row tile its segments are built with (the kernels take theirs from the segments)."""
+    per SM the K split aims at ("two" and "split"); `pdl` ("two"): the expand as a programmatic dependent launch."""
 
     path: str
     block_n: int
@@ -86,7 +80,6 @@ class Variant(NamedTuple):
     stages: int = 3
     per_sm: int = PROGRAMS_PER_SM
     pdl: bool = False
-    block_m: int = BLOCK_M
 
 
 VARIANTS: dict[str, Variant] = {
@@ -95,10 +88,6 @@ VARIANTS: dict[str, Variant] = {
     "two_n128": Variant("two", 128, BLOCK_K),
     "two_n256_w8": Variant("two", 256, BLOCK_K, warps=8),
     "two_pdl": Variant("two", 128, BLOCK_K, pdl=True),
-    # larger row tiles: an adapter with ~44 rows (LocDiT at 64 streams) reads its A once or twice rather than 3 times
-    "two_pdl_m32": Variant("two", 128, BLOCK_K, pdl=True, block_m=32),
-    "two_pdl_m64": Variant("two", 128, BLOCK_K, pdl=True, block_m=64),
-    "two_m64": Variant("two", 128, BLOCK_K, block_m=64),
     "one": Variant("one", FUSED_BLOCK_N, FUSED_BLOCK_K),
     "one_k256": Variant("one", FUSED_BLOCK_N, 256, stages=4),  # half the serial K steps, 4 in flight (96 KB shared)
     "split": Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K),
@@ -115,10 +104,9 @@ LARGE_VARIANT = "two_pdl"  # everywhere else
 
 class Segments(NamedTuple):
     """Rows grouped by slot: `order` [M] row ids sorted by slot, `starts` [S+1] each slot's first position in
-    `order`, `tiles` [S+1] each slot's first tile (slot 0 has none); `table` [grid, block_m] int32, tile i's slot and
+    `order`, `tiles` [S+1] each slot's first tile (slot 0 has none); `table` [grid, BLOCK_M] int32, tile i's slot and
     row ids (slot << SLOT_SHIFT | row + 1; row + 1 = 0 past the slot's rows, slot S past the last tile); `counters`
-    [grid * COUNTER_COLS] zeros for the split kernel; `grid` bounds the tile count from shapes; `block_m` the rows
-    per tile, which every kernel reading the table is compiled for."""
+    [grid * COUNTER_COLS] zeros for the split kernel; `grid` bounds the tile count from shapes."""
 
     order: Tensor
     starts: Tensor
@@ -126,7 +114,6 @@ class Segments(NamedTuple):
     table: Tensor
     counters: Tensor
     grid: int
-    block_m: int
 
 
 class Plan(NamedTuple):
@@ -136,22 +123,18 @@ class Plan(NamedTuple):
     k_per_split: int
 
 
-def tile_grid(entries: int, rows_per_index: int, num_slots: int, block_m: int = BLOCK_M) -> int:
-    """A bound on the tiles of `block_m` rows of `entries` index entries of `rows_per_index` rows each (the LoRA
-    kernels' grid)."""
+def tile_grid(entries: int, rows_per_index: int, num_slots: int) -> int:
+    """A bound on the tiles of `entries` index entries of `rows_per_index` rows each (the LoRA kernels' grid)."""
     rows = entries * rows_per_index
     # each adapter in use adds at most one partial tile, and at most min(slots, index entries) are in use: a LocDiT
     # step of one sequence (22 rows, 2 entries) needs 4 programs, not one per row
     partial = min(num_slots - 1, entries)
-    return max(1, min(rows, triton.cdiv(rows, block_m) + partial))
+    return max(1, min(rows, triton.cdiv(rows, BLOCK_M) + partial))
 
 
-def segment_rows(index: Tensor, rows_per_index: int, num_slots: int, block_m: int = BLOCK_M) -> Segments:
-    """Group the rows (slot of row m = index[m // rows_per_index]) by slot into tiles of `block_m` rows (a power
-    of 2 from BLOCK_M to MAX_BLOCK_M) with device ops only (no host sync, so a CUDA graph can capture it); computed
-    once per step and row group, shared by every linear."""
-    if not BLOCK_M <= block_m <= MAX_BLOCK_M or block_m & (block_m - 1):
-        raise ValueError(f"the LoRA row tile must be a power of 2 from {BLOCK_M} to {MAX_BLOCK_M} (got {block_m})")
+def segment_rows(index: Tensor, rows_per_index: int, num_slots: int) -> Segments:
+    """Group the rows (slot of row m = index[m // rows_per_index]) by slot with device ops only (no host sync, so
+    a CUDA graph can capture it); computed once per step and row group, shared by every linear."""
     rows = index.shape[0] * rows_per_index
     if num_slots >= 1 << (31 - SLOT_SHIFT) or rows >= 1 << SLOT_SHIFT:
         raise ValueError(f"the LoRA tile table holds under {1 << (31 - SLOT_SHIFT)} slots and {1 << SLOT_SHIFT} rows "
@@ -159,19 +142,19 @@ def segment_rows(index: Tensor, rows_per_index: int, num_slots: int, block_m: in
     slots = index[:, None].expand(-1, rows_per_index).reshape(-1)  # repeat_interleave would sync
     ordered, order = torch.sort(slots, stable=True)
     starts = torch.searchsorted(ordered, torch.arange(num_slots + 1, device=index.device, dtype=ordered.dtype))
-    tiles = (starts.diff() + block_m - 1) // block_m
+    tiles = (starts.diff() + BLOCK_M - 1) // BLOCK_M
     # slot 0: the linear's output as it is; zero_() because `tiles[0] = 0` copies a CPU scalar (refused in capture)
     tiles[:1].zero_()
     tiles = torch.cat((tiles.new_zeros(1), tiles.cumsum(0))).to(torch.int32)
-    grid = tile_grid(index.shape[0], rows_per_index, num_slots, block_m)
+    grid = tile_grid(index.shape[0], rows_per_index, num_slots)
     order, starts = order.to(torch.int32), starts.to(torch.int32)
-    table = torch.empty(grid, block_m, device=index.device, dtype=torch.int32)
+    table = torch.empty(grid, BLOCK_M, device=index.device, dtype=torch.int32)
     block_s = triton.next_power_of_2(num_slots)
     block_t = max(8, min(TABLE_TILES, TABLE_TILES * 64 // block_s))  # a [tiles, slots] compare of <= 4096 elements
     _tile_table_kernel[(triton.cdiv(grid, block_t),)](order, starts, tiles, table, num_slots, grid, BLOCK_S=block_s,
-                                                     BLOCK_M=block_m, BLOCK_T=block_t)
+                                                     BLOCK_M=BLOCK_M, BLOCK_T=block_t)
     counters = torch.zeros(grid * COUNTER_COLS, device=index.device, dtype=torch.int32)
-    return Segments(order, starts, tiles, table, counters, grid, block_m)
+    return Segments(order, starts, tiles, table, counters, grid)
 
 
 @functools.cache
@@ -182,21 +165,13 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan(k: int, programs: int, device: torch.device, block_k: int = BLOCK_K, per_sm: int = PROGRAMS_PER_SM,
-         block_m: int = BLOCK_M) -> Plan:
-    """Split K so that programs x splits >= per_sm x SMs (capped by `max_splits` and K's block_k chunks); from host
+def plan(k: int, programs: int, device: torch.device, block_k: int = BLOCK_K, per_sm: int = PROGRAMS_PER_SM) -> Plan:
+    """Split K so that programs x splits >= per_sm x SMs (capped by MAX_SPLITS and K's block_k chunks); from host
     ints only, so one graph bucket always gets the same plan."""
     chunks = triton.cdiv(k, block_k)
-    splits = max(1, min(max_splits(block_m), chunks, triton.cdiv(per_sm * sm_count(device), programs)))
+    splits = max(1, min(MAX_SPLITS, chunks, triton.cdiv(per_sm * sm_count(device), programs)))
     per = triton.cdiv(chunks, splits)
     return Plan(triton.cdiv(chunks, per), per * block_k)  # no empty split: the last one may be shorter
-
-
-def max_splits(block_m: int) -> int:
-    """The most K splits for tiles of `block_m` rows: the planes a sum loads at once stay MAX_SPLITS x BLOCK_M rows.
-    Uncapped, the 64-row expand of one LM row (16 planes) took 255 registers and spilled (ptxas sm_90a, r 32); with
-    4 planes, 117."""
-    return max(1, MAX_SPLITS * BLOCK_M // block_m)
 
 
 def fuse(m: int, k: int, rank: int, col_tiles: int, grid: int, itemsize: int) -> bool:
@@ -426,23 +401,19 @@ def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tenso
     B [S, N, r] (scaling folded in) stack the LoRAs of up to three linears sharing x, whose outputs `outs` (default
     (N,)) are y's column blocks in order. x and y have unit column stride; the rank intermediate is fp32.
     `segments` (from `segment_rows`) can be shared by every linear of a step. How it runs: `variant` (a Variant or a
-    VARIANTS name; its block_m must be the segments', and builds them where none are given), else `fused` (True: one
-    launch, K split as `plan` says; False: two launches, the module's tiles), else `choose`; the kernels run at the
-    segments' row tile."""
+    VARIANTS name), else `fused` (True: one launch, K split as `plan` says; False: two launches, the module's tiles),
+    else `choose`."""
     m, k = x.shape
     outs = outs or (lora_b.shape[1],)
     rank, slots = lora_b.shape[2], lora_a.shape[0]
     if len(outs) > 3 or sum(outs) != lora_b.shape[1] or lora_a.shape[1] != rank * len(outs):
         raise ValueError(f"LoRA shapes disagree: A {list(lora_a.shape)}, B {list(lora_b.shape)}, outs {outs}")
-    if isinstance(variant, str):
-        variant = VARIANTS[variant]
-    if variant is not None and segments is not None and variant.block_m != segments.block_m:
-        raise ValueError(f"LoRA variant {variant} wants segments of {variant.block_m}-row tiles, got "
-                         f"{segments.block_m}")
     if m == 0:
         return
-    seg = segments or segment_rows(index, rows_per_index, slots, BLOCK_M if variant is None else variant.block_m)
-    if variant is None and fused is not None:  # read at the call: a bench may set the module's tiles
+    seg = segments or segment_rows(index, rows_per_index, slots)
+    if isinstance(variant, str):
+        variant = VARIANTS[variant]
+    elif variant is None and fused is not None:  # read at the call: a bench may set the module's tiles
         variant = Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K) if fused else Variant("two", BLOCK_N, BLOCK_K)
     elif variant is None:
         variant = choose(m, k, rank, outs, seg.grid, x.element_size())
@@ -469,21 +440,21 @@ def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tu
     """Shrink (K split as `plan` says) into t's planes, then expand (summing them)."""
     m, k = x.shape
     rank, slots = lora_b.shape[2], lora_a.shape[0]
-    split = plan(k, seg.grid, x.device, v.block_k, v.per_sm, seg.block_m)
+    split = plan(k, seg.grid, x.device, v.block_k, v.per_sm)
     pdl = _pdl(v, x.device)
     shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
     # empty: every plane a tile's rows read is written by its split; slot-0 rows are neither written nor read
     t = torch.empty((split.splits, m, shrink_r), device=x.device, dtype=torch.float32)
     _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.table, t, k, split.k_per_split, slots,
                                              x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-                                             t.stride(1), RANK=rank * len(outs), BLOCK_M=seg.block_m,
-                                             BLOCK_R=shrink_r, BLOCK_K=v.block_k, PDL=pdl, PRECISION=precision,
-                                             num_warps=v.warps, num_stages=v.stages)
+                                             t.stride(1), RANK=rank * len(outs), BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
+                                             BLOCK_K=v.block_k, PDL=pdl, PRECISION=precision, num_warps=v.warps,
+                                             num_stages=v.stages)
     n0, n1, n2 = (*outs, 0, 0)[:3]
     _expand_kernel[(seg.grid, col_tiles(outs, v.block_n))](t, lora_b, seg.table, y, n0, n1, n2,
                                                            split.splits, slots, t.stride(0), t.stride(1),
                                                            lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                                                           RANK=rank, BLOCK_M=seg.block_m,
+                                                           RANK=rank, BLOCK_M=BLOCK_M,
                                                            BLOCK_R=max(16, triton.next_power_of_2(rank)),
                                                            BLOCK_N=v.block_n, PLANES=_planes(split), PDL=pdl,
                                                            PRECISION=precision, num_warps=v.warps, launch_pdl=pdl)
@@ -498,19 +469,19 @@ def _one_launch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tupl
     n0, n1, n2 = (*outs, 0, 0)[:3]
     tiles = col_tiles(outs, v.block_n)
     block_r = max(16, triton.next_power_of_2(rank))
-    split = plan(k, seg.grid * tiles, x.device, v.block_k, v.per_sm, seg.block_m) if v.path == "split" else Plan(1, k)
+    split = plan(k, seg.grid * tiles, x.device, v.block_k, v.per_sm) if v.path == "split" else Plan(1, k)
     options = {"num_warps": v.warps, "num_stages": v.stages}
     if split.splits > 1 and tiles <= COUNTER_COLS:
-        t = torch.empty(seg.grid * tiles * split.splits * seg.block_m * block_r, device=x.device, dtype=torch.float32)
+        t = torch.empty(seg.grid * tiles * split.splits * BLOCK_M * block_r, device=x.device, dtype=torch.float32)
         _split_kernel[(seg.grid, tiles, split.splits)](x, lora_a, lora_b, seg.table, t, seg.counters, y, k,
                                                        split.k_per_split, n0, n1, n2, slots, split.splits,
                                                        x.stride(0), lora_a.stride(0), lora_a.stride(1),
                                                        lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank,
-                                                       BLOCK_M=seg.block_m, BLOCK_R=block_r, BLOCK_N=v.block_n,
+                                                       BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=v.block_n,
                                                        BLOCK_K=v.block_k, PLANES=_planes(split),
                                                        PRECISION=precision, **options)
         return
     _fused_kernel[(seg.grid, tiles)](x, lora_a, lora_b, seg.table, y, k, n0, n1, n2, slots, x.stride(0),
                                      lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
-                                     y.stride(0), RANK=rank, BLOCK_M=seg.block_m, BLOCK_R=block_r,
-                                     BLOCK_N=v.block_n, BLOCK_K=v.block_k, PRECISION=precision, **options)
+                                     y.stride(0), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=v.block_n,
+                                     BLOCK_K=v.block_k, PRECISION=precision, **options)
