@@ -56,7 +56,7 @@ def sampling_params(*, text: Any, cfg_value: Any, temperature: Any, timesteps: A
     `max_length` is 0 when not given: the spec builder caps it."""
     if not isinstance(text, str):
         raise InvalidParameter(f"text must be a string (got {type(text).__name__})")
-    if not normalize_text(text):
+    if not text.strip():  # what `prompt_layout` refuses after normalizing, without normalizing twice per request
         raise EmptyText("text is empty")
     check_float("cfg_value", cfg_value, 0.0, MAX_CFG)
     check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)

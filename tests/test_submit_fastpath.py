@@ -113,7 +113,8 @@ def test_encode_matches_the_per_token_lookup(tokenizer):
 
 
 def test_normalize_text_as_the_official_rule():
-    for text in TEXTS + ["a\nb\r\n  c\t\td ", "\n\n", "x\u3000y\u00a0z"]:
+    # runs mixing spaces and other whitespace, lone non-space whitespace (Unicode too), edges
+    for text in TEXTS + ["a\nb\r\n  c\t\td ", "\n\n", "x\u3000y\u00a0z", " \ta\t b \x0b\x1c c\u2028", "\t", " ", ""]:
         assert normalize_text(text) == re.sub(r"\s+", " ", text.replace("\n", " "))
 
 
