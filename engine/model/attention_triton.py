@@ -307,6 +307,7 @@ class TritonAttention:
         (`tokens` is the flat batch's length), so a graph bucket always gets the same tile."""
         if self.rows_per_program is not None:
             return self.rows_per_program
+        # CPU tensors (the interpreter tests) plan as an H200's 132 SMs
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         for rows in PREFILL_ROWS[:-1]:
             per_program = rows // group
