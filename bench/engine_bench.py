@@ -353,6 +353,7 @@ def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
     end.synchronize()
     return start.elapsed_time(end) / replays
 
+
 def pipelined_step_ms(runner, b: int, steps: int = 20) -> float:
     """Wall ms per decode step of `b` rows in steady state with the VAE lane: each step graph replayed on the main
     stream while the previous step's VAE graph runs on the lane (as serving runs them), host launches included."""

@@ -74,9 +74,7 @@ def attention_rows(batch: int, context: int) -> list[dict]:
     gen = torch.Generator("cuda").manual_seed(batch * context)
     randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=DTYPE)
     q, k, v = randn(batch, Q_HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM), randn(batch, KV_HEADS, HEAD_DIM)
-    per_seq = math.ceil(context / PAGE)
-    num_blocks = batch * per_seq + 1
-    tables = torch.randperm(num_blocks, generator=gen, device="cuda")[:batch * per_seq].view(batch, per_seq).tolist()
+    tables, num_blocks = shuffled_tables(gen, batch, context)
     meta = AttentionMetadata.build([1] * batch, [context - 1] * batch, tables, PAGE, "cuda")
     timed = paged_times(q, k, v, meta, randn(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM),
                         randn(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM))
@@ -90,8 +88,19 @@ def attention_rows(batch: int, context: int) -> list[dict]:
              "gbs": kv_bytes / (ms / LAYERS) / 1e6} for name, ms, mode in timed]
 
 
-def paged_times(q, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[tuple]:
-    backends = {
+def shuffled_tables(gen: torch.Generator, seqs: int, positions: int) -> tuple[list[list[int]], int]:
+    """Block tables of `seqs` sequences of `positions` each, over a pool's blocks in shuffled order; (tables, the
+    pool's block count: one spare)."""
+    per_seq = math.ceil(positions / PAGE)
+    num_blocks = seqs * per_seq + 1
+    order = torch.randperm(num_blocks, generator=gen, device="cuda")
+    return order[:seqs * per_seq].view(seqs, per_seq).tolist(), num_blocks
+
+
+def paged_times(q, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                backends: dict | None = None) -> list[tuple]:
+    """(name, ms, mode) of each backend over every layer's cache (default: the decode settings compared)."""
+    backends = backends or {
         "triton": TritonAttention(),
         "triton splits=1": TritonAttention(num_splits=1),
         "triton block_n=32": TritonAttention(block_n=32),
@@ -101,7 +110,11 @@ def paged_times(q, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache
     timed = []
     for name, backend in backends.items():
         step = lambda backend=backend: [backend(q, k, v, k_cache[i], v_cache[i], meta) for i in range(LAYERS)]
-        timed.append((name, *time_ms(step)))
+        try:  # a tile too large for the SM's registers or shared memory fails to compile: report, go on
+            timed.append((name, *time_ms(step)))
+        except Exception as error:
+            print(f"{name}: {type(error).__name__}: {str(error)[:200]}")
+            timed.append((name, float("nan"), "failed"))
     return timed
 
 
@@ -112,23 +125,15 @@ def prefill_attention_rows(seqs: int = 64, tokens: int = 114) -> list[dict]:
     over padded contiguous K/V as a reference. Each call also stores the layer's K/V (`rope_and_store_kv`)."""
     gen = torch.Generator("cuda").manual_seed(tokens)
     randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=DTYPE)
-    n, per_seq = seqs * tokens, math.ceil(tokens / PAGE)
+    n = seqs * tokens
     q, k, v = randn(n, Q_HEADS, HEAD_DIM), randn(n, KV_HEADS, HEAD_DIM), randn(n, KV_HEADS, HEAD_DIM)
-    num_blocks = seqs * per_seq + 1
-    tables = torch.randperm(num_blocks, generator=gen, device="cuda")[:seqs * per_seq].view(seqs, per_seq).tolist()
+    tables, num_blocks = shuffled_tables(gen, seqs, tokens)
     meta = AttentionMetadata.build([tokens] * seqs, [0] * seqs, tables, PAGE, "cuda")
     k_cache, v_cache = (torch.zeros(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
                         for _ in "kv")
-    backends = {f"triton rows={rows} block_n={block_n}": TritonAttention(block_n=block_n, rows_per_program=rows)
-                for rows, block_n in ((64, 64), (128, 64), (128, 128), (256, 64), (32, 64))}
-    timed = []
-    for name, backend in backends.items():
-        step = lambda backend=backend: [backend(q, k, v, k_cache[i], v_cache[i], meta) for i in range(LAYERS)]
-        try:  # a tile too large for the SM's registers or shared memory fails to compile: report, go on
-            timed.append((name, *time_ms(step)))
-        except Exception as error:
-            print(f"{name}: {type(error).__name__}: {str(error)[:200]}")
-            timed.append((name, float("nan"), "failed"))
+    timed = paged_times(q, k, v, meta, k_cache, v_cache, {
+        f"triton rows={rows} block_n={block_n}": TritonAttention(block_n=block_n, rows_per_program=rows)
+        for rows, block_n in ((64, 64), (128, 64), (128, 128), (256, 64), (32, 64))})
     q4 = q.view(seqs, tokens, Q_HEADS, HEAD_DIM).transpose(1, 2)
     k4, v4 = (t.view(seqs, tokens, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous() for t in (k, v))
     timed.append(("sdpa causal contiguous", *time_ms(lambda: [

@@ -15,10 +15,11 @@ from gateway.server import ServerConfig, create_app, start_server
 
 
 @contextlib.asynccontextmanager
-async def compat_server(engine, key: str) -> AsyncIterator[int]:
-    """A real gateway with the compat endpoints on, over `engine`, accepting API key `key`: its port."""
-    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None), auth=Auth({key}),
-                                                 compat=True))
+async def compat_server(engine, key: str | None = None) -> AsyncIterator[int]:
+    """A real gateway with the compat endpoints on, over `engine`, accepting API key `key` (None: no auth): its
+    port."""
+    auth = Auth({key}) if key is not None else None
+    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None), auth=auth, compat=True))
     try:
         yield port
     finally:

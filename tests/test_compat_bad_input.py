@@ -8,10 +8,9 @@ import re
 import aiohttp
 import pytest
 import pytest_asyncio
+from compat_support import compat_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
-
-from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -33,9 +32,8 @@ BODIES = [b"", b"{", b"[]", b'{"text": 5, "input": 5, "transcript": 5}', json.du
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def port(engine):
-    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None), compat=True))
-    yield port
-    await runner.cleanup()
+    async with compat_server(engine) as port:
+        yield port
 
 
 async def _internal_errors(port: int) -> float:

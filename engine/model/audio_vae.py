@@ -248,7 +248,8 @@ class SampleRateCondition(nn.Module):
         return self.scale_embed.weight[bucket], self.bias_embed.weight[bucket]
 
     def forward(self, x: Tensor, bucket: int) -> Tensor:
-        x = x * self.scale_embed.weight[bucket, :, None] + self.bias_embed.weight[bucket, :, None]
+        scale, shift = self.affine(bucket)
+        x = x * scale[:, None] + shift[:, None]
         if self.out_layer is not None:
             for layer in self.out_layer:
                 x = layer(x)

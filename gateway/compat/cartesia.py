@@ -28,12 +28,14 @@ have no VoxCPM equivalent and are ignored; a voice id that is not a stored voice
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -325,20 +327,28 @@ async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str,
     return key, body, transcript, await _voice(body.get("voice"), gw)
 
 
+@contextlib.asynccontextmanager
+async def _spoken(request: web.Request, key: str, transcript: str, voice: str | None,
+                  out: OutputFormat) -> AsyncIterator[tuple[OneTurn, dict[str, Any] | bytes]]:
+    """The request's turn and its first audio, for the block; a refusal (unknown voice, ...) as CartesiaError."""
+    async with OneTurn.open(request, key) as turn:
+        try:
+            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
+        except NativeError as e:
+            raise CartesiaError.of(e) from None
+        yield turn, first
+
+
 async def tts_bytes(request: web.Request) -> web.StreamResponse:
     """POST /tts/bytes: one transcript, its audio streamed in the response body as it is made."""
     try:
         key, body, transcript, voice = await _http_request(request)
         out, encoding, content_type = _http_format(body.get("output_format"))
+        async with _spoken(request, key, transcript, voice, out) as (turn, first):
+            return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
+                                      frame=_f32 if encoding == "pcm_f32le" else None)
     except CartesiaError as e:
         return e.response()
-    async with OneTurn.open(request, key) as turn:
-        try:
-            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
-        except NativeError as e:
-            return CartesiaError.of(e).response()
-        return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
-                                  frame=_f32 if encoding == "pcm_f32le" else None)
 
 
 async def tts_sse(request: web.Request) -> web.StreamResponse:
@@ -350,33 +360,35 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
             raise CartesiaError("output_format.container must be raw for server-sent events")
         timestamps = body.get("add_timestamps") is True
         cid = body["context_id"] if isinstance(body.get("context_id"), str) else str(uuid.uuid4())
+        async with _spoken(request, key, transcript, voice, out) as (turn, first):
+            return await _sse_response(request, turn, first, out, encoding, cid, timestamps)
     except CartesiaError as e:
         return e.response()
-    async with OneTurn.open(request, key) as turn:
-        try:
-            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
-        except NativeError as e:
-            return CartesiaError.of(e).response()
-        last = time.monotonic()
 
-        def chunk(data: bytes) -> bytes:
-            nonlocal last
-            now = time.monotonic()
-            step_ms, last = round((now - last) * 1000.0, 1), now
-            payload = _f32(data) if encoding == "pcm_f32le" else data
-            return _sse({"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(),
-                         "done": False, "status_code": 206, "step_time": step_ms})
 
-        def segment_done(k: int, end_ms: float) -> bytes:
-            message = _word_timestamps(cid, *turn.segments[k], end_ms) if timestamps else None
-            return _sse(message) if message is not None else b""
+async def _sse_response(request: web.Request, turn: OneTurn, first: dict[str, Any] | bytes, out: OutputFormat,
+                        encoding: str, cid: str, timestamps: bool) -> web.StreamResponse:
+    """/tts/sse's body: each chunk, each segment's word timestamps once its span is known, then done."""
+    last = time.monotonic()
 
-        def done(event: dict[str, Any]) -> bytes:
-            last_words = segment_done(len(turn.segments) - 1, event["audio_ms"]) if turn.segments else b""
-            return last_words + _sse({"type": "done", "context_id": cid, "done": True, "status_code": 200})
+    def chunk(data: bytes) -> bytes:
+        nonlocal last
+        now = time.monotonic()
+        step_ms, last = round((now - last) * 1000.0, 1), now
+        payload = _f32(data) if encoding == "pcm_f32le" else data
+        return _sse({"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(),
+                     "done": False, "status_code": 206, "step_time": step_ms})
 
-        return await turn.respond(request, first, Transcoder(out), {"Content-Type": "text/event-stream"},
-                                  frame=chunk, segment_done=segment_done, trailer=done)
+    def segment_done(k: int, end_ms: float) -> bytes:
+        message = _word_timestamps(cid, *turn.segments[k], end_ms) if timestamps else None
+        return _sse(message) if message is not None else b""
+
+    def done(event: dict[str, Any]) -> bytes:
+        last_words = segment_done(len(turn.segments) - 1, event["audio_ms"]) if turn.segments else b""
+        return last_words + _sse({"type": "done", "context_id": cid, "done": True, "status_code": 200})
+
+    return await turn.respond(request, first, Transcoder(out), {"Content-Type": "text/event-stream"},
+                              frame=chunk, segment_done=segment_done, trailer=done)
 
 
 def _word_timestamps(cid: str, start_ms: float, text: str, end_ms: float) -> dict[str, Any] | None:
