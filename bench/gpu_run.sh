@@ -10,8 +10,9 @@
 #   SWEEP_LEVELS=1,64,256 SWEEP_EXTRA=poisson:45 (sweep), CAP_ARGS="--sessions 500 --tick-ms 112" (gateway_capacity),
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
-#   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora)
-#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
+#   LORA_VARIANTS="two_pdl two_beside" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
+#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step prefetch lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -122,6 +123,12 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --max-num-seqs 256 $([ "$n" -gt 0 ] && echo "--lora $n") --out "$OUT/lora_ab_$n.json" \
                 2>"$OUT/lora_ab_$n.log" >/dev/null
         done ;;
+    lora_variants)  # the large LoRA variant end to end: 32 adapters, c=1,64,1,64, one engine per variant
+        for v in ${LORA_VARIANTS:-two_pdl two_beside}; do
+            stage 70 160 "A/B: LoRA variant $v, 32 adapters, c=1,64,1,64" env VOXGATE_LORA_LARGE_VARIANT=$v $BENCH \
+                --concurrency 1,64,1,64 --requests-factor 2 --max-num-seqs 256 --lora 32 \
+                --out "$OUT/lora_variant_$v.json" 2>"$OUT/lora_variant_$v.log" >/dev/null
+        done ;;
     vae_ab)  # the VAE lane against the VAE inside each step's graph: c=1,64,1,64 and a steady closed loop, each
         for v in 1 0; do
             stage 70 170 "A/B: VAE lane $v" env VOXGATE_VAE_STREAM=$v $BENCH --concurrency 1,64,1,64 \
@@ -142,6 +149,9 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 40 150 "LoRA step-like bench" $PY bench/lora_bench.py --step --out "$OUT/lora_step.json" \
             >"$OUT/lora_step.log" 2>&1
         tail -25 "$OUT/lora_step.log" ;;
+    prefetch)  # would an L2 prefetch of the next linear's weights speed up batch-1 GEMMs? (bench/prefetch_bench.py)
+        stage 30 90 "L2 prefetch of the next weights" $PY bench/prefetch_bench.py --out "$OUT/prefetch.json" 2>&1 \
+            | tail -12 | tee -a "$OUT/smoke.log" ;;
     lora_kernels)
         stage 30 120 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
             >>"$OUT/smoke.log" ;;
@@ -182,7 +192,7 @@ print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
              "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json",
-             "bursts.json"):
+             "bursts.json", *sorted(p.name for p in out.glob("lora_variant_*.json"))):
     path = out / name
     if not path.exists():  # a stage not in the plan, or one that failed (its log is in logs.tar.gz)
         continue
