@@ -11,7 +11,7 @@
 #   BENCH_ARGS="--vae-dtype bfloat16" (every engine_bench run but the profile),
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
-#   LORA_VARIANTS="two_pdl two_beside" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
+#   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step prefetch lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,7 +124,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 2>"$OUT/lora_ab_$n.log" >/dev/null
         done ;;
     lora_variants)  # the large LoRA variant end to end: 32 adapters, c=1,64,1,64, one engine per variant
-        for v in ${LORA_VARIANTS:-two_pdl two_beside}; do
+        for v in ${LORA_VARIANTS:-two_pdl two_n128}; do
             stage 70 160 "A/B: LoRA variant $v, 32 adapters, c=1,64,1,64" env VOXGATE_LORA_LARGE_VARIANT=$v $BENCH \
                 --concurrency 1,64,1,64 --requests-factor 2 --max-num-seqs 256 --lora 32 \
                 --out "$OUT/lora_variant_$v.json" 2>"$OUT/lora_variant_$v.log" >/dev/null

@@ -329,14 +329,14 @@ class StepCase(NamedTuple):
             seg = None if variant is None else lora_triton.segment_rows(index, shape.per, ADAPTERS + 1)
             for _ in range(shape.evals):
                 for layer in self.layers:
-                    for inp, out, w, a, b, outs in ((x, y, layer["w_qkv"], layer["a_qkv"], layer["b_qkv"], shape.outs),
-                                                    (xo, yo, layer["w_o"], layer["a_o"], layer["b_o"], None)):
-                        # as the engine runs a linear: what of the LoRA can go beside the GEMM first
-                        begun = lora_triton.lora_begin(inp, a, b, index, shape.per, outs, seg, forced) if lora else None
-                        torch.mm(inp, w.t(), out=out)
-                        if lora:
-                            lora_triton.lora_add_(out, inp, a, b, index, shape.per, outs, seg, variant=forced,
-                                                  begun=begun)
+                    torch.mm(x, layer["w_qkv"].t(), out=y)
+                    if lora:
+                        lora_triton.lora_add_(y, x, layer["a_qkv"], layer["b_qkv"], index, shape.per, shape.outs, seg,
+                                              variant=forced)
+                    torch.mm(xo, layer["w_o"].t(), out=yo)
+                    if lora:
+                        lora_triton.lora_add_(yo, xo, layer["a_o"], layer["b_o"], index, shape.per, None, seg,
+                                              variant=forced)
         return run
 
     def error(self) -> float:

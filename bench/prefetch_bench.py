@@ -9,7 +9,9 @@ Per shape, one CUDA graph runs a chain of GEMMs as a step does (each its own wei
 the L2, so every GEMM starts cold), timed per GEMM:
 - cold: the chain alone;
 - hot: one weight copy for the whole chain (what the GEMM costs from L2: the bound on what a prefetch can give);
-- next / ahead2: the chain with the weights of the GEMM one / two places ahead prefetched beside each GEMM.
+- next / ahead2: the chain with the weights of the GEMM one / two places ahead prefetched beside each GEMM;
+- fork: `next`'s graph shape (a side-stream kernel forked beside each GEMM) with a kernel that prefetches nothing: what
+  the fork itself costs the chain.
 Then whole layers (q|k|v, o, gate|up, down in turn, each layer its own weights) cold and with `next`.
 
     python bench/prefetch_bench.py [--out prefetch.json]      (GPU, ~20 s)
@@ -52,15 +54,16 @@ def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
         "=r,l,r", [ptr + tl.where(size > 0, start, 0), size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch(w: torch.Tensor) -> None:
-    """Launch the L2 prefetch of w's bytes (contiguous) on the current stream."""
+def prefetch(w: torch.Tensor, empty: bool = False) -> None:
+    """Launch the L2 prefetch of w's bytes (contiguous) on the current stream (`empty`: one program, no bytes)."""
     flat = w.view(torch.uint8).view(-1)
-    nbytes = flat.numel() // 16 * 16
-    _l2_prefetch_kernel[(triton.cdiv(nbytes, CHUNK * LANES),)](flat, nbytes, CHUNK=CHUNK, LANES=LANES, num_warps=1)
+    nbytes = 0 if empty else flat.numel() // 16 * 16
+    grid = (max(1, triton.cdiv(nbytes, CHUNK * LANES)),)
+    _l2_prefetch_kernel[grid](flat, nbytes, CHUNK=CHUNK, LANES=LANES, num_warps=1)
 
 
-def chain(x: dict[int, torch.Tensor], weights: list[torch.Tensor], ahead: int, side: torch.cuda.Stream
-          ) -> Callable[[], None]:
+def chain(x: dict[int, torch.Tensor], weights: list[torch.Tensor], ahead: int, side: torch.cuda.Stream,
+          empty: bool = False) -> Callable[[], None]:
     """GEMM after GEMM over `weights` (x by K), each with the weights `ahead` places on prefetched beside it."""
     outs = [torch.empty(x[w.shape[1]].shape[0], w.shape[0], device="cuda", dtype=w.dtype) for w in weights]
 
@@ -70,7 +73,7 @@ def chain(x: dict[int, torch.Tensor], weights: list[torch.Tensor], ahead: int, s
             if ahead and i + ahead < len(weights):
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    prefetch(weights[i + ahead])
+                    prefetch(weights[i + ahead], empty)
             torch.mm(x[w.shape[1]], w.t(), out=outs[i])
         if ahead:
             main.wait_stream(side)
@@ -118,10 +121,12 @@ def main() -> None:
                    "cold_us": graph_us(chain(x, weights, 0, side), copies),
                    "hot_us": graph_us(chain(x, [weights[0]] * copies, 0, side), copies),
                    "next_us": graph_us(chain(x, weights, 1, side), copies),
-                   "ahead2_us": graph_us(chain(x, weights, 2, side), copies)}
+                   "ahead2_us": graph_us(chain(x, weights, 2, side), copies),
+                   "fork_us": graph_us(chain(x, weights, 1, side, empty=True), copies)}
             results["per_linear"].append(row)
             print(f"{stack} {name:8s} {rows:3d}x{k}->{n} {row['mb']:5.1f} MB: cold {row['cold_us']:6.2f}  "
-                  f"hot {row['hot_us']:6.2f}  next {row['next_us']:6.2f}  ahead2 {row['ahead2_us']:6.2f} us",
+                  f"hot {row['hot_us']:6.2f}  next {row['next_us']:6.2f}  ahead2 {row['ahead2_us']:6.2f}  "
+                  f"fork {row['fork_us']:6.2f} us",
                   flush=True)
             del weights
         layers = 12 if stack == "dit" else 28

@@ -45,9 +45,8 @@ CASES = {  # name: (slot of each index row, tokens per index row, in, out, slot 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("how", [*VARIANTS, "fused=False", "fused=True", "begun"])
+@pytest.mark.parametrize("how", [*VARIANTS, "fused=False", "fused=True"])
 def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, how: str) -> None:
-    """"begun": a beside variant as the engine runs it, the shrink from `lora_begin` before y exists."""
     slots, per, fan_in, fan_out, width, rank = CASES[case]
     choice = {"fused": how == "fused=True"} if how.startswith("fused=") else {"variant": how}
     gen = torch.Generator().manual_seed(len(slots) * 31 + per)
@@ -62,15 +61,8 @@ def test_kernel_matches_torch(lora_add_, case: str, dtype: torch.dtype, how: str
     x, y, a, b = (t.to(dtype) for t in (x, y, a, b))
     ref = lora_delta_add(y.double().view(len(slots), per, fan_out), x.double().view(len(slots), per, fan_in),
                          a.double(), b.double(), index).view(rows, fan_out)
-    if how == "begun":
-        kernels = sys.modules["engine.model.lora_triton"]
-        begun = kernels.lora_begin(x, a, b, index, per, variant="two_beside")
-        assert begun is not None
-        out = y.clone()
-        lora_add_(out, x, a, b, index, per, begun=begun)
-    else:
-        out = y.clone()
-        lora_add_(out, x, a, b, index, per, **choice)
+    out = y.clone()
+    lora_add_(out, x, a, b, index, per, **choice)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     base = torch.tensor([s == 0 for s in slots]).repeat_interleave(per)
@@ -92,7 +84,7 @@ FUSED = {  # name: (slot of each row, in, outs of the linears sharing x, rank)
 
 @pytest.mark.parametrize("case", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("variant", ["two", "one", "split", "split_n64", "two_beside"])
+@pytest.mark.parametrize("variant", ["two", "one", "split", "split_n64"])
 def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torch.dtype, variant: str) -> None:
     """One shrink over stacked A's + one expand into the fused output == each linear's LoRA on its own columns."""
     slots, fan_in, outs, rank = FUSED[case]
@@ -112,9 +104,7 @@ def test_fused_kernel_equals_each_linear_alone(lora_add_, case: str, dtype: torc
         start += n
     ref = torch.cat(parts, dim=1)
     out = y.clone()
-    begun = sys.modules["engine.model.lora_triton"].lora_begin(x, a, b, index, 1, outs, variant=variant)
-    assert (begun is not None) == variant.startswith("two_beside")  # only a beside variant launches early
-    lora_add_(out, x, a, b, index, 1, outs, variant=variant, begun=begun)
+    lora_add_(out, x, a, b, index, 1, outs, variant=variant)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(lora_delta_add(y.double(), x.double(), a.double(), b.double(), index, outs), ref)

@@ -94,12 +94,10 @@ def _fusable(linears: Sequence[nn.Module]) -> bool:
 
 def fused_linear(x: Tensor, weight: Tensor, linears: Sequence[nn.Module]) -> Tensor:
     """The linears' outputs side by side from one GEMM with their fused weight, plus their shared LoRA's deltas
-    (one shrink and one expand) when they carry one: its shrink may run beside the GEMM (`FusedLoRA.begin`)."""
+    (one shrink and one expand) when they carry one."""
+    y = F.linear(x, weight)
     lora = getattr(linears[0], "fused_lora", None)
-    if lora is None:
-        return F.linear(x, weight)
-    begun = lora.begin(x)
-    return lora(x, F.linear(x, weight), begun)
+    return y if lora is None else lora(x, y)
 
 
 class SwiGLU(nn.Module):

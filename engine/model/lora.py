@@ -188,15 +188,9 @@ class LoRALayer(nn.Module):
                          torch.zeros(s, out_features, r, device=device, dtype=dtype))
         self.register_buffer("lora_A", a, persistent=False)
         self.register_buffer("lora_B", b, persistent=False)
-        self.begun: Any = None  # `begin` -> `forward`, within one call of the linear
-
-    def begin(self, x: Tensor) -> None:
-        """Launch what of x's LoRA can run before the linear's own GEMM (`begin_lora`); `forward` finishes it."""
-        self.begun = begin_lora(self.state, self.group, x, self.lora_A, self.lora_B)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        begun, self.begun = self.begun, None
-        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B, begun=begun)
+        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B)
 
 
 class FusedLoRA:
@@ -228,36 +222,14 @@ class FusedLoRA:
             start += layer.lora_B.shape[1]
         return True
 
-    def begin(self, x: Tensor) -> Any:
-        """Launch what of every member's LoRA of x can run before the fused GEMM (`begin_lora`); for `__call__`."""
-        return begin_lora(self.state, self.group, x, self.lora_A, self.lora_B, self.outs)
-
-    def __call__(self, x: Tensor, y: Tensor, begun: Any = None) -> Tensor:
+    def __call__(self, x: Tensor, y: Tensor) -> Tensor:
         """y (the fused GEMM's output, members' columns in order) plus every member's LoRA of x."""
-        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B, self.outs, begun)
-
-
-def begin_lora(state: LoRAState, group: str, x: Tensor, lora_a: Tensor, lora_b: Tensor,
-               outs: tuple[int, ...] | None = None) -> Any:
-    """Launch, before the linear's own GEMM, the part of x's LoRA that does not need its output: on CUDA the shrink
-    beside the GEMM (engine.model.lora_triton.lora_begin). Returns what `apply_lora(..., begun=)` finishes; None
-    where nothing was launched (the base model, CPU, a variant that runs after the GEMM)."""
-    index = state.rows(group)
-    if index is None or state.bypass or not fused(x) or x.shape[0] != index.shape[0]:
-        return None
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:  # a copy would be freed while the side stream still reads it
-        return None
-    from engine.model.lora_triton import lora_begin
-
-    per = x2.shape[0] // max(index.shape[0], 1)
-    return lora_begin(x2, lora_a, lora_b, index, per, outs, state.segments(group, per))
+        return apply_lora(self.state, self.group, x, y, self.lora_A, self.lora_B, self.outs)
 
 
 def apply_lora(state: LoRAState, group: str, x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor,
-               outs: tuple[int, ...] | None = None, begun: Any = None) -> Tensor:
-    """y plus the row group's per-row LoRA of x (see `lora_delta_add`). CUDA: the Triton kernels, in place on y,
-    finishing what `begin_lora` launched (`begun`) if anything."""
+               outs: tuple[int, ...] | None = None) -> Tensor:
+    """y plus the row group's per-row LoRA of x (see `lora_delta_add`). CUDA: the Triton kernels, in place on y."""
     index = state.rows(group)
     if index is None or state.bypass:  # the base model
         return y
@@ -271,7 +243,7 @@ def apply_lora(state: LoRAState, group: str, x: Tensor, y: Tensor, lora_a: Tenso
     x2 = x.reshape(-1, x.shape[-1])
     per = x2.shape[0] // max(rows, 1)
     lora_add_(y.view(-1, y.shape[-1]), x2 if x2.stride(-1) == 1 else x2.contiguous(), lora_a, lora_b, index, per,
-              outs, state.segments(group, per), begun=begun)
+              outs, state.segments(group, per))
     return y
 
 
@@ -303,10 +275,6 @@ def lora_delta_add(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: 
             xs = x3[sel].reshape(1, -1, x3.shape[-1])  # all the slot's rows as one matrix
             out[sel] = delta(xs, lora_a[slot:slot + 1], lora_b[slot:slot + 1]).view(len(sel), x3.shape[1], -1)
     return y + out.view_as(y)
-
-
-def _begin_lora(linear: nn.Module, args: tuple[Tensor, ...]) -> None:
-    linear.lora.begin(args[0])
 
 
 def _add_lora(linear: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
@@ -354,13 +322,7 @@ def attach_lora(model: nn.Module, num_adapters: int, max_rank: int, lm: tuple[st
         layer = layers.get(path) or LoRALayer(linear.in_features, linear.out_features, state, group, param.device,
                                               param.dtype)
         linear.lora = layer
-        if getattr(linear, "fused_lora", None) is None:  # a fused group's GEMM begins its LoRA (`fused_linear`)
-            linear.register_forward_pre_hook(_begin_lora)
         linear.register_forward_hook(_add_lora)
         state.layers[path] = layer
-    if param.is_cuda:  # before any CUDA graph capture
-        from engine.model.lora_triton import side_stream
-
-        side_stream(param.device)
     model.lora = state
     return state

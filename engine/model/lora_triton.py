@@ -21,9 +21,7 @@ elsewhere), `lora_add_` runs any, and `VARIANTS` names the ones bench/lora_bench
   tiles still spread over the SMs (one tile alone would walk K=2048 serially on one SM), with no atomics (the result is
   bit-reproducible) and no memset of t (slot-0 rows are never written nor read). With `pdl` the expand is launched as a
   programmatic dependent of the shrink (Hopper): its programs start while the shrink runs, load their B and y tiles
-  (which the shrink does not write) and wait for the shrink only before reading t, hiding the second launch. With
-  `beside` the shrink is launched before the linear's base GEMM (`lora_begin`), on a side stream: it runs on the SMs
-  the GEMM leaves idle (a decode step's GEMMs fill few of them) and only the expand follows the GEMM.
+  (which the shrink does not write) and wait for the shrink only before reading t, hiding the second launch.
 - "one": one launch (`_fused_kernel`): program (tile, column tile) recomputes its tile's shrink over all of K, for the
   rank block of its column tile's part only, keeps t in registers and adds t @ B^T into its y tile. The shrink is
   repeated once per column tile, from L2, and each program walks all of K serially: with cold weights (a step's layers
@@ -74,8 +72,7 @@ class Variant(NamedTuple):
     """How `lora_add_` runs one linear. `path`: "two" (shrink, expand), "one" (`_fused_kernel`) or "split"
     (`_split_kernel`). `block_n`: the expand's / one launch's column tile; `block_k`: the K step of the shrink loop;
     `warps`, `stages`: Triton's num_warps and num_stages (the K loop's software pipeline depth); `per_sm`: programs
-    per SM the K split aims at ("two" and "split"); `pdl` ("two"): the expand as a programmatic dependent launch;
-    `beside` ("two"): the shrink on a side stream, beside the linear's base GEMM (`lora_begin`)."""
+    per SM the K split aims at ("two" and "split"); `pdl` ("two"): the expand as a programmatic dependent launch."""
 
     path: str
     block_n: int
@@ -84,7 +81,6 @@ class Variant(NamedTuple):
     stages: int = 3
     per_sm: int = PROGRAMS_PER_SM
     pdl: bool = False
-    beside: bool = False
 
 
 VARIANTS: dict[str, Variant] = {
@@ -93,8 +89,6 @@ VARIANTS: dict[str, Variant] = {
     "two_n128": Variant("two", 128, BLOCK_K),
     "two_n256_w8": Variant("two", 256, BLOCK_K, warps=8),
     "two_pdl": Variant("two", 128, BLOCK_K, pdl=True),
-    "two_beside": Variant("two", 128, BLOCK_K, beside=True),
-    "two_beside_n64": Variant("two", BLOCK_N, BLOCK_K, beside=True),  # twice the expand programs
     "one": Variant("one", FUSED_BLOCK_N, FUSED_BLOCK_K),
     "one_k256": Variant("one", FUSED_BLOCK_N, 256, stages=4),  # half the serial K steps, 4 in flight (96 KB shared)
     "split": Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K),
@@ -404,95 +398,31 @@ def _split_kernel(x_ptr, a_ptr, b_ptr, table_ptr, t_ptr, count_ptr, y_ptr, K, K_
             _add_delta(total, b, y, y_ptrs, y_ok, PRECISION)
 
 
-class Begun(NamedTuple):
-    """A linear's shrink, launched before its base GEMM by `lora_begin`: t's planes, their K split, how it runs."""
-
-    t: Tensor
-    split: Plan
-    variant: Variant
-    segments: Segments
-
-
-@functools.cache
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream `beside` shrinks run on, one per device (engine.model.lora.attach_lora makes it before any CUDA
-    graph capture)."""
-    return torch.cuda.Stream(device)
-
-
-def lora_begin(x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
-               outs: tuple[int, ...] | None = None, segments: Segments | None = None,
-               variant: Variant | str | None = None) -> Begun | None:
-    """Start y += LoRA(x) before y's base GEMM is launched (arguments as `lora_add_`). For a `beside` variant
-    (`variant`, else `choose`'s pick) the shrink goes on a side stream forked from the current one, so it runs on the
-    SMs the GEMM leaves idle while the caller launches the GEMM; `lora_add_(..., begun=)` then joins the streams and
-    expands. None, and nothing launched, for any other variant. CPU tensors (the interpreter) shrink right away."""
-    m, k = x.shape
-    outs, rank = _checked(lora_a, lora_b, outs)
-    if m == 0:
-        return None
-    seg = segments or segment_rows(index, rows_per_index, lora_a.shape[0])
-    v = _variant(m, k, rank, outs, seg, x.element_size(), None, variant)
-    if not v.beside:
-        return None
-    # t is allocated on the current stream: the caching allocator then never hands its memory to another tensor
-    # before the expand (on this stream) is done with it
-    t, split = _planes_of_t(x, lora_a, rank * len(outs), seg, v)
-    if not x.is_cuda:
-        _shrink_launch(x, lora_a, t, split, rank * len(outs), seg, v, _precision(x), pdl=False)
-        return Begun(t, split, v, seg)
-    side = side_stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))  # x, the segments and t's memory are ready
-    with torch.cuda.stream(side):
-        _shrink_launch(x, lora_a, t, split, rank * len(outs), seg, v, _precision(x), pdl=False)
-    return Begun(t, split, v, seg)
-
-
 def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tensor, rows_per_index: int,
               outs: tuple[int, ...] | None = None, segments: Segments | None = None, fused: bool | None = None,
-              variant: Variant | str | None = None, begun: Begun | None = None) -> None:
+              variant: Variant | str | None = None) -> None:
     """y [M, N] += per-row LoRA of x [M, K]; slot of row m = index[m // rows_per_index]. A [S, parts * r, K] and
     B [S, N, r] (scaling folded in) stack the LoRAs of up to three linears sharing x, whose outputs `outs` (default
     (N,)) are y's column blocks in order. x and y have unit column stride; the rank intermediate is fp32.
     `segments` (from `segment_rows`) can be shared by every linear of a step. How it runs: `variant` (a Variant or a
     VARIANTS name), else `fused` (True: one launch, K split as `plan` says; False: two launches, the module's tiles),
-    else `choose`. `begun`: what `lora_begin` launched for these arguments; only the expand is left."""
-    if begun is not None:
-        if x.is_cuda:
-            torch.cuda.current_stream(x.device).wait_stream(side_stream(x.device))
-        outs = outs or (lora_b.shape[1],)
-        _expand_launch(y, begun.t, begun.split, lora_b, outs, begun.segments, begun.variant, _precision(x), pdl=False)
-        return
+    else `choose`."""
     m, k = x.shape
-    outs, rank = _checked(lora_a, lora_b, outs)
-    if m == 0:
-        return
-    seg = segments or segment_rows(index, rows_per_index, lora_a.shape[0])
-    v = _variant(m, k, rank, outs, seg, x.element_size(), fused, variant)
-    launch = {"two": _two_launches, "one": _one_launch, "split": _one_launch}[v.path]
-    launch(y, x, lora_a, lora_b, outs, seg, v, _precision(x))
-
-
-def _checked(lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...] | None) -> tuple[tuple[int, ...], int]:
-    """(outs, rank) once the shapes are known to agree."""
     outs = outs or (lora_b.shape[1],)
-    rank = lora_b.shape[2]
+    rank, slots = lora_b.shape[2], lora_a.shape[0]
     if len(outs) > 3 or sum(outs) != lora_b.shape[1] or lora_a.shape[1] != rank * len(outs):
         raise ValueError(f"LoRA shapes disagree: A {list(lora_a.shape)}, B {list(lora_b.shape)}, outs {outs}")
-    return outs, rank
-
-
-def _variant(m: int, k: int, rank: int, outs: tuple[int, ...], seg: Segments, itemsize: int, fused: bool | None,
-             variant: Variant | str | None) -> Variant:
+    if m == 0:
+        return
+    seg = segments or segment_rows(index, rows_per_index, slots)
     if isinstance(variant, str):
-        return VARIANTS[variant]
-    if variant is None and fused is not None:  # read at the call: a bench may set the module's tiles
-        return Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K) if fused else Variant("two", BLOCK_N, BLOCK_K)
-    return variant or choose(m, k, rank, outs, seg.grid, itemsize)
-
-
-def _precision(x: Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
+        variant = VARIANTS[variant]
+    elif variant is None and fused is not None:  # read at the call: a bench may set the module's tiles
+        variant = Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K) if fused else Variant("two", BLOCK_N, BLOCK_K)
+    elif variant is None:
+        variant = choose(m, k, rank, outs, seg.grid, x.element_size())
+    launch = {"two": _two_launches, "one": _one_launch, "split": _one_launch}[variant.path]
+    launch(y, x, lora_a, lora_b, outs, seg, variant, "ieee" if x.dtype == torch.float32 else "tf32")
 
 
 def _planes(split: Plan) -> int:
@@ -509,45 +439,29 @@ def _pdl(v: Variant, device: torch.device) -> bool:
             and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9))
 
 
-def _planes_of_t(x: Tensor, lora_a: Tensor, ranks: int, seg: Segments, v: Variant) -> tuple[Tensor, Plan]:
-    """The shrink's output, t [splits, M, ranks padded] fp32, and its K split."""
-    split = plan(x.shape[1], seg.grid, x.device, v.block_k, v.per_sm)
+def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
+                  v: Variant, precision: str) -> None:
+    """Shrink (K split as `plan` says) into t's planes, then expand (summing them)."""
+    m, k = x.shape
+    rank, slots = lora_b.shape[2], lora_a.shape[0]
+    split = plan(k, seg.grid, x.device, v.block_k, v.per_sm)
+    pdl = _pdl(v, x.device)
+    shrink_r = max(16, triton.next_power_of_2(rank * len(outs)))
     # empty: every plane a tile's rows read is written by its split; slot-0 rows are neither written nor read
-    t = torch.empty((split.splits, x.shape[0], max(16, triton.next_power_of_2(ranks))), device=x.device,
-                    dtype=torch.float32)
-    return t, split
-
-
-def _shrink_launch(x: Tensor, lora_a: Tensor, t: Tensor, split: Plan, ranks: int, seg: Segments, v: Variant,
-                   precision: str, pdl: bool) -> None:
-    _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.table, t, x.shape[1], split.k_per_split, lora_a.shape[0],
+    t = torch.empty((split.splits, m, shrink_r), device=x.device, dtype=torch.float32)
+    _shrink_kernel[(seg.grid, split.splits)](x, lora_a, seg.table, t, k, split.k_per_split, slots,
                                              x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-                                             t.stride(1), RANK=ranks, BLOCK_M=BLOCK_M, BLOCK_R=t.shape[2],
+                                             t.stride(1), RANK=rank * len(outs), BLOCK_M=BLOCK_M, BLOCK_R=shrink_r,
                                              BLOCK_K=v.block_k, PDL=pdl, PRECISION=precision, num_warps=v.warps,
                                              num_stages=v.stages)
-
-
-def _expand_launch(y: Tensor, t: Tensor, split: Plan, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
-                   v: Variant, precision: str, pdl: bool) -> None:
-    rank = lora_b.shape[2]
     n0, n1, n2 = (*outs, 0, 0)[:3]
-    _expand_kernel[(seg.grid, col_tiles(outs, v.block_n))](t, lora_b, seg.table, y, n0, n1, n2, split.splits,
-                                                           lora_b.shape[0], t.stride(0), t.stride(1),
+    _expand_kernel[(seg.grid, col_tiles(outs, v.block_n))](t, lora_b, seg.table, y, n0, n1, n2,
+                                                           split.splits, slots, t.stride(0), t.stride(1),
                                                            lora_b.stride(0), lora_b.stride(1), y.stride(0),
                                                            RANK=rank, BLOCK_M=BLOCK_M,
                                                            BLOCK_R=max(16, triton.next_power_of_2(rank)),
                                                            BLOCK_N=v.block_n, PLANES=_planes(split), PDL=pdl,
                                                            PRECISION=precision, num_warps=v.warps, launch_pdl=pdl)
-
-
-def _two_launches(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
-                  v: Variant, precision: str) -> None:
-    """Shrink (K split as `plan` says) into t's planes, then expand (summing them)."""
-    pdl = _pdl(v, x.device)
-    ranks = lora_b.shape[2] * len(outs)
-    t, split = _planes_of_t(x, lora_a, ranks, seg, v)
-    _shrink_launch(x, lora_a, t, split, ranks, seg, v, precision, pdl)
-    _expand_launch(y, t, split, lora_b, outs, seg, v, precision, pdl)
 
 
 def _one_launch(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, outs: tuple[int, ...], seg: Segments,
