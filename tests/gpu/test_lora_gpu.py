@@ -171,45 +171,57 @@ def test_captured_merges_write_what_the_eager_merges_write(cuda) -> None:
 
 
 @pytest.mark.timeout(300)
-async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v2_dir) -> None:
+@pytest.mark.parametrize("scheduling", ["one_at_a_time", "async"])
+async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v2_dir, monkeypatch, scheduling) -> None:
     """On CUDA with graphs: one stream with an adapter merged into the weights (`MergedAdapter`, the default)
     streams what the LoRA kernels stream (`merge_lora=False`); a base request after it gets the base weights back.
     fp32: in bf16 the tiny random model turns the merged weights' one extra rounding into audio
     that drifts apart over the patches, as any bf16 rounding change does there (CPU: rms 0.13 vs fp32, the LoRA
-    kernels 0.08, the base model alone 0.07)."""
+    kernels 0.08, the base model alone 0.07). Steps one at a time, and launched ahead (the default)."""
     import numpy as np
 
     from engine import Engine
     from engine.config import ModelConfig
     from engine.lora import lora_layout
 
+    if scheduling == "one_at_a_time":
+        monkeypatch.setenv("VOXGATE_ASYNC_SCHEDULING", "0")
+        monkeypatch.setenv("VOXGATE_ASYNC_MIXED", "0")
     gen = torch.Generator().manual_seed(0)
     tensors = {}
     for path, (fan_in, fan_out) in lora_layout(ModelConfig.from_file(tiny_v2_dir / "config.json")).items():
         tensors[f"{path}.lora_A"] = torch.randn(8, fan_in, generator=gen) * 0.05
         tensors[f"{path}.lora_B"] = torch.randn(fan_out, 8, generator=gen) * 0.05
 
-    async def run(merge: bool) -> tuple[list[np.ndarray], int]:
+    async def run(merge: bool) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
         engine = Engine(str(tiny_v2_dir), max_num_seqs=4, num_kv_blocks=128, inference_timesteps=4, max_loras=2,
                         max_lora_rank=8, dtype="float32", merge_lora=merge)
         await engine.wait_for_ready()
         try:
             await engine.register_lora("v", tensors, config={"r": 8, "alpha": 8.0})
-            audio = []
+            audio, latents = [], []
             for lora in ("v", None):
-                chunks = [c.audio async for c in engine.generate("Hello there, how are you?", lora=lora, seed=5,
-                                                                 max_length=8, min_length=8)]
-                audio.append(np.concatenate(chunks))
-            return audio, sum(w["stats"]["lora_merged_steps"] for w in engine.health()["workers"])
+                chunks = [c async for c in engine.generate("Hello there, how are you?", lora=lora, seed=5,
+                                                           max_length=8, min_length=8)]
+                audio.append(np.concatenate([c.audio for c in chunks]))
+                latents.append(np.stack([c.latents for c in chunks]))
+            stats = engine.health()["workers"][0]["stats"]
+            return audio, latents, stats
         finally:
             await engine.stop()
 
-    merged, merged_steps = await run(True)
-    kernels, kernel_steps = await run(False)
-    assert merged_steps >= 8 and kernel_steps == 0
+    merged, merged_latents, merged_stats = await run(True)
+    kernels, kernel_latents, kernel_stats = await run(False)
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+    # what each run did, and where they part (printed for the GPU log: a failure in the full suite in s11d and s12b
+    # did not come back when the test ran alone)
+    for name, st in (("merged", merged_stats), ("kernels", kernel_stats)):
+        print(f"{scheduling} {name}: ahead {st['ahead_steps']}, hist {st['step_hist']}")
+    print(f"{scheduling} latents rel rms per patch:",
+          " ".join(f"{rms(a - b) / rms(b):.1e}" for a, b in zip(merged_latents[0], kernel_latents[0], strict=True)))
+    assert merged_stats["lora_merged_steps"] >= 8 and kernel_stats["lora_merged_steps"] == 0
     # W + BA and Wx + B(Ax) round differently, and the random model's feedback grows that over the patches (H200:
     # max 5e-3 at the last patches, 0.8% of samples above 1e-3): compare energies, against the adapter's own effect
-    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
     assert rms(merged[0] - kernels[0]) < 1e-2 * rms(kernels[0])
     assert rms(merged[0] - merged[1]) > 10 * rms(merged[0] - kernels[0])  # the adapter's effect is far larger
     np.testing.assert_allclose(merged[1], kernels[1], atol=1e-4)  # the originals back (bits: CPU test)
