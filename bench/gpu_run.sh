@@ -12,7 +12,7 @@
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
-#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step prefetch lora_kernels gateway gateway_capacity v15 kernels
+#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -149,9 +149,6 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 40 150 "LoRA step-like bench" $PY bench/lora_bench.py --step --out "$OUT/lora_step.json" \
             >"$OUT/lora_step.log" 2>&1
         tail -25 "$OUT/lora_step.log" ;;
-    prefetch)  # would an L2 prefetch of the next linear's weights speed up batch-1 GEMMs? (bench/prefetch_bench.py)
-        stage 30 90 "L2 prefetch of the next weights" $PY bench/prefetch_bench.py --out "$OUT/prefetch.json" 2>&1 \
-            | tail -12 | tee -a "$OUT/smoke.log" ;;
     lora_kernels)
         stage 30 120 "LoRA kernels" $PY bench/lora_bench.py --out "$OUT/lora_kernels.json" 2>&1 | tail -20 \
             >>"$OUT/smoke.log" ;;
