@@ -217,9 +217,11 @@ async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v
     # did not come back when the test ran alone)
     for name, st in (("merged", merged_stats), ("kernels", kernel_stats)):
         print(f"{scheduling} {name}: ahead {st['ahead_steps']}, hist {st['step_hist']}")
-    print(f"{scheduling} latents rel rms per patch:",
-          " ".join(f"{rms(a - b) / rms(b):.1e}" for a, b in zip(merged_latents[0], kernel_latents[0], strict=True)))
+    per_patch = [rms(a - b) / rms(b) for a, b in zip(merged_latents[0], kernel_latents[0], strict=True)]
+    print(f"{scheduling} latents rel rms per patch:", " ".join(f"{d:.1e}" for d in per_patch))
     assert merged_stats["lora_merged_steps"] >= 8 and kernel_stats["lora_merged_steps"] == 0
+    # the model's own output first: each patch within fp32 rounding (H200, s12d: 3-6e-7 one step at a time)
+    assert max(per_patch) < 1e-4, f"latents part at patch {per_patch.index(max(per_patch)) + 1}: {per_patch}"
     # W + BA and Wx + B(Ax) round differently, and the random model's feedback grows that over the patches (H200:
     # max 5e-3 at the last patches, 0.8% of samples above 1e-3): compare energies, against the adapter's own effect
     assert rms(merged[0] - kernels[0]) < 1e-2 * rms(kernels[0])
