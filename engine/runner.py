@@ -92,6 +92,7 @@ class PendingStep:
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
     sampled: torch.Tensor | None = None  # its patches where it made them (on the device), row j = seq emit[j]
     audio_event: torch.cuda.Event | None = None  # the VAE lane: its audio is in `result` once this fired
+    lora: str = ""  # how it ran LoRA (`Runner._launch`), for the DEBUG step log
 
 
 @dataclass
@@ -103,6 +104,7 @@ class StepTiming:
     decode_rows: int
     gpu_ms: float | None  # CUDA events around the step's device work (None on CPU)
     audio_ms: float | None = None  # from the step's start until its audio was back on the host (the VAE lane)
+    lora: str = ""  # "merged <slot>", "bypass" or "kernels" (+ each seq's slot at DEBUG); "" without LoRA slots
 
 
 @dataclass
@@ -434,10 +436,15 @@ class Runner:
             state.merged.use(adapter if merged else 0)
         state.bypass = merged or all(s.request.lora_slot == 0 for s in seqs)
         self.merged_steps += merged
+        how = f"merged {adapter}" if merged else "bypass" if state.bypass else "kernels"
+        if how == "kernels" and log.isEnabledFor(logging.DEBUG):  # each row's slot: a join per step otherwise
+            how += " " + ",".join(str(s.request.lora_slot) for s in seqs)
         try:
-            return self._launch_step(seqs, after)
+            pending = self._launch_step(seqs, after)
         finally:
             self.model.lora.bypass = False
+        pending.lora = how
+        return pending
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
@@ -508,7 +515,7 @@ class Runner:
                 audio_ms = pending.events[0].elapsed_time(pending.audio_event)
         prefill = sum(s.num_tokens for s in pending.seqs if s.num_tokens > 1 or not s.request.generated)
         decode = sum(1 for s in pending.seqs if s.num_tokens == 1 and s.request.generated)
-        self.last_step = StepTiming(pending.kind, prefill, decode, gpu_ms, audio_ms)
+        self.last_step = StepTiming(pending.kind, prefill, decode, gpu_ms, audio_ms, pending.lora)
         return out
 
     def _collect(self, pending: PendingStep) -> StepOutput:

@@ -452,9 +452,9 @@ class Worker:
         self.step_stats.record(t.kind, wall_ms, t.gpu_ms, t.prefill_tokens, t.decode_rows, triton_compiles())
         if log.isEnabledFor(logging.DEBUG):  # wall-clock start, to line steps up with other processes' events
             log.debug("step %d %s at %.4f: wall %.2f ms, gpu %s ms, prefill %d tokens, %d decode rows, %d compiles, "
-                      "audio %s ms", self.scheduler.num_steps, t.kind, time.time() - wall_ms / 1e3, wall_ms,
+                      "lora %s, audio %s ms", self.scheduler.num_steps, t.kind, time.time() - wall_ms / 1e3, wall_ms,
                       "-" if t.gpu_ms is None else f"{t.gpu_ms:.2f}", t.prefill_tokens, t.decode_rows,
-                      self.step_stats.compiles, "-" if t.audio_ms is None else f"{t.audio_ms:.2f}")
+                      self.step_stats.compiles, t.lora or "-", "-" if t.audio_ms is None else f"{t.audio_ms:.2f}")
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's stats and the step timing (`StepStats`)."""

@@ -86,3 +86,37 @@ def test_warm_up_primes_the_vae_with_every_continuation_tail_length(tiny_v2_dir)
     runner.warm_up()
     p = loaded.config.patch_size
     assert {k * p for k in range(1, CONTEXT_PATCHES["voxcpm2"] + 1)} <= set(frames)
+
+
+@torch.inference_mode()
+def test_steps_report_how_they_ran_lora(tiny_v2_dir, caplog):
+    """A step's `lora` (in the worker's DEBUG step line): merged with the adapter every row uses, bypassed when no
+    row has one, else the LoRA kernels with each row's slot (at DEBUG), as decided at launch."""
+    import logging
+
+    from engine.model.lora import attach_lora, merge_into_weights
+
+    caplog.set_level(logging.DEBUG, logger="engine.runner")
+
+    loaded = load_model(tiny_v2_dir)
+    plain = cpu_runner(loaded)
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=plain.num_blocks, block_size=16,
+                      patch_ms=loaded.config.patch_ms)
+    for i, n in enumerate((20, 9)):
+        sched.add(make_spec(i, loaded.config, n))
+    seqs = sched.schedule()
+    plain.collect(plain.launch(seqs))
+    assert plain.last_step.lora == ""
+    attach_lora(loaded.model, num_adapters=2, max_rank=4)
+    merge_into_weights(loaded.model.lora, loaded.model)
+    runner = cpu_runner(loaded)
+    reported = []
+    for slots, adapter in (((1, 2), 0), ((0, 0), 0), ((1, 1), 1)):
+        for seq, slot in zip(seqs, slots, strict=True):
+            seq.request.lora_slot = slot
+        runner.collect(runner.launch(seqs, adapter=adapter))
+        reported.append(runner.last_step.lora)
+    for seq in seqs:
+        seq.request.lora_slot = 0
+    loaded.model.lora.merged.use(0)
+    assert reported == ["kernels 1,2", "bypass", "merged 1"]
