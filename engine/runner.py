@@ -436,9 +436,14 @@ class Runner:
             state.merged.use(adapter if merged else 0)
         state.bypass = merged or all(s.request.lora_slot == 0 for s in seqs)
         self.merged_steps += merged
-        how = f"merged {adapter}" if merged else "bypass" if state.bypass else "kernels"
-        if how == "kernels" and log.isEnabledFor(logging.DEBUG):  # each row's slot: a join per step otherwise
-            how += " " + ",".join(str(s.request.lora_slot) for s in seqs)
+        if merged:
+            how = f"merged {adapter}"
+        elif state.bypass:
+            how = "bypass"
+        elif log.isEnabledFor(logging.DEBUG):  # each row's slot only then: a join over the batch every step otherwise
+            how = "kernels " + ",".join(str(s.request.lora_slot) for s in seqs)
+        else:
+            how = "kernels"
         try:
             pending = self._launch_step(seqs, after)
         finally:
