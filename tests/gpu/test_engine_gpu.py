@@ -300,7 +300,10 @@ async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, 
     """The VAE lane (each step's VAE decode replayed on a second stream while the next step runs) gives the streams
     of the VAE inside each step's graph: with steps launched ahead, prompts admitted ahead, streams ending and their
     VAE rows reused, and continuation segments whose rows are primed on the lane from the prompt's patches (lengths
-    fixed, bf16 audio within the batch-invariance tolerance)."""
+    fixed). fp32: the two runs' arrivals may give a stream other batch partners, and in bf16 the tiny random model
+    turns the rounding change that brings into audio that drifts apart over the patches (s13a: one stream off by up
+    to 2.0 in a pair run, where the lane had passed s12a, s12b and s12d); in fp32 that drift stays far inside the
+    tolerance, so a failure here is the lane's."""
     texts = ["Streaming speech should start quickly.", "Hi there.", "The quick brown fox jumps over the lazy dog.",
              "Good morning!", "One more voice in the batch."]
 
@@ -321,9 +324,9 @@ async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, 
 
     mixed = {"VOXGATE_ASYNC_SCHEDULING": "1", "VOXGATE_ASYNC_MIXED": "1"}
     lane, ahead = await serve_tiny(tiny_v2_dir, monkeypatch, {**mixed, "VOXGATE_VAE_STREAM": "1"}, streams,
-                                   "ahead_steps")
+                                   "ahead_steps", dtype="float32")
     inside, _ = await serve_tiny(tiny_v2_dir, monkeypatch, {**mixed, "VOXGATE_VAE_STREAM": "0"}, streams,
-                                 "ahead_steps")
+                                 "ahead_steps", dtype="float32")
     assert ahead > 0
     assert_same_streams(lane, inside)
 

@@ -212,16 +212,21 @@ async def test_merged_adapter_equals_the_lora_kernels_in_the_engine(cuda, tiny_v
 
     merged, merged_latents, merged_stats = await run(True)
     kernels, kernel_latents, kernel_stats = await run(False)
+    # a second kernel run: when the first parts from the merged one, this tells a race (the two kernel runs differ)
+    # from a fault that sticks in this environment (they agree)
+    _, again_latents, again_stats = await run(False)
     rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
-    # what each run did, and where they part (printed for the GPU log: a failure in the full suite in s11d and s12b
-    # did not come back when the test ran alone)
-    for name, st in (("merged", merged_stats), ("kernels", kernel_stats)):
+    # what each run did, and where they part (printed for the GPU log: a failure in the full suite in s11d, s12b and
+    # s12d did not come back when the test ran alone, nor in the whole suite in s13b)
+    for name, st in (("merged", merged_stats), ("kernels", kernel_stats), ("kernels again", again_stats)):
         print(f"{scheduling} {name}: ahead {st['ahead_steps']}, hist {st['step_hist']}")
-    per_patch = [rms(a - b) / rms(b) for a, b in zip(merged_latents[0], kernel_latents[0], strict=True)]
-    print(f"{scheduling} latents rel rms per patch:", " ".join(f"{d:.1e}" for d in per_patch))
+    print(f"{scheduling} the two kernel runs bit-identical: {np.array_equal(kernel_latents[0], again_latents[0])}")
     assert merged_stats["lora_merged_steps"] >= 8 and kernel_stats["lora_merged_steps"] == 0
-    # the model's own output first: each patch within fp32 rounding (H200, s12d: 3-6e-7 one step at a time)
-    assert max(per_patch) < 1e-4, f"latents part at patch {per_patch.index(max(per_patch)) + 1}: {per_patch}"
+    for name, latents in (("kernels", kernel_latents), ("kernels again", again_latents)):
+        per_patch = [rms(a - b) / rms(b) for a, b in zip(merged_latents[0], latents[0], strict=True)]
+        print(f"{scheduling} {name} vs merged, latents rel rms per patch:", " ".join(f"{d:.1e}" for d in per_patch))
+        # the model's own output first: each patch within fp32 rounding (H200, s12d: 3-6e-7 one step at a time)
+        assert max(per_patch) < 1e-4, f"{name}: latents part at patch {per_patch.index(max(per_patch)) + 1}"
     # W + BA and Wx + B(Ax) round differently, and the random model's feedback grows that over the patches (H200:
     # max 5e-3 at the last patches, 0.8% of samples above 1e-3): compare energies, against the adapter's own effect
     assert rms(merged[0] - kernels[0]) < 1e-2 * rms(kernels[0])
