@@ -155,10 +155,15 @@ class DecodeResult:
 class StepGraphs:
     """One captured graph of `body(key)` per bucket key (a row count, or (tokens, sequences)) over the same static
     buffers. Every graph set of a runner shares one memory pool: captured largest first, replayed one at a time on
-    one stream, outputs copied out before the next replay can reuse them."""
+    one stream, outputs copied out before the next replay can reuse them.
+
+    `stream`: where to capture (default: PyTorch's one capture stream for every graph). A set replayed beside others,
+    on a stream of its own, needs a capture stream of its own too: PyTorch keys the cuBLAS workspace that a captured
+    GEMM writes by the capture stream, so graphs captured on the same one share it, and two of them running at once
+    corrupt each other's GEMMs (pytorch/pytorch#193402)."""
 
     def __init__(self, body: Callable[[Any], Any], buckets: list, before_capture: Callable[[Any], None],
-                 pool: tuple):
+                 pool: tuple, stream: torch.cuda.Stream | None = None):
         self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Any, Any] = {}
         for bucket in sorted(buckets, reverse=True):
@@ -166,7 +171,7 @@ class StepGraphs:
             body(bucket)  # warm-up: Triton compiles, cuBLAS picks kernels, lazy tables fill
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bucket] = body(bucket)
             self.graphs[bucket] = graph
         torch.cuda.synchronize()

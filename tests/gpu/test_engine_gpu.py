@@ -300,10 +300,9 @@ async def test_vae_lane_equals_the_vae_inside_the_step_graph(cuda, tiny_v2_dir, 
     """The VAE lane (each step's VAE decode replayed on a second stream while the next step runs) gives the streams
     of the VAE inside each step's graph: with steps launched ahead, prompts admitted ahead, streams ending and their
     VAE rows reused, and continuation segments whose rows are primed on the lane from the prompt's patches (lengths
-    fixed). fp32: the two runs' arrivals may give a stream other batch partners, and in bf16 the tiny random model
-    turns the rounding change that brings into audio that drifts apart over the patches (s13a: one stream off by up
-    to 2.0 in a pair run, where the lane had passed s12a, s12b and s12d); in fp32 that drift stays far inside the
-    tolerance, so a failure here is the lane's."""
+    fixed). fp32, so that no rounding change (other batch partners) can explain a difference: this test caught the
+    lane's graphs sharing the step graphs' cuBLAS workspace (`engine.cuda_graphs.StepGraphs`), in fp32 2 runs of 3
+    on an H200 in s13, once in bf16."""
     texts = ["Streaming speech should start quickly.", "Hi there.", "The quick brown fox jumps over the lazy dog.",
              "Good morning!", "One more voice in the batch."]
 
