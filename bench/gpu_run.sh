@@ -12,7 +12,8 @@
 #   CAPACITY_LEVELS=closed:400,closed:480 CAPACITY_VAE=float32,bfloat16 CAPACITY_RAMP=6 CAPACITY_DURATION=20 (capacity)
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
-#   stages: quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
+#   stages: race quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -170,6 +171,15 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --timesteps 10 --concurrency 1,64 --requests-factor 1 --max-num-seqs 256 \
                 --out "$OUT/engine_voxcpm15.json" 2>"$OUT/engine_voxcpm15.log" >/dev/null
         fi ;;
+    race)  # the two tests that caught the VAE lane sharing the step graphs' cuBLAS workspace (s13), RACE_RUNS times
+        # each in a fresh pytest (~30-40 s a run; they failed 5 runs of 5 and 2 of 3 before the fix)
+        for i in $(seq "${RACE_RUNS:-3}"); do
+            stage 50 120 "race check $i" $PY -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -s --timeout 100 \
+                "tests/gpu/test_lora_gpu.py::test_merged_adapter_equals_the_lora_kernels_in_the_engine[async]" \
+                tests/gpu/test_engine_gpu.py::test_vae_lane_equals_the_vae_inside_the_step_graph \
+                tests/gpu/test_cuda_graphs_gpu.py >"$OUT/race_$i.log" 2>&1
+            grep -E "bit-identical|vs merged|passed|failed" "$OUT/race_$i.log" | cut -c1-160
+        done ;;
     kernels)
         [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 \
             | tail -30 >>"$OUT/smoke.log" ;;
