@@ -240,8 +240,8 @@ class Runner:
                     if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
                         self.model.lora.merged.capture()
                 if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
-                    # and a capture stream of their own (its GEMMs' cuBLAS workspace: `StepGraphs`; sharing it made
-                    # the steps launched ahead sample wrong patches now and then, s11d-s13)
+                    # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
+                    # `StepGraphs`; sharing one made steps launched ahead sample wrong patches now and then, s11d-s13)
                     self.vae_graphs = StepGraphs(self._vae_body, self.buckets or [], self._pad_vae,
                                                  torch.cuda.graph_pool_handle(), stream=self.vae_stream)
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
