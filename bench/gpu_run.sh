@@ -13,7 +13,7 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: race quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: race pdl_gemm quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -180,6 +180,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 tests/gpu/test_cuda_graphs_gpu.py >"$OUT/race_$i.log" 2>&1
             grep -E "bit-identical|vs merged|passed|failed" "$OUT/race_$i.log" | cut -c1-160
         done ;;
+    pdl_gemm)  # batch-1 GEMM chains: cuBLAS against a Triton skinny GEMM, plain, as a programmatic dependent (PDL),
+        # and PDL with its weight slice asked into L2 first, every tile shape (~30 s)
+        stage 40 90 "PDL GEMM chains" $PY bench/pdl_gemm_bench.py --tiles --out "$OUT/pdl_gemm.json" 2>&1 \
+            | tail -40 ;;
     kernels)
         [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 \
             | tail -30 >>"$OUT/smoke.log" ;;
