@@ -19,6 +19,12 @@ import triton.language as tl
 from torch import Tensor
 
 
+def dot_precision(x: Tensor) -> str:
+    """tl.dot's input precision for x's dtype: exact fp32 products for fp32 (the reference path), else tf32 (16-bit
+    inputs have nothing to choose)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def snake_f32(x, alpha):
     """The Snake formula on fp32 values: x + 1/(alpha + 1e-9) * sin(alpha x)^2 (also used by the fused VAE unit)."""

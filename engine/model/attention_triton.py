@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels import rope_f32, rope_heads_
+from engine.kernels import dot_precision, rope_f32, rope_heads_
 from engine.model.attention import AttentionMetadata, rope_and_store_kv
 
 LOG2E = 1.4426950408889634
@@ -208,7 +208,7 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]
             q, k, v, out, cos, sin, length, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             cos.stride(0), LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim,
             BLOCK_D=_next_pow2(max(16, head_dim)), BLOCK_L=block_l, HAS_ROPE=rope is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if group * block_l <= 64 else 8)
+            PRECISION=dot_precision(q), num_warps=4 if group * block_l <= 64 else 8)
     return out
 
 
@@ -361,7 +361,7 @@ class TritonAttention:
             LOG2E / math.sqrt(head_dim), splits,
             PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_R=block_r,
             BLOCK_N=self.block_n, num_warps=4 if block_r * block_d <= 64 * 64 else 8,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays a reference; tf32 is ~1e-3
+            PRECISION=dot_precision(q),  # fp32 stays a reference; tf32 is ~1e-3
         )
         if splits > 1:
             _merge_splits_kernel[(n, q_heads)](

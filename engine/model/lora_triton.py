@@ -47,6 +47,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine.kernels import dot_precision
+
 BLOCK_M = 16
 BLOCK_K = 64  # bf16 q|k|v shrink (A tile [64, 128]): ptxas sm_90a 80 registers, no spills, 36 KB shared (3 stages)
 BLOCK_N = 64
@@ -422,7 +424,7 @@ def lora_add_(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, index: Tenso
     elif variant is None:
         variant = choose(m, k, rank, outs, seg.grid, x.element_size())
     launch = {"two": _two_launches, "one": _one_launch, "split": _one_launch}[variant.path]
-    launch(y, x, lora_a, lora_b, outs, seg, variant, "ieee" if x.dtype == torch.float32 else "tf32")
+    launch(y, x, lora_a, lora_b, outs, seg, variant, dot_precision(x))
 
 
 def _planes(split: Plan) -> int:
