@@ -180,10 +180,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 tests/gpu/test_cuda_graphs_gpu.py >"$OUT/race_$i.log" 2>&1
             grep -E "bit-identical|vs merged|passed|failed" "$OUT/race_$i.log" | cut -c1-160
         done ;;
-    pdl_gemm)  # batch-1 GEMM chains: cuBLAS against a Triton skinny GEMM, plain, as a programmatic dependent (PDL),
-        # and PDL with its weight slice asked into L2 first, every tile shape (~30 s)
-        stage 40 90 "PDL GEMM chains" $PY bench/pdl_gemm_bench.py --tiles --out "$OUT/pdl_gemm.json" 2>&1 \
-            | tail -40 ;;
+    pdl_gemm)  # batch-1 GEMM chains, shape by shape, cold and hot: cuBLAS against a Triton skinny GEMM, plain, split
+        # over K, launched as a programmatic dependent (PDL) early or late, with its weights asked into L2 (~60 s)
+        stage 60 150 "PDL GEMM chains" $PY bench/pdl_gemm_bench.py --out "$OUT/pdl_gemm.json" >"$OUT/pdl_gemm.log" 2>&1
+        tail -12 "$OUT/pdl_gemm.log" ;;
     kernels)
         [ -f bench/kernels_bench.py ] && stage 40 60 "kernel benchmark" $PY bench/kernels_bench.py 2>&1 \
             | tail -30 >>"$OUT/smoke.log" ;;
