@@ -6,6 +6,8 @@ Each replaces a chain of eager torch kernels with one pass over memory, with the
 - `add_rms_norm`: a residual add (with muP's branch scale) and the RMSNorm after it (two or three kernels -> one).
 - `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
 - `silu_mul`: SwiGLU's act silu(gate) * up from one fused gate|up GEMM output (three kernels -> one).
+- `quantize_rows_fp8`: per-row FP8 (e4m3) quantization of a GEMM's input for `engine.model.fp8` (four eager
+  kernels and an fp32 copy -> one pass).
 - `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one). Its
   formula (`rope_f32`) also runs inside the attention kernels (engine/model/attention_triton.py), which rotate
   q and k themselves on the fused path.
@@ -203,6 +205,42 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(ffn, block))](rows, y, rows.stride(0), y.stride(0), ffn,
                                                                    BLOCK=block, num_warps=4)
     return y.view(*gate_up.shape[:-1], ffn)
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@triton.jit(do_not_specialize=["width"])
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, width, BLOCK):  # pass 1: the row's largest magnitude
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0  # E4M3_MAX (a kernel reads only constexpr globals)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, width, BLOCK):  # pass 2 (from L1/L2): x / scale rounded to e4m3, as torch divides and casts
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
+        q = tl.math.div_rn(x, scale)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
+
+
+def quantize_rows_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, K] -> (x / s as float8_e4m3fn [R, K], s [R, 1] float32), s = max|row| / 448 (at least 1e-12 / 448):
+    what `engine.model.fp8.quantize_rows` computes with torch ops."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows_fp8 needs x [R, K], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(x.shape[0], 1, device=x.device, dtype=torch.float32)
+    if x.numel():
+        block = min(4096, triton.next_power_of_2(x.shape[1]))
+        _quantize_rows_fp8_kernel[(x.shape[0],)](x, q, scale, x.stride(0), q.stride(0), x.shape[1], BLOCK=block,
+                                                 num_warps=min(16, max(1, block // 256)))
+    return q, scale
 
 
 @triton.jit

@@ -48,6 +48,7 @@ from engine.cuda_graphs import (
     lm_graph_key,
     lm_graph_keys,
 )
+from engine.model import fp8
 from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
@@ -166,6 +167,11 @@ class Runner:
             self.model.attention = make_attention_backend(self.device, cfg.block_size)
             if FUSED_KERNELS:
                 self.model.fuse_projections()  # before the graphs capture the step
+        if cfg.fp8_prefill:
+            if not fp8.supported(self.device):
+                raise ValueError(f"fp8_prefill needs a GPU of compute capability 8.9 or newer; {self.device} is "
+                                 f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+            self.model.quantize_lms_fp8()  # before the memory budget below counts the weights
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
         # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).

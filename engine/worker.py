@@ -71,6 +71,9 @@ class WorkerConfig:
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
     cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
+    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: ~2x their bf16 rate on an H200,
+    # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
+    fp8_prefill: bool = False
     max_lora_rank: int = 32
     # steps whose running requests all use one adapter run it merged into the weights: the base model's speed, for
     # one device copy of the adapted linears' weights (~0.8 GB for VoxCPM2); False: always the LoRA kernels

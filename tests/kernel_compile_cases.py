@@ -137,7 +137,7 @@ def lm_stacks(cfg: ModelConfig) -> dict[str, StackConfig]:
 
 
 def launch_norm_mlp_rope(stack: StackConfig, dtype: torch.dtype) -> None:
-    """RMSNorm (alone and after a residual add), SiLU*mul and RoPE at the stack's widths."""
+    """RMSNorm (alone and after a residual add), SiLU*mul, FP8 row quantization and RoPE at the stack's widths."""
     from engine import kernels
 
     heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
@@ -147,6 +147,8 @@ def launch_norm_mlp_rope(stack: StackConfig, dtype: torch.dtype) -> None:
     kernels.add_rms_norm(x, h, weight, stack.rms_norm_eps)  # a residual add and the norm after it
     kernels.add_rms_norm(x, h, weight, stack.rms_norm_eps, 1.4 / 28 ** 0.5)  # with muP's branch scale
     kernels.silu_mul(torch.randn(3, 2 * stack.intermediate_size, dtype=dtype))
+    kernels.quantize_rows_fp8(torch.randn(3, stack.hidden_size, dtype=dtype))  # FP8 prefill: q|k|v, o, gate|up in
+    kernels.quantize_rows_fp8(torch.randn(3, stack.intermediate_size, dtype=dtype))  # down's input
     cos, sin = torch.randn(5, d), torch.randn(5, d)
     qkv = torch.randn(2, 5, heads + 2 * kv, d, dtype=dtype)  # fused qkv output: q|k heads rotated at once
     kernels.rope_(qkv[..., :heads + kv, :], cos, sin)

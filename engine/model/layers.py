@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
+from engine.model import fp8
 
 # Off (VOXGATE_FUSED_KERNELS=0): plain torch ops on CUDA too, for A/B timing and as a fallback.
 FUSED_KERNELS = os.environ.get("VOXGATE_FUSED_KERNELS", "1") != "0"
@@ -109,16 +110,28 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
         self.gate_up: Tensor | None = None  # from `fuse`
+        self.gate_up8: fp8.Fp8Weight | None = None  # from `quantize_fp8`
+        self.down8: fp8.Fp8Weight | None = None
 
     def fuse(self) -> None:
         """Run gate and up as one GEMM from now on (when they are plain linears)."""
         self.gate_up = fuse_linears((self.gate_proj, self.up_proj))
 
+    def quantize_fp8(self) -> None:
+        """Keep FP8 copies of the weights for large GEMMs (`engine.model.fp8`)."""
+        self.gate_up8 = fp8.quantized((self.gate_proj, self.up_proj))
+        self.down8 = fp8.quantized((self.down_proj,))
+
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = fused_weight(self.gate_up, (self.gate_proj, self.up_proj))
-        if gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj))))
+        gate_up_out = fp8.linear(x, self.gate_up8)
+        if gate_up_out is not None:
+            act = silu_mul(gate_up_out)
+        elif (gate_up := fused_weight(self.gate_up, (self.gate_proj, self.up_proj))) is not None:
+            act = silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj)))
+        else:
+            act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        down = fp8.linear(act, self.down8)
+        return self.down_proj(act) if down is None else down
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from engine.config import StackConfig
-from engine.model import layers
+from engine.model import fp8, layers
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
@@ -40,15 +40,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(stack.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, stack.hidden_size, bias=False)
         self.qkv: Tensor | None = None  # from `fuse`
+        self.qkv8: fp8.Fp8Weight | None = None  # from `quantize_fp8`
+        self.o8: fp8.Fp8Weight | None = None
 
     def fuse(self) -> None:
         """Run q/k/v as one GEMM (and rotate q and k together) from now on, when they are plain linears."""
         self.qkv = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
+    def quantize_fp8(self) -> None:
+        """Keep FP8 copies of the weights for large GEMMs (`engine.model.fp8`)."""
+        self.qkv8 = fp8.quantized((self.q_proj, self.k_proj, self.v_proj))
+        self.o8 = fp8.quantized((self.o_proj,))
+
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
         shape = x.shape[:-1]
-        qkv = fused_weight(self.qkv, (self.q_proj, self.k_proj, self.v_proj))
-        if qkv is None:
+        qkv_out = fp8.linear(x, self.qkv8)
+        qkv = None if qkv_out is not None else fused_weight(self.qkv, (self.q_proj, self.k_proj, self.v_proj))
+        if qkv_out is None and qkv is None:
             q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
             k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
             v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
@@ -56,13 +64,16 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:
             heads = self.heads + self.kv_heads
-            qkv_out = fused_linear(x, qkv, (self.q_proj, self.k_proj, self.v_proj))
+            if qkv_out is None:
+                qkv_out = fused_linear(x, qkv, (self.q_proj, self.k_proj, self.v_proj))
             qkv_out = qkv_out.view(*shape, heads + self.kv_heads, self.head_dim)
             qk, v = qkv_out[..., :heads, :], qkv_out[..., heads:, :]
             if rope is not None:
                 qk = apply_rope(qk, *rope)
             q, k = qk[..., :self.heads, :], qk[..., self.heads:, :]
-        return self.o_proj(attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim))
+        attended = attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim)
+        out = fp8.linear(attended, self.o8)
+        return self.o_proj(attended) if out is None else out
 
 
 class DecoderLayer(nn.Module):
@@ -102,6 +113,12 @@ class MiniCPM(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def quantize_fp8(self) -> None:
+        """FP8 copies of every layer's plain linears, used by GEMMs of many rows (`engine.model.fp8`)."""
+        for layer in self.layers:
+            layer.self_attn.quantize_fp8()
+            layer.mlp.quantize_fp8()
 
     def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend) -> Tensor:
         """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE)."""

@@ -52,6 +52,12 @@ class VoxCPMModel(nn.Module):
         for stack in (self.base_lm, self.residual_lm, self.feat_encoder.encoder, self.feat_decoder.estimator.decoder):
             stack.fuse_projections()
 
+    def quantize_lms_fp8(self) -> None:
+        """FP8 copies of both LMs' plain linear weights, for their large (prefill) GEMMs (`engine.model.fp8`); the
+        local stacks run at most 22 rows a sequence and stay in the model's dtype."""
+        for stack in (self.base_lm, self.residual_lm):
+            stack.quantize_fp8()
+
     def set_lora_indices(self, tokens: Tensor | None = None, seqs: Tensor | None = None) -> None:
         """Adapter slot (0: none) of each flat LM position [N] and each sampled sequence [B] for the coming
         `forward_lms` / `sample_patches`; only the given ones change. No-op without LoRA slots."""

@@ -1,0 +1,77 @@
+"""FP8 (e4m3) GEMMs for the LMs' large steps: the opt-in `fp8_prefill`.
+
+A burst of prompts is compute-bound: 64 prompts of ~111 positions through both LMs are ~24 TFLOP, ~36 ms of bf16
+GEMMs on an H200 at ~700 TFLOPS (bench/results, s11c), most of the first audio's wait. FP8 tensor cores have twice
+bf16's rate. Weights are quantized once at load, per output channel; a GEMM's input per row as it runs (one Triton
+kernel on CUDA); the product is `torch._scaled_mm` with both row-wise scales, out in the input's dtype.
+
+Only GEMMs of at least `MIN_ROWS` rows run in FP8. Below that a GEMM is bound by reading its weights or by latency
+(decode steps, the LocDiT), where FP8 would buy little and would make a stream's numbers depend on which batch it
+shares. So in practice: prefill steps of many prompts, or of one long prompt. Only plain linears get an FP8 copy
+(not tensor-parallel or LoRA-wrapped ones, whose own forward must run); it costs one byte per weight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from engine.model import layers
+
+# rows of a GEMM's input from which it runs in FP8 (VOXGATE_FP8_MIN_ROWS, for tests): a c=64 burst's prefill is
+# ~7,100 rows, decode steps at most max_num_seqs (512) rows
+MIN_ROWS = int(os.environ.get("VOXGATE_FP8_MIN_ROWS", "1024"))
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear's weight in FP8: weight [N, K] float8_e4m3fn, scale [1, N] float32 (one per output channel)."""
+
+    weight: Tensor
+    scale: Tensor
+
+
+def supported(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs FP8 on this device: the CPU, or a GPU of compute capability 8.9+ (Ada, Hopper
+    and later)."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, K] -> (x / s as float8_e4m3fn, s [R, 1] float32) with s = max|row| / 448 per row."""
+    if layers.fused(x):
+        from engine import kernels
+
+        return kernels.quantize_rows_fp8(x)
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (xf / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantized(linears: Sequence[nn.Module]) -> Fp8Weight | None:
+    """One FP8 weight for the linears' outputs side by side; None unless all are plain bias-free nn.Linear without
+    hooks, with widths `torch._scaled_mm` takes (multiples of 16)."""
+    if not all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+               for m in linears):
+        return None
+    weight = torch.cat([m.weight.detach() for m in linears])
+    if weight.shape[0] % 16 or weight.shape[1] % 16:
+        return None
+    q, scale = quantize_rows(weight)
+    return Fp8Weight(q, scale.view(1, -1))
+
+
+def linear(x: Tensor, w: Fp8Weight | None) -> Tensor | None:
+    """x [..., K] @ w^T in FP8, in x's dtype, when `w` is set and x has at least `MIN_ROWS` rows; None otherwise (the
+    caller runs its own GEMM)."""
+    if w is None or x.numel() < MIN_ROWS * x.shape[-1]:
+        return None
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    # row-wise scales on CUDA give bf16 only (the engine's LM dtype there); a float32 model gets it widened
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
+                         out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])

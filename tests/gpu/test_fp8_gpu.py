@@ -1,0 +1,77 @@
+"""FP8 prefill on CUDA: the Triton row quantizer gives torch's bits (its CPU twin, tests/test_fp8.py, is checked
+against torch ops there), the FP8 GEMM at VoxCPM2's LM widths is within FP8's error of fp32, and the tiny model's
+LMs with FP8 copies agree with the model's own prefill.
+
+Run on the GPU machine: `.venv/bin/python -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.config import ModelConfig
+from engine.model import fp8
+from engine.model.voxcpm import VoxCPMModel
+from engine.model_configs import tiny
+from tests.test_model_oracle import caches, new_seq, prompt, run_lms
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / kernels.E4M3_MAX
+    return (xf / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "width"), [(7104, 2048), (300, 6144), (5, 100), (3, 12288)])
+def test_triton_quantizer_gives_torchs_bits(rows: int, width: int, dtype: torch.dtype) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows + width)
+    x = (torch.randn(rows, width, device="cuda", generator=g) * 3).to(dtype)
+    x[0] = 0  # an all-zero row
+    x[-1, ::7] *= 1e3  # an outlier row
+    q, scale = kernels.quantize_rows_fp8(x)
+    want_q, want_scale = torch_quantize(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("k", "n"), [(2048, 2560), (2048, 2048), (2048, 12288), (6144, 2048)])
+def test_fp8_gemm_at_the_lm_widths_is_within_fp8_error(k: int, n: int, monkeypatch) -> None:
+    monkeypatch.setattr(fp8, "MIN_ROWS", 1024)
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5)
+    w = fp8.quantized((linear,))
+    x = torch.randn(1111, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    y = fp8.linear(x, w)
+    assert y is not None and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    want = x.float() @ linear.weight.float().t()
+    assert 1e-3 < rel(y, want) < 0.05
+    assert fp8.linear(x[:1023], w) is None
+
+
+def test_tiny_lms_prefill_in_fp8_on_cuda_agrees_with_the_model(monkeypatch) -> None:
+    """fp32 (run_lms feeds fp32 patches), fused q|k|v and gate|up as the runner sets them up on CUDA."""
+    torch.manual_seed(0)
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval().to("cuda")
+    model.fuse_projections()
+    seqs = lambda: [new_seq(*prompt("voxcpm2", mode, seed), first_block=16 * i)
+                    for i, (mode, seed) in enumerate((("zero-shot", 0), ("reference", 1), ("continuation", 2)))]
+    with torch.no_grad():
+        base = seqs()
+        want = run_lms(model, caches(model), base, [(0, len(s.tokens)) for s in base])
+        model.quantize_lms_fp8()
+        monkeypatch.setattr(fp8, "MIN_ROWS", 16)
+        batch = seqs()
+        got = run_lms(model, caches(model), batch, [(0, len(s.tokens)) for s in batch])
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all() and 1e-3 < rel(g, w) < 0.1

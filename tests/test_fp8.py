@@ -1,0 +1,126 @@
+"""FP8 prefill (`engine.model.fp8`, the engine's opt-in `fp8_prefill`): per-row quantization keeps FP8's precision,
+large GEMMs run in FP8 and small ones do not, only plain linears get an FP8 copy, the LMs' prefill stays within
+FP8's error of the model's own, and the engine refuses what it cannot combine with and serves with it on.
+
+CPU: `torch._scaled_mm` runs FP8 here too. The CUDA quantization kernel is checked against these torch ops on the
+GPU (tests/gpu/test_fp8_gpu.py): Triton's interpreter rounds to FP8 wrongly when rounding carries into the exponent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_model_oracle import caches, new_seq, prompt, run_lms
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.errors import InvalidParameter
+from engine.model import fp8
+from engine.model.voxcpm import VoxCPMModel
+from engine.model_configs import tiny
+
+E4M3 = torch.finfo(torch.float8_e4m3fn)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_rows_quantize_to_their_own_scale_within_fp8_precision() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 96, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0, 0.0])[:, None]
+    q, scale = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    deq = q.float() * scale
+    for r in range(5):  # each row's largest magnitude lands on e4m3's largest value; the row within its rounding
+        assert q[r].float().abs().max() == E4M3.max
+        assert rel(deq[r], x[r]) < 0.04
+    assert torch.all(q[5].float() == 0) and torch.isfinite(scale[5]).all()  # an all-zero row stays zero
+
+
+def test_large_gemms_run_in_fp8_close_to_full_precision_and_small_ones_do_not(monkeypatch) -> None:
+    monkeypatch.setattr(fp8, "MIN_ROWS", 8)
+    g = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=g) / 8)
+    w = fp8.quantized((linear,))
+    assert w is not None and w.weight.dtype == torch.float8_e4m3fn and w.scale.shape == (1, 48)
+    small, large = torch.randn(7, 64, generator=g), torch.randn(2, 4, 64, generator=g)
+    assert fp8.linear(small, w) is None  # the caller's own GEMM
+    y = fp8.linear(large, w)
+    want = linear(large)
+    assert y.shape == want.shape and y.dtype == large.dtype
+    assert 1e-3 < rel(y, want) < 0.05  # FP8's rounding: present, and small
+    assert rel(fp8.linear(large.bfloat16(), w), want) < 0.05
+
+
+def test_only_plain_linears_of_fp8_widths_get_an_fp8_copy() -> None:
+    plain, other = nn.Linear(32, 16, bias=False), nn.Linear(32, 32, bias=False)
+    fused = fp8.quantized((plain, other))
+    assert fused is not None and fused.weight.shape == (48, 32)  # side by side, as the fused GEMMs run
+    assert fp8.quantized((nn.Linear(32, 16),)) is None  # a bias
+    assert fp8.quantized((nn.Linear(32, 24, bias=False),)) is None  # a width _scaled_mm does not take
+    hooked = nn.Linear(32, 16, bias=False)
+    hooked.register_forward_hook(lambda *_: None)  # as a LoRA or tensor-parallel wrapper hooks its linear
+    assert fp8.quantized((plain, hooked)) is None
+
+
+def test_the_lms_prefill_in_fp8_stays_within_fp8_error_of_the_model(monkeypatch) -> None:
+    """A batch of prompts through both LMs, their GEMMs in FP8, against the same model without: every FP8 copy used
+    (each LM layer's four GEMMs), the hidden states within FP8's error, and decode rows below MIN_ROWS untouched."""
+    torch.manual_seed(0)
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
+    seqs = lambda: [new_seq(*prompt("voxcpm2", mode, seed), first_block=16 * i)
+                    for i, (mode, seed) in enumerate((("zero-shot", 0), ("reference", 1), ("continuation", 2)))]
+    with torch.no_grad():
+        base = seqs()
+        want = run_lms(model, caches(model), base, [(0, len(s.tokens)) for s in base])
+        model.quantize_lms_fp8()
+        layers = [*model.base_lm.layers, *model.residual_lm.layers]
+        assert all(x is not None for layer in layers for x in (layer.self_attn.qkv8, layer.self_attn.o8,
+                                                                layer.mlp.gate_up8, layer.mlp.down8))
+        assert model.feat_decoder.estimator.decoder.layers[0].mlp.down8 is None  # the LocDiT stays as it is
+        calls = []
+        real = torch._scaled_mm
+        monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+        monkeypatch.setattr(fp8, "MIN_ROWS", 16)
+        batch, kv = seqs(), caches(model)
+        rows = sum(len(s.tokens) for s in batch)
+        got = run_lms(model, kv, batch, [(0, len(s.tokens)) for s in batch])
+        assert len(calls) == 4 * len(layers) and set(calls) == {rows}
+        for g, w in zip(got, want, strict=True):
+            assert 1e-4 < rel(g, w) < 0.1
+        calls.clear()
+        run_lms(model, kv, batch, [(-1, -1)] * len(batch))  # decode: 3 rows, below MIN_ROWS
+        assert calls == []
+
+
+@pytest.mark.asyncio
+async def test_engine_refuses_fp8_with_lora_slots(tiny_v2_dir) -> None:
+    from engine import Engine
+
+    with pytest.raises(InvalidParameter, match="fp8_prefill does not combine with LoRA"):
+        Engine(str(tiny_v2_dir), fp8_prefill=True, max_loras=2)
+
+
+@pytest.mark.asyncio
+async def test_engine_serves_with_fp8_prefill(tiny_v2_dir, monkeypatch) -> None:
+    """The real engine (its own worker process) with FP8 prefill from 8 rows on: the same request as without (which
+    gives the same bits twice), in the same number of samples, finite, and not bit-equal (its prefill ran in FP8)."""
+    from engine import Engine
+
+    monkeypatch.setenv("VOXGATE_FP8_MIN_ROWS", "8")  # the worker process reads it when it imports the model
+    audio = []
+    for on in (False, False, True):
+        engine = Engine(str(tiny_v2_dir), max_num_seqs=2, fp8_prefill=on)
+        try:
+            await engine.wait_for_ready()
+            audio.append(np.concatenate([c.audio async for c in engine.generate(
+                "A prompt long enough for eight rows.", seed=7, min_length=3, max_length=3)]))
+        finally:
+            await engine.stop()
+    assert np.array_equal(audio[0], audio[1])
+    assert audio[2].shape == audio[0].shape and np.isfinite(audio[2]).all() and np.abs(audio[2]).max() > 0
+    assert not np.array_equal(audio[2], audio[0])
