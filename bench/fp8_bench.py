@@ -27,6 +27,21 @@ LAYERS = 28 + 8  # VoxCPM2: base LM + residual LM, same widths
 SHAPES = {"q|k|v": (2048, 2560), "o": (2048, 2048), "gate|up": (2048, 12288), "down": (6144, 2048)}  # (K, N)
 
 
+def measure(rows: int, k: int, n: int) -> tuple[float, dict[str, float]]:
+    """(The FP8 linear's error against fp32, median us of bf16 / the FP8 linear / its quantizer / its GEMM)."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    w = fp8.quantized((linear,))
+    q, scale = kernels.quantize_rows_fp8(x)
+    want = x.float() @ linear.weight.float().t()
+    err = float((fp8.linear(x, w).float() - want).norm() / want.norm())
+    runs = {"bf16": lambda: torch.mm(x, linear.weight.t()), "fp8": lambda: fp8.linear(x, w),
+            "quantize": lambda: kernels.quantize_rows_fp8(x),
+            "scaled_mm": lambda: torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
+                                                  out_dtype=torch.bfloat16)}
+    return err, {key: 1e3 * do_bench(run, return_mode="median") for key, run in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=7104, help="GEMM rows (default: a c=64 burst of 111 positions)")
@@ -38,19 +53,7 @@ def main() -> None:
     fp8.MIN_ROWS = 1
     results = []
     for name, (k, n) in SHAPES.items():
-        x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
-        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        w = fp8.quantized((linear,))
-        q, scale = kernels.quantize_rows_fp8(x)
-        want = x.float() @ linear.weight.float().t()
-        err = float((fp8.linear(x, w).float() - want).norm() / want.norm())
-        times = {  # us, median
-            "bf16": 1e3 * do_bench(lambda: torch.mm(x, linear.weight.t()), return_mode="median"),
-            "fp8": 1e3 * do_bench(lambda: fp8.linear(x, w), return_mode="median"),
-            "quantize": 1e3 * do_bench(lambda: kernels.quantize_rows_fp8(x), return_mode="median"),
-            "scaled_mm": 1e3 * do_bench(lambda: torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
-                                                                 out_dtype=torch.bfloat16), return_mode="median"),
-        }
+        err, times = measure(args.rows, k, n)
         flop = 2 * args.rows * k * n
         row = {"gemm": name, "rows": args.rows, "k": k, "n": n, "fp8_rel_err": round(err, 5),
                **{f"{key}_us": round(us, 1) for key, us in times.items()},
