@@ -1,9 +1,10 @@
 """The LMs' prefill GEMMs in bf16 against FP8 (`engine.model.fp8`: row quantization + `torch._scaled_mm`). (GPU)
 
 A c=64 burst's prefill is 64 x ~111 positions through VoxCPM2's base LM (28 layers) and residual LM (8), each layer
-four GEMMs (q|k|v, o, gate|up, down). For each shape at that burst's row count: bf16 `torch.mm`, the whole FP8 linear,
-and its two parts (the quantization kernel, `_scaled_mm` alone), as median device times, with TFLOPS and the
-FP8 result's error against fp32. The last line: the 36 layers' GEMM time each way.
+four GEMMs (q|k|v, o, gate|up, down). For each shape at that burst's row count: bf16 `torch.mm`, the whole FP8
+linear, and its two parts (the quantization kernel, `_scaled_mm` alone; also with fast, FP8-precision
+accumulation), as median device times, with TFLOPS and the FP8 result's error against fp32. The last line: the 36
+layers' GEMM time each way.
 
     python bench/fp8_bench.py [--rows 7104] [--out fp8.json]      (GPU, ~15 s)
 """
@@ -38,7 +39,9 @@ def measure(rows: int, k: int, n: int) -> tuple[float, dict[str, float]]:
     runs = {"bf16": lambda: torch.mm(x, linear.weight.t()), "fp8": lambda: fp8.linear(x, w),
             "quantize": lambda: kernels.quantize_rows_fp8(x),
             "scaled_mm": lambda: torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
-                                                  out_dtype=torch.bfloat16)}
+                                                  out_dtype=torch.bfloat16),
+            "scaled_mm_fast_accum": lambda: torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
+                                                             out_dtype=torch.bfloat16, use_fast_accum=True)}
     return err, {key: 1e3 * do_bench(run, return_mode="median") for key, run in runs.items()}
 
 
@@ -62,7 +65,8 @@ def main() -> None:
         results.append(row)
         print(f"{name:8s} {args.rows}x{k}->{n}: bf16 {times['bf16']:7.1f} us ({row['bf16_tflops']} TFLOPS)  "
               f"fp8 {times['fp8']:7.1f} = quantize {times['quantize']:5.1f} + scaled_mm {times['scaled_mm']:7.1f} "
-              f"({row['scaled_mm_tflops']} TFLOPS)  err {err:.4f}", flush=True)
+              f"({row['scaled_mm_tflops']} TFLOPS; fast accumulation {times['scaled_mm_fast_accum']:7.1f})  "
+              f"err {err:.4f}", flush=True)
     bf16_ms = LAYERS * sum(r["bf16_us"] for r in results) / 1e3
     fp8_ms = LAYERS * sum(r["fp8_us"] for r in results) / 1e3
     print(f"{LAYERS} layers' GEMMs at {args.rows} rows: bf16 {bf16_ms:.1f} ms, fp8 {fp8_ms:.1f} ms")

@@ -172,6 +172,7 @@ class Runner:
                 raise ValueError(f"fp8_prefill needs a GPU of compute capability 8.9 or newer; {self.device} is "
                                  f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
             self.model.quantize_lms_fp8()  # before the memory budget below counts the weights
+            fp8.warm_up(self.model, cfg.max_num_batched_tokens)
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
         # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).

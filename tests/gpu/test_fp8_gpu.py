@@ -75,3 +75,19 @@ def test_tiny_lms_prefill_in_fp8_on_cuda_agrees_with_the_model(monkeypatch) -> N
         got = run_lms(model, caches(model), batch, [(0, len(s.tokens)) for s in batch])
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all() and 1e-3 < rel(g, w) < 0.1
+
+
+def test_warm_up_runs_every_fp8_shape_at_every_row_count(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval().to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    model.quantize_lms_fp8()
+    monkeypatch.setattr(fp8, "MIN_ROWS", 1024)
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **k: calls.append((a.shape[0], tuple(b.shape))) or real(
+        a, b, **k))
+    fp8.warm_up(model, 3000)
+    shapes = {tuple(w.weight.t().shape) for m in model.modules() for w in vars(m).values()
+              if isinstance(w, fp8.Fp8Weight)}
+    assert len(shapes) >= 3 and sorted(calls) == sorted((rows, s) for s in shapes for rows in (1024, 1536, 2048, 2560))
