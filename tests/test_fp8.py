@@ -27,6 +27,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
+def three_prompts() -> list:
+    """Zero-shot, reference and continuation prompts in blocks of their own: one prefill batch."""
+    return [new_seq(*prompt("voxcpm2", mode, seed), first_block=16 * i)
+            for i, (mode, seed) in enumerate((("zero-shot", 0), ("reference", 1), ("continuation", 2)))]
+
+
+def prefill(model: VoxCPMModel, seqs: list, kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both LMs' hidden states at the end of each prompt, from one flat prefill of `seqs`."""
+    return run_lms(model, caches(model) if kv is None else kv, seqs, [(0, len(s.tokens)) for s in seqs])
+
+
 def test_rows_quantize_to_their_own_scale_within_fp8_precision() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 96, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0, 0.0])[:, None]
@@ -72,11 +83,8 @@ def test_the_lms_prefill_in_fp8_stays_within_fp8_error_of_the_model(monkeypatch)
     (each LM layer's four GEMMs), the hidden states within FP8's error, and decode rows below MIN_ROWS untouched."""
     torch.manual_seed(0)
     model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
-    seqs = lambda: [new_seq(*prompt("voxcpm2", mode, seed), first_block=16 * i)
-                    for i, (mode, seed) in enumerate((("zero-shot", 0), ("reference", 1), ("continuation", 2)))]
     with torch.no_grad():
-        base = seqs()
-        want = run_lms(model, caches(model), base, [(0, len(s.tokens)) for s in base])
+        want = prefill(model, three_prompts())
         model.quantize_lms_fp8()
         layers = [*model.base_lm.layers, *model.residual_lm.layers]
         assert all(x is not None for layer in layers for x in (layer.self_attn.qkv8, layer.self_attn.o8,
@@ -86,9 +94,9 @@ def test_the_lms_prefill_in_fp8_stays_within_fp8_error_of_the_model(monkeypatch)
         real = torch._scaled_mm
         monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
         monkeypatch.setattr(fp8, "MIN_ROWS", 16)
-        batch, kv = seqs(), caches(model)
+        batch, kv = three_prompts(), caches(model)
         rows = sum(len(s.tokens) for s in batch)
-        got = run_lms(model, kv, batch, [(0, len(s.tokens)) for s in batch])
+        got = prefill(model, batch, kv)
         assert len(calls) == 4 * len(layers) and set(calls) == {rows}
         for g, w in zip(got, want, strict=True):
             assert 1e-4 < rel(g, w) < 0.1

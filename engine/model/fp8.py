@@ -47,6 +47,11 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
         from engine import kernels
 
         return kernels.quantize_rows_fp8(x)
+    return quantize_rows_eager(x)
+
+
+def quantize_rows_eager(x: Tensor) -> tuple[Tensor, Tensor]:
+    """`quantize_rows` in torch ops (the CPU's path, and the reference for the CUDA kernel)."""
     xf = x.float()
     scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
     return (xf / scale).to(torch.float8_e4m3fn), scale

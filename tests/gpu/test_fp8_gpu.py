@@ -15,19 +15,9 @@ from engine.config import ModelConfig
 from engine.model import fp8
 from engine.model.voxcpm import VoxCPMModel
 from engine.model_configs import tiny
-from tests.test_model_oracle import caches, new_seq, prompt, run_lms
+from tests.test_fp8 import prefill, rel, three_prompts
 
 pytestmark = pytest.mark.gpu
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / kernels.E4M3_MAX
-    return (xf / scale).to(torch.float8_e4m3fn), scale
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -38,7 +28,7 @@ def test_triton_quantizer_gives_torchs_bits(rows: int, width: int, dtype: torch.
     x[0] = 0  # an all-zero row
     x[-1, ::7] *= 1e3  # an outlier row
     q, scale = kernels.quantize_rows_fp8(x)
-    want_q, want_scale = torch_quantize(x)
+    want_q, want_scale = fp8.quantize_rows_eager(x)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -64,15 +54,11 @@ def test_tiny_lms_prefill_in_fp8_on_cuda_agrees_with_the_model(monkeypatch) -> N
     torch.manual_seed(0)
     model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval().to("cuda")
     model.fuse_projections()
-    seqs = lambda: [new_seq(*prompt("voxcpm2", mode, seed), first_block=16 * i)
-                    for i, (mode, seed) in enumerate((("zero-shot", 0), ("reference", 1), ("continuation", 2)))]
     with torch.no_grad():
-        base = seqs()
-        want = run_lms(model, caches(model), base, [(0, len(s.tokens)) for s in base])
+        want = prefill(model, three_prompts())
         model.quantize_lms_fp8()
         monkeypatch.setattr(fp8, "MIN_ROWS", 16)
-        batch = seqs()
-        got = run_lms(model, caches(model), batch, [(0, len(s.tokens)) for s in batch])
+        got = prefill(model, three_prompts())
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all() and 1e-3 < rel(g, w) < 0.1
 
