@@ -2,8 +2,8 @@
 large GEMMs run in FP8 and small ones do not, only plain linears get an FP8 copy, the LMs' prefill stays within
 FP8's error of the model's own, and the engine refuses what it cannot combine with and serves with it on.
 
-CPU: `torch._scaled_mm` runs FP8 here too. The CUDA quantization kernel is checked against these torch ops on the
-GPU (tests/gpu/test_fp8_gpu.py): Triton's interpreter rounds to FP8 wrongly when rounding carries into the exponent.
+CPU: `torch._scaled_mm` runs FP8 here too. The Triton kernels run in Triton's interpreter, with its FP8 cast replaced
+by torch's (the interpreter's own drops the carry into the exponent); on the GPU, tests/gpu/test_fp8_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from engine.errors import InvalidParameter
 from engine.model import fp8
 from engine.model.voxcpm import VoxCPMModel
 from engine.model_configs import tiny
+from tests.conftest import interpreted
 
 E4M3 = torch.finfo(torch.float8_e4m3fn)
 
@@ -48,6 +49,41 @@ def test_rows_quantize_to_their_own_scale_within_fp8_precision() -> None:
         assert q[r].float().abs().max() == E4M3.max
         assert rel(deq[r], x[r]) < 0.04
     assert torch.all(q[5].float() == 0) and torch.isfinite(scale[5]).all()  # an all-zero row stays zero
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+    """engine.kernels under Triton's interpreter, with its float -> float8_e4m3fn cast made right: Triton 3.6's
+    interpreter rounds without carrying into the exponent (125.9 / 448-scaled lands on 64, not 128), which the GPU's
+    `cvt.rn.satfinite` does not do. The stand-in is torch's CPU cast (round to nearest even), the GPU's rounding."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    real = interpreter._convert_float
+    sources = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
+
+    def convert(data, src, dst, rounding):
+        if dst != tl.float8e4nv or src not in sources:
+            return real(data, src, dst, rounding)
+        return torch.from_numpy(np.ascontiguousarray(data)).view(sources[src]).to(torch.float8_e4m3fn) \
+            .view(torch.uint8).numpy()
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+    with interpreted("engine.kernels") as (kernels,):
+        yield kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 2048, 12288])  # one pass from registers; 12,288: two passes
+def test_triton_row_quantizer_gives_the_eager_bits(interpreted_kernels, width: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(4, width, generator=g) * 3).to(dtype)
+    x[0] = 0
+    x[-1, ::7] *= 1e3
+    q, scale = interpreted_kernels.quantize_rows_fp8(x)
+    want_q, want_scale = fp8.quantize_rows_eager(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_large_gemms_run_in_fp8_close_to_full_precision_and_small_ones_do_not(monkeypatch) -> None:
