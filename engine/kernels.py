@@ -7,7 +7,8 @@ Each replaces a chain of eager torch kernels with one pass over memory, with the
 - `cfg_zero_euler_`: the CFG-Zero* guidance combine and the Euler update of the CFM solver, per batch item.
 - `silu_mul`: SwiGLU's act silu(gate) * up from one fused gate|up GEMM output (three kernels -> one).
 - `quantize_rows_fp8`: per-row FP8 (e4m3) quantization of a GEMM's input for `engine.model.fp8` (four eager
-  kernels and an fp32 copy -> one pass).
+  kernels and an fp32 copy -> one pass); `rms_norm_fp8`, `add_rms_norm_fp8` and `silu_mul_fp8` produce a GEMM's
+  input already quantized (the same bits, one kernel and one write instead of two).
 - `rope_`: rotate-half RoPE in place on the q and k heads of one token at once (about ten kernels -> one). Its
   formula (`rope_f32`) also runs inside the attention kernels (engine/model/attention_triton.py), which rotate
   q and k themselves on the fused path.
@@ -79,33 +80,70 @@ def _rms_norm_row(x, weight_ptr, cols, mask, dim, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, stride_x, stride_y, dim, eps, BLOCK: tl.constexpr):
+def _store_norm_row(y, x, y_ptr, scale_ptr, row, stride_y, cols, mask, FP8: tl.constexpr):
+    """A norm's output row: in y's dtype, or (FP8) rounded to x's dtype as the eager norm's output would be, then
+    quantized for the GEMM it feeds."""
+    if FP8:
+        _store_fp8_row(y.to(x.dtype).to(tl.float32), y_ptr, scale_ptr, row, stride_y, cols, mask)
+    else:
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, scale_ptr, stride_x, stride_y, dim, eps, BLOCK: tl.constexpr,
+                     FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     y = _rms_norm_row(x, weight_ptr, cols, mask, dim, eps)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_norm_row(y, x, y_ptr, scale_ptr, row, stride_y, cols, mask, FP8)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim of x [..., H] with weight [H]; result dtype as torch would promote x and weight."""
-    if x.shape[-1:] != weight.shape:
-        raise ValueError(f"rms_norm needs x [..., H] and weight [H] (got {tuple(x.shape)}, {tuple(weight.shape)})")
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _norm_rows(x, weight)
     y = torch.empty(rows.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
-    if y.numel():
-        block = triton.next_power_of_2(rows.shape[1])
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), y, rows.stride(0), y.stride(0), rows.shape[1],
-                                           eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    _launch_rms_norm(rows, weight, eps, y, y)
     return y.view(x.shape)
 
 
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`rms_norm` of x [R, H] (weight in x's dtype) quantized for an FP8 GEMM in the same pass: what
+    `quantize_rows_fp8(rms_norm(x, weight, eps))` gives, bit for bit."""
+    rows = _norm_rows(x, weight, fp8=True)
+    q, scale = _fp8_rows(*rows.shape, x.device)
+    _launch_rms_norm(rows, weight, eps, q, scale)
+    return q, scale
+
+
+def _norm_rows(x: Tensor, weight: Tensor, fp8: bool = False) -> Tensor:
+    if x.shape[-1:] != weight.shape:
+        raise ValueError(f"rms_norm needs x [..., H] and weight [H] (got {tuple(x.shape)}, {tuple(weight.shape)})")
+    if fp8 and (x.dim() != 2 or weight.dtype != x.dtype):  # eager would promote x * weight past x's dtype
+        raise ValueError(f"the FP8 norms need x [R, H] and weight in x's dtype (got {tuple(x.shape)}, "
+                         f"{x.dtype}, {weight.dtype})")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _fp8_rows(rows: int, width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Empty FP8 rows [rows, width] and their scales [rows, 1] float32."""
+    return (torch.empty(rows, width, device=device, dtype=torch.float8_e4m3fn),
+            torch.empty(rows, 1, device=device, dtype=torch.float32))
+
+
+def _launch_rms_norm(rows: Tensor, weight: Tensor, eps: float, y: Tensor, scale: Tensor) -> None:
+    if rows.numel():
+        block = triton.next_power_of_2(rows.shape[1])
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), y, scale, rows.stride(0), y.stride(0),
+                                           rows.shape[1], eps, BLOCK=block, FP8=y.dtype == torch.float8_e4m3fn,
+                                           num_warps=min(16, max(1, block // 256)))
+
+
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, h_ptr, weight_ptr, out_ptr, y_ptr, stride_x, stride_h, stride_out, stride_y, dim,
-                         eps, scale, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, h_ptr, weight_ptr, out_ptr, y_ptr, y_scale_ptr, stride_x, stride_h, stride_out,
+                         stride_y, dim, eps, scale, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -116,7 +154,7 @@ def _add_rms_norm_kernel(x_ptr, h_ptr, weight_ptr, out_ptr, y_ptr, stride_x, str
     x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)  # the residual, in x's dtype like eager's x + h
     tl.store(out_ptr + row * stride_out + cols, x, mask=mask)
     y = _rms_norm_row(x, weight_ptr, cols, mask, dim, eps)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_norm_row(y, x, y_ptr, y_scale_ptr, row, stride_y, cols, mask, FP8)
 
 
 def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float,
@@ -133,14 +171,34 @@ def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float,
     x_rows, h_rows = _rows(x), _rows(h)
     out = torch.empty(x_rows.shape, device=x.device, dtype=x.dtype)
     y = torch.empty(x_rows.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
-    if y.numel():
+    _launch_add_rms_norm(x_rows, h_rows, weight, eps, scale, out, y, y)
+    return out.view(x.shape), y.view(x.shape)
+
+
+def add_rms_norm_fp8(x: Tensor, h: Tensor, weight: Tensor, eps: float,
+                     scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`add_rms_norm` of x, h [R, H] (weight in x's dtype) with the norm quantized for an FP8 GEMM in the same pass:
+    (x_new, q, q's scales [R, 1]), the bits of `quantize_rows_fp8` of `add_rms_norm`'s norm."""
+    if x.shape != h.shape or x.dtype != h.dtype:
+        raise ValueError(f"add_rms_norm_fp8 needs x, h of one shape and dtype (got {tuple(x.shape)} {x.dtype}, "
+                         f"{tuple(h.shape)} {h.dtype})")
+    x_rows, h_rows = _norm_rows(x, weight, fp8=True), _rows(h)
+    out = torch.empty(x_rows.shape, device=x.device, dtype=x.dtype)
+    q, q_scale = _fp8_rows(*x_rows.shape, x.device)
+    _launch_add_rms_norm(x_rows, h_rows, weight, eps, scale, out, q, q_scale)
+    return out, q, q_scale
+
+
+def _launch_add_rms_norm(x_rows: Tensor, h_rows: Tensor, weight: Tensor, eps: float, scale: float | None,
+                         out: Tensor, y: Tensor, y_scale: Tensor) -> None:
+    if out.numel():
         block = triton.next_power_of_2(x_rows.shape[1])
         # enable_fp_fusion=False: fp32 x + h * scale must not become one fma (eager rounds the product first)
         _add_rms_norm_kernel[(x_rows.shape[0],)](
-            x_rows, h_rows, weight.contiguous(), out, y, x_rows.stride(0), h_rows.stride(0), out.stride(0),
+            x_rows, h_rows, weight.contiguous(), out, y, y_scale, x_rows.stride(0), h_rows.stride(0), out.stride(0),
             y.stride(0), x_rows.shape[1], eps, 1.0 if scale is None else float(scale), HAS_SCALE=scale is not None,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
-    return out.view(x.shape), y.view(x.shape)
+            BLOCK=block, FP8=y.dtype == torch.float8_e4m3fn, num_warps=min(16, max(1, block // 256)),
+            enable_fp_fusion=False)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -180,15 +238,49 @@ def cfg_zero_euler_(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tenso
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, stride_y, ffn, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < ffn
+def _silu_mul_row(gu_ptr, row, stride_gu, cols, mask, ffn):
+    """silu(gate) * up over one row's `cols`, in fp32, every rounding eager's (masked columns 0)."""
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * stride_gu + ffn + cols, mask=mask, other=0.0)
     # eager rounds silu(gate) to the activation dtype before the product; so does this
     act = (gate.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))).to(gate.dtype).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (act * up.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, stride_gu, stride_y, ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < ffn
+    y = _silu_mul_row(gu_ptr, row, stride_gu, cols, mask, ffn)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(gu_ptr, q_ptr, scale_ptr, stride_gu, stride_q, ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one program per row: the scale needs the whole row
+    cols = tl.arange(0, BLOCK)
+    mask = cols < ffn
+    y = _silu_mul_row(gu_ptr, row, stride_gu, cols, mask, ffn)
+    _store_fp8_row(y.to(gu_ptr.dtype.element_ty).to(tl.float32), q_ptr, scale_ptr, row, stride_q, cols, mask)
+
+
+FP8_ROW_MAX = 8192  # the widest row the fused FP8 producers hold in registers (16 warps, 16 values a thread)
+
+
+def silu_mul_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """silu(gate) * up of gate_up [R, 2F] (F <= FP8_ROW_MAX) quantized for an FP8 GEMM in the same pass: the bits of
+    `quantize_rows_fp8(silu_mul(gate_up))`."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.shape[1] // 2 > FP8_ROW_MAX:
+        raise ValueError(f"silu_mul_fp8 needs gate_up [R, 2F] with F <= {FP8_ROW_MAX}, got {tuple(gate_up.shape)}")
+    ffn = gate_up.shape[1] // 2
+    rows = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    q, scale = _fp8_rows(rows.shape[0], ffn, rows.device)
+    if q.numel():
+        block = triton.next_power_of_2(ffn)
+        _silu_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), ffn, BLOCK=block,
+                                               num_warps=min(16, max(1, block // 512)))
+    return q, scale
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -210,6 +302,15 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+@triton.jit
+def _store_fp8_row(y, q_ptr, scale_ptr, row, stride_q, cols, mask):
+    """Store one row held in fp32 (masked columns 0) as FP8 e4m3 with its scale max|y| / 448, as torch would:
+    the quantizer's and the fused producers' (norms, silu_mul) last step."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0  # E4M3_MAX (kernels read constexpr globals)
+    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptr + row * stride_q + cols, tl.math.div_rn(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit  # width specialized (divisible by 16): 16-byte loads under the row mask; LM widths are few
 def _quantize_rows_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, BLOCK: tl.constexpr,
                               ONE_PASS: tl.constexpr):
@@ -217,9 +318,7 @@ def _quantize_rows_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width
     if ONE_PASS:  # the row in registers: one read of x
         cols = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0  # E4M3_MAX (kernels read constexpr globals)
-        tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * stride_q + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=cols < width)
+        _store_fp8_row(x, q_ptr, scale_ptr, row, stride_q, cols, cols < width)
     else:  # rows too wide for registers: the largest magnitude first, then x / scale (from L2)
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, width, BLOCK):
@@ -242,8 +341,7 @@ def quantize_rows_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"quantize_rows_fp8 needs x [R, K], got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(x.shape[0], 1, device=x.device, dtype=torch.float32)
+    q, scale = _fp8_rows(*x.shape, x.device)
     if x.numel():
         # s14c: two passes over 2,048- and 6,144-wide rows ran at ~1.4 TB/s; a row of up to 8,192 now stays in
         # registers (16 warps: 16 values a thread at most)

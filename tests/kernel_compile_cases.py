@@ -150,6 +150,9 @@ def launch_norm_mlp_rope(stack: StackConfig, dtype: torch.dtype) -> None:
     kernels.quantize_rows_fp8(torch.randn(3, stack.hidden_size, dtype=dtype))  # FP8 prefill: q|k|v, o, gate|up in
     kernels.quantize_rows_fp8(torch.randn(3, stack.intermediate_size, dtype=dtype))  # down's input
     kernels.quantize_rows_fp8(torch.randn(3, 12288, dtype=dtype))  # wider than registers: the two-pass branch
+    kernels.rms_norm_fp8(torch.randn(3, stack.hidden_size, dtype=dtype), weight, stack.rms_norm_eps)
+    kernels.add_rms_norm_fp8(x, h, weight, stack.rms_norm_eps, 1.4 / 28 ** 0.5)  # the norms before FP8 GEMMs
+    kernels.silu_mul_fp8(torch.randn(3, 2 * stack.intermediate_size, dtype=dtype))
     cos, sin = torch.randn(5, d), torch.randn(5, d)
     qkv = torch.randn(2, 5, heads + 2 * kv, d, dtype=dtype)  # fused qkv output: q|k heads rotated at once
     kernels.rope_(qkv[..., :heads + kv, :], cos, sin)

@@ -86,6 +86,81 @@ def test_triton_row_quantizer_gives_the_eager_bits(interpreted_kernels, width: i
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+
+def same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 2048])
+def test_fused_fp8_producers_give_the_bits_of_producing_then_quantizing(interpreted_kernels, width: int,
+                                                                        dtype: torch.dtype) -> None:
+    """The norms and silu_mul with FP8 output: exactly their plain output quantized (their plain output is eager's
+    bit for bit, tests/test_kernels_interpret.py)."""
+    k = interpreted_kernels
+    g = torch.Generator().manual_seed(width)
+    x, h = ((torch.randn(5, width, generator=g) * 2).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(width, generator=g) / 4).to(dtype)
+    assert same_fp8(k.rms_norm_fp8(x, weight, 1e-5), fp8.quantize_rows_eager(k.rms_norm(x, weight, 1e-5)))
+    for scale in (None, 0.26):
+        out, y = k.add_rms_norm(x, h, weight, 1e-5, scale)
+        got_out, *got = k.add_rms_norm_fp8(x, h, weight, 1e-5, scale)
+        assert torch.equal(got_out, out) and same_fp8(got, fp8.quantize_rows_eager(y))
+    gate_up = (torch.randn(5, 2 * width, generator=g) * 2).to(dtype)
+    assert same_fp8(k.silu_mul_fp8(gate_up), fp8.quantize_rows_eager(k.silu_mul(gate_up)))
+
+
+def test_fused_fp8_producers_refuse_what_they_cannot_match(interpreted_kernels) -> None:
+    k = interpreted_kernels
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="weight in x's dtype"):
+        k.rms_norm_fp8(x.bfloat16(), torch.ones(64), 1e-5)  # eager would promote the norm to fp32
+    with pytest.raises(ValueError, match="x, h of one shape and dtype"):
+        k.add_rms_norm_fp8(x, x[:2], torch.ones(64), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul_fp8 needs"):
+        k.silu_mul_fp8(torch.randn(3, 2 * (k.FP8_ROW_MAX + 16)))
+
+
+def test_a_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(interpreted_kernels, monkeypatch) -> None:
+    """One LM layer in FP8 down the CUDA path (its kernels in the interpreter): with the norms and silu_mul handing
+    their GEMMs FP8 rows, the bits of the same layer producing each GEMM's input and then quantizing it."""
+    from engine.model import layers
+    from engine.model.minicpm import DecoderLayer
+
+    torch.manual_seed(3)
+    stack = ModelConfig.from_dict(tiny("voxcpm2")).lm
+    layer = DecoderLayer(stack).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    layer.self_attn.fuse()
+    layer.mlp.fuse()
+    layer.self_attn.quantize_fp8()
+    layer.mlp.quantize_fp8()
+    monkeypatch.setattr(fp8, "MIN_ROWS", 8)
+    x, branch = torch.randn(12, stack.hidden_size), torch.randn(12, stack.hidden_size)
+    attend = lambda i, q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
+    ).transpose(0, 1)
+    fused_calls = []
+    for name in ("rms_norm_fp8", "add_rms_norm_fp8", "silu_mul_fp8"):
+        real = getattr(interpreted_kernels, name)
+        monkeypatch.setattr(interpreted_kernels, name,
+                            lambda *a, _real=real, _name=name, **k: fused_calls.append(_name) or _real(*a, **k))
+    monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA path's kernels (interpreted)
+    with torch.no_grad():
+        with monkeypatch.context() as apart:  # first each producer, then the quantizer
+            apart.setattr(layers.RMSNorm, "_fuses_fp8", lambda *a: False)
+            apart.setattr(interpreted_kernels, "FP8_ROW_MAX", 0)
+            want = [layer(x, b, None, attend, 0) for b in (None, branch)]
+        assert fused_calls == []
+        got = [layer(x, b, None, attend, 0) for b in (None, branch)]
+    assert sorted(fused_calls) == ["add_rms_norm_fp8", "add_rms_norm_fp8", "add_rms_norm_fp8", "rms_norm_fp8",
+                                   "silu_mul_fp8", "silu_mul_fp8"]
+    for (x0, h0), (x1, h1) in zip(want, got, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(h0, h1)
+
+
 def test_large_gemms_run_in_fp8_close_to_full_precision_and_small_ones_do_not(monkeypatch) -> None:
     monkeypatch.setattr(fp8, "MIN_ROWS", 8)
     g = torch.Generator().manual_seed(1)

@@ -35,6 +35,21 @@ class Fp8Weight:
     scale: Tensor
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """A GEMM's input already in FP8, from a producer kernel that quantized it as it wrote it (the norms before
+    q|k|v and gate|up, SwiGLU's act before down): q [R, K] float8_e4m3fn, scale [R, 1] float32, and the dtype the
+    GEMM returns."""
+
+    q: Tensor
+    scale: Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 def supported(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs FP8 on this device: the CPU, or a GPU of compute capability 8.9+ (Ada, Hopper
     and later)."""
@@ -70,16 +85,40 @@ def quantized(linears: Sequence[nn.Module]) -> Fp8Weight | None:
     return Fp8Weight(q, scale.view(1, -1))
 
 
-def linear(x: Tensor, w: Fp8Weight | None) -> Tensor | None:
-    """x [..., K] @ w^T in FP8, in x's dtype, when `w` is set and x has at least `MIN_ROWS` rows; None otherwise (the
-    caller runs its own GEMM)."""
-    if w is None or x.numel() < MIN_ROWS * x.shape[-1]:
+def wants(x: Tensor, w: Fp8Weight | None) -> bool:
+    """Whether the GEMM of x [..., K] by w runs in FP8: w is set and x has at least `MIN_ROWS` rows."""
+    return w is not None and x.numel() >= MIN_ROWS * x.shape[-1]
+
+
+def linear(x: Tensor | Fp8Rows, w: Fp8Weight | None) -> Tensor | None:
+    """x [..., K] @ w^T in FP8, in x's dtype, when `wants(x, w)` (always for rows already in FP8: w must be set);
+    None otherwise (the caller runs its own GEMM)."""
+    if isinstance(x, Fp8Rows):
+        assert w is not None, "FP8 rows need the FP8 weight they were made for"
+        return _scaled_mm(x.q, x.scale, w, x.dtype)
+    if not wants(x, w):
         return None
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = _scaled_mm(q, scale, w, x.dtype)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def silu_mul(gate_up: Tensor, w_next: Fp8Weight | None) -> Tensor | Fp8Rows:
+    """SwiGLU's act of gate_up [R, 2F] for the down projection `w_next`: already quantized for it, in the same
+    kernel, when that GEMM runs in FP8 on the fused path; else `layers.silu_mul`'s."""
+    if wants(gate_up, w_next) and layers.fused(gate_up) and gate_up.dim() == 2:
+        from engine import kernels
+
+        if gate_up.shape[1] // 2 <= kernels.FP8_ROW_MAX:
+            return Fp8Rows(*kernels.silu_mul_fp8(gate_up), gate_up.dtype)
+    return layers.silu_mul(gate_up)
+
+
+def _scaled_mm(q: Tensor, scale: Tensor, w: Fp8Weight, dtype: torch.dtype) -> Tensor:
     # row-wise scales on CUDA give bf16 only (the engine's LM dtype there); a float32 model gets it widened
     y = torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
-                         out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)
-    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+                         out_dtype=torch.bfloat16 if q.is_cuda else dtype)
+    return y.to(dtype)
 
 
 def warm_up(module: nn.Module, max_rows: int) -> None:

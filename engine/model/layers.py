@@ -42,9 +42,19 @@ class RMSNorm(nn.Module):
         variance = x.float().pow(2).mean(dim=-1, keepdim=True)
         return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
-    def add_and_norm(self, x: Tensor, branch: Tensor | None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    def add_and_norm(self, x: Tensor, branch: Tensor | None, scale: float | None = None,
+                     fp8_for: fp8.Fp8Weight | None = None) -> tuple[Tensor, Tensor | fp8.Fp8Rows]:
         """A residual add and this norm after it: (x + branch [* scale], its norm); (x, norm(x)) without a branch.
-        CUDA: one Triton kernel instead of the add, the muP mul and the norm; elsewhere exactly those eager ops."""
+        CUDA: one Triton kernel instead of the add, the muP mul and the norm; elsewhere exactly those eager ops.
+        `fp8_for`: the FP8 weight of the GEMM the norm feeds; when that GEMM runs in FP8 (`fp8.wants`), the same
+        kernel hands the norm over already quantized for it (`fp8.Fp8Rows`)."""
+        if fp8_for is not None and self._fuses_fp8(x, branch, fp8_for):
+            from engine import kernels
+
+            if branch is None:
+                return x, fp8.Fp8Rows(*kernels.rms_norm_fp8(x, self.weight, self.eps), x.dtype)
+            out, q, q_scale = kernels.add_rms_norm_fp8(x, branch, self.weight, self.eps, scale)
+            return out, fp8.Fp8Rows(q, q_scale, x.dtype)
         if branch is None:
             return x, self(x)
         # the kernel would skip hooks on the norm, and eager's sum would broadcast or promote other branches
@@ -55,6 +65,13 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, branch, self.weight, self.eps, scale)
         x = x + (branch if scale is None else branch * scale)
         return x, self(x)
+
+    def _fuses_fp8(self, x: Tensor, branch: Tensor | None, w: fp8.Fp8Weight) -> bool:
+        # the FP8 norm kernels take flat rows with weight and branch in x's dtype (as the plain kernels, else eager
+        # would promote), and skip hooks
+        return (fp8.wants(x, w) and fused(x) and x.dim() == 2 and self.weight.dtype == x.dtype
+                and (branch is None or (branch.dtype == x.dtype and branch.shape == x.shape))
+                and not (self._forward_hooks or self._forward_pre_hooks))
 
 
 def fuse_linears(linears: Sequence[nn.Module]) -> Tensor | None:
@@ -122,12 +139,13 @@ class SwiGLU(nn.Module):
         self.gate_up8 = fp8.quantized((self.gate_proj, self.up_proj))
         self.down8 = fp8.quantized((self.down_proj,))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | fp8.Fp8Rows) -> Tensor:
+        """x [..., H], or rows already quantized for `gate_up8` (from the norm before, `RMSNorm.add_and_norm`)."""
         gate_up_out = fp8.linear(x, self.gate_up8)
+        if gate_up_out is None and (gate_up := fused_weight(self.gate_up, (self.gate_proj, self.up_proj))) is not None:
+            gate_up_out = fused_linear(x, gate_up, (self.gate_proj, self.up_proj))
         if gate_up_out is not None:
-            act = silu_mul(gate_up_out)
-        elif (gate_up := fused_weight(self.gate_up, (self.gate_proj, self.up_proj))) is not None:
-            act = silu_mul(fused_linear(x, gate_up, (self.gate_proj, self.up_proj)))
+            act = fp8.silu_mul(gate_up_out, self.down8)
         else:
             act = F.silu(self.gate_proj(x)) * self.up_proj(x)
         down = fp8.linear(act, self.down8)

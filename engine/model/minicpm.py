@@ -52,7 +52,9 @@ class Attention(nn.Module):
         self.qkv8 = fp8.quantized((self.q_proj, self.k_proj, self.v_proj))
         self.o8 = fp8.quantized((self.o_proj,))
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, layer: int) -> Tensor:
+    def forward(self, x: Tensor | fp8.Fp8Rows, rope: tuple[Tensor, Tensor] | None, attend: Attend,
+                layer: int) -> Tensor:
+        """x [..., H], or rows already quantized for `qkv8` (from the norm before, `RMSNorm.add_and_norm`)."""
         shape = x.shape[:-1]
         qkv_out = fp8.linear(x, self.qkv8)
         qkv = None if qkv_out is not None else fused_weight(self.qkv, (self.q_proj, self.k_proj, self.v_proj))
@@ -91,9 +93,9 @@ class DecoderLayer(nn.Module):
         """The residual stream x, with the previous layer's MLP `branch` still to be added (None in the first layer),
         through this layer -> (x, this layer's MLP branch, still to be added). Each add is done with the norm after
         it (`RMSNorm.add_and_norm`: one kernel on CUDA); the stack adds the last branch with its final norm."""
-        x, normed = self.input_layernorm.add_and_norm(x, branch, self.branch_scale)
+        x, normed = self.input_layernorm.add_and_norm(x, branch, self.branch_scale, fp8_for=self.self_attn.qkv8)
         h = self.self_attn(normed, rope, attend, layer)
-        x, normed = self.post_attention_layernorm.add_and_norm(x, h, self.branch_scale)
+        x, normed = self.post_attention_layernorm.add_and_norm(x, h, self.branch_scale, fp8_for=self.mlp.gate_up8)
         return x, self.mlp(normed)
 
 

@@ -77,3 +77,45 @@ def test_warm_up_runs_every_fp8_shape_at_every_row_count(monkeypatch) -> None:
     shapes = {tuple(w.weight.t().shape) for m in model.modules() for w in vars(m).values()
               if isinstance(w, fp8.Fp8Weight)}
     assert len(shapes) >= 3 and sorted(calls) == sorted((rows, s) for s in shapes for rows in (1024, 1536, 2048, 2560))
+
+
+@pytest.mark.parametrize(("rows", "width"), [(7104, 2048), (300, 6144), (5, 64)])
+def test_fused_fp8_producers_give_the_bits_of_producing_then_quantizing(rows: int, width: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows + width)
+    x, h = ((torch.randn(rows, width, device="cuda", generator=g) * 2).bfloat16() for _ in range(2))
+    weight = (1 + torch.randn(width, device="cuda", generator=g) / 4).bfloat16()
+
+    def same(got, want) -> bool:
+        return torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+    assert same(kernels.rms_norm_fp8(x, weight, 1e-5), kernels.quantize_rows_fp8(kernels.rms_norm(x, weight, 1e-5)))
+    out, y = kernels.add_rms_norm(x, h, weight, 1e-5, 0.26)
+    got_out, *got = kernels.add_rms_norm_fp8(x, h, weight, 1e-5, 0.26)
+    assert torch.equal(got_out, out) and same(got, kernels.quantize_rows_fp8(y))
+    gate_up = torch.cat((x, h), 1)
+    assert same(kernels.silu_mul_fp8(gate_up), kernels.quantize_rows_fp8(kernels.silu_mul(gate_up)))
+
+
+def test_a_bf16_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(monkeypatch) -> None:
+    from engine.model import layers
+    from engine.model.attention import dense_attention
+    from engine.model.minicpm import DecoderLayer
+
+    torch.manual_seed(3)
+    stack = ModelConfig.from_dict(tiny("voxcpm2")).lm
+    layer = DecoderLayer(stack).eval().to("cuda", torch.bfloat16)
+    layer.self_attn.fuse()
+    layer.mlp.fuse()
+    layer.self_attn.quantize_fp8()
+    layer.mlp.quantize_fp8()
+    monkeypatch.setattr(fp8, "MIN_ROWS", 8)
+    x, branch = (torch.randn(1100, stack.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    attend = lambda i, q, k, v: dense_attention(q[None], k[None], v[None])[0]  # noqa: E731
+    with torch.no_grad():
+        with monkeypatch.context() as apart:
+            apart.setattr(layers.RMSNorm, "_fuses_fp8", lambda *a: False)
+            apart.setattr(kernels, "FP8_ROW_MAX", 0)
+            want = [layer(x, b, None, attend, 0) for b in (None, branch)]
+        got = [layer(x, b, None, attend, 0) for b in (None, branch)]
+    for (x0, h0), (x1, h1) in zip(want, got, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(h0, h1)
