@@ -2,8 +2,10 @@
 
 A burst of prompts is compute-bound: 64 prompts of ~111 positions through both LMs are ~24 TFLOP, ~36 ms of bf16
 GEMMs on an H200 at ~700 TFLOPS (bench/results, s11c), most of the first audio's wait. FP8 tensor cores have twice
-bf16's rate. Weights are quantized once at load, per output channel; a GEMM's input per row as it runs (one Triton
-kernel on CUDA); the product is `torch._scaled_mm` with both row-wise scales, out in the input's dtype.
+bf16's rate. Weights are quantized once at load, per output channel; a GEMM's input per row as it runs: on CUDA by
+the kernel that produces it where one can (the norms before q|k|v and gate|up, SwiGLU's silu_mul, which hand over
+`Fp8Rows`), else by one quantizer kernel. The product is `torch._scaled_mm` with both row-wise scales, out in the
+input's dtype.
 
 Only GEMMs of at least `MIN_ROWS` rows run in FP8. Below that a GEMM is bound by reading its weights or by latency
 (decode steps, the LocDiT), where FP8 would buy little and would make a stream's numbers depend on which batch it
