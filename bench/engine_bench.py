@@ -234,7 +234,8 @@ async def main(args: argparse.Namespace) -> dict:
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank,
                     vae_dtype=args.vae_dtype, split_decodes_above=args.split_decodes_above or None,
-                    merge_lora=not args.no_merge_lora, fp8_prefill=args.fp8_prefill)
+                    merge_lora=not args.no_merge_lora, fp8_prefill=args.fp8_prefill,
+                    fp8_dit=args.fp8_dit)
     t = time.perf_counter()
     await engine.wait_for_ready()
     print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.model_info()}", file=sys.stderr)
@@ -257,7 +258,7 @@ async def main(args: argparse.Namespace) -> dict:
                 "prompt_positions": positions,
                 "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
                 "lora_rank": args.lora_rank if args.lora else None, "merge_lora": not args.no_merge_lora,
-                "vae_dtype": args.vae_dtype, "fp8_prefill": args.fp8_prefill,
+                "vae_dtype": args.vae_dtype, "fp8_prefill": args.fp8_prefill, "fp8_dit": args.fp8_dit,
                 "split_decodes_above": args.split_decodes_above or None, "levels": levels,
                 "complete": done}
 
@@ -831,6 +832,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--fp8-prefill", action="store_true", help="the LMs' large (prefill) GEMMs in FP8")
+    p.add_argument("--fp8-dit", action="store_true", help="the LocDiT's GEMMs of busy steps in FP8")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--split-decodes-above", type=int, default=SPLIT_DECODES_ABOVE,
                    help="more speaking streams than this decode in two halves taking turns (0: never split)")

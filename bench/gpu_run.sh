@@ -13,7 +13,7 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: race pdl_gemm fp8 bursts_fp8 quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: race pdl_gemm fp8 bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -146,6 +146,12 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 60 150 "bursts with timelines, FP8 prefill" env VOXGATE_LOG=DEBUG $BENCH --fp8-prefill \
             --concurrency 1,8,64,1,8,64,1,8,64 --requests-factor 1 --max-num-seqs 512 --timeline \
             --out "$OUT/bursts_fp8.json" 2>"$OUT/bursts_fp8.log" >/dev/null ;;
+    fp8_ab)  # c=1, a 64 burst and 256 at once, bf16 then with every FP8 switch (--fp8-prefill --fp8-dit), ~2 x 60 s
+        for mode in bf16 fp8; do
+            flags=; [ "$mode" = fp8 ] && flags="--fp8-prefill --fp8-dit"
+            stage 60 120 "A/B $mode" $BENCH $flags --concurrency 1,64,256,64 --requests-factor 1 --max-num-seqs 512 \
+                --out "$OUT/ab_$mode.json" 2>"$OUT/ab_$mode.log" >/dev/null
+        done ;;
     prefill_attention)  # the LMs' paged attention over a burst's prefill at a few query tiles (bench/kernels_bench.py)
         stage 20 90 "prefill attention tiles" $PY bench/kernels_bench.py --only-prefill \
             --out "$OUT/prefill_attention.json" 2>&1 | tail -8 | tee -a "$OUT/smoke.log" ;;
@@ -209,7 +215,7 @@ print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
              "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json",
-             "bursts.json", "bursts_fp8.json", *sorted(p.name for p in out.glob("lora_variant_*.json"))):
+             "bursts.json", "bursts_fp8.json", "ab_bf16.json", "ab_fp8.json", *sorted(p.name for p in out.glob("lora_variant_*.json"))):
     path = out / name
     if not path.exists():  # a stage not in the plan, or one that failed (its log is in logs.tar.gz)
         continue

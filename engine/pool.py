@@ -88,7 +88,7 @@ class Engine:
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
                  split_decodes_above: int | None = SPLIT_DECODES_ABOVE, merge_lora: bool = True,
-                 fp8_prefill: bool = False):
+                 fp8_prefill: bool = False, fp8_dit: bool = False):
         self.loop = asyncio.get_running_loop()
         # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
         # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.
@@ -103,8 +103,8 @@ class Engine:
             guards.check_int("split_decodes_above", split_decodes_above, 1)
         if vae_dtype not in VAE_DTYPES:
             raise InvalidParameter(f"vae_dtype: {vae_dtype!r} is not one of {', '.join(VAE_DTYPES)}")
-        if fp8_prefill and max_loras:  # a merged adapter changes the weights the FP8 copies were made from
-            raise InvalidParameter("fp8_prefill does not combine with LoRA slots (max_loras) yet")
+        if (fp8_prefill or fp8_dit) and max_loras:  # a merged adapter changes the weights the FP8 copies came from
+            raise InvalidParameter("fp8_prefill and fp8_dit do not combine with LoRA slots (max_loras) yet")
         guards.check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  block_size=block_size, inference_timesteps=inference_timesteps, max_loras=max_loras,
                                  max_lora_rank=max_lora_rank, gpu_memory_utilization=gpu_memory_utilization)
@@ -130,7 +130,7 @@ class Engine:
             inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads,
             tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank,
             vae_dtype=vae_dtype, split_decodes_above=split_decodes_above, merge_lora=merge_lora,
-            fp8_prefill=fp8_prefill)
+            fp8_prefill=fp8_prefill, fp8_dit=fp8_dit)
             for group in groups]
         self._streams: dict[str, Stream] = {}
         self._voices: dict[str, Voice] = {}

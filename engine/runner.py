@@ -167,11 +167,15 @@ class Runner:
             self.model.attention = make_attention_backend(self.device, cfg.block_size)
             if FUSED_KERNELS:
                 self.model.fuse_projections()  # before the graphs capture the step
-        if cfg.fp8_prefill:
+        if cfg.fp8_prefill or cfg.fp8_dit:
             if not fp8.supported(self.device):
-                raise ValueError(f"fp8_prefill needs a GPU of compute capability 8.9 or newer; {self.device} is "
+                raise ValueError(f"FP8 GEMMs need a GPU of compute capability 8.9 or newer; {self.device} is "
                                  f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
-            self.model.quantize_lms_fp8()  # before the memory budget below counts the weights
+            # before the memory budget below counts the weights
+            if cfg.fp8_prefill:
+                self.model.quantize_lms_fp8()
+            if cfg.fp8_dit:
+                self.model.quantize_dit_fp8()
             fp8.warm_up(self.model, cfg.max_num_batched_tokens)
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 

@@ -74,6 +74,9 @@ class WorkerConfig:
     # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: ~2x their bf16 rate on an H200,
     # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
     fp8_prefill: bool = False
+    # the LocDiT's GEMMs of >= MIN_ROWS rows (from ~47 streams on, 22 rows each, and prefill bursts) in FP8 too: every
+    # patch of a busy step then goes through FP8's rounding
+    fp8_dit: bool = False
     max_lora_rank: int = 32
     # steps whose running requests all use one adapter run it merged into the weights: the base model's speed, for
     # one device copy of the adapted linears' weights (~0.8 GB for VoxCPM2); False: always the LoRA kernels

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: first audio "
                             "sooner under bursts, for FP8 rounding in the prompts' KV cache and ~1.7 GB more GPU "
                             "memory for VoxCPM2; needs an Ada or Hopper GPU; not with LoRA adapters")
+        p.add_argument("--fp8-dit", action="store_true",
+                       help="run the LocDiT's GEMMs of busy steps (~47+ streams) in FP8: more streams per GPU, with "
+                            "FP8 rounding in every patch of those steps; needs an Ada or Hopper GPU; not with LoRA")
 
     serve = sub.add_parser("serve", help="run the gateway")
     engine_args(serve)
@@ -139,6 +142,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["merge_lora"] = False
     if args.fp8_prefill:
         kwargs["fp8_prefill"] = True
+    if args.fp8_dit:
+        kwargs["fp8_dit"] = True
     return kwargs
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_model_oracle import caches, new_seq, prompt, run_lms
+from test_model_oracle import caches, new_seq, prompt, run_lms, sample
 from torch import nn
 
 from engine.config import ModelConfig
@@ -121,10 +121,13 @@ def test_fused_fp8_producers_refuse_what_they_cannot_match(interpreted_kernels) 
         k.silu_mul_fp8(torch.randn(3, 2 * (k.FP8_ROW_MAX + 16)))
 
 
-def test_a_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(interpreted_kernels, monkeypatch) -> None:
-    """One LM layer in FP8 down the CUDA path (its kernels in the interpreter): with the norms and silu_mul handing
+@pytest.mark.parametrize("lead", [(12,), (2, 6)])  # the LMs' flat rows, the LocDiT's [B, L] sequences
+def test_a_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(interpreted_kernels, monkeypatch,
+                                                                          lead: tuple[int, ...]) -> None:
+    """One layer in FP8 down the CUDA path (its kernels in the interpreter): with the norms and silu_mul handing
     their GEMMs FP8 rows, the bits of the same layer producing each GEMM's input and then quantizing it."""
     from engine.model import layers
+    from engine.model.attention import dense_attention
     from engine.model.minicpm import DecoderLayer
 
     torch.manual_seed(3)
@@ -138,10 +141,11 @@ def test_a_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(interp
     layer.self_attn.quantize_fp8()
     layer.mlp.quantize_fp8()
     monkeypatch.setattr(fp8, "MIN_ROWS", 8)
-    x, branch = torch.randn(12, stack.hidden_size), torch.randn(12, stack.hidden_size)
-    attend = lambda i, q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
-    ).transpose(0, 1)
+    x, branch = torch.randn(*lead, stack.hidden_size), torch.randn(*lead, stack.hidden_size)
+    if len(lead) == 1:  # the flat rows as one sequence
+        attend = lambda i, q, k, v: dense_attention(q[None], k[None], v[None])[0]  # noqa: E731
+    else:
+        attend = lambda i, q, k, v: dense_attention(q, k, v)  # noqa: E731
     fused_calls = []
     for name in ("rms_norm_fp8", "add_rms_norm_fp8", "silu_mul_fp8"):
         real = getattr(interpreted_kernels, name)
@@ -216,24 +220,54 @@ def test_the_lms_prefill_in_fp8_stays_within_fp8_error_of_the_model(monkeypatch)
         assert calls == []
 
 
+def test_the_locdit_in_fp8_samples_within_fp8_error_of_the_model(monkeypatch) -> None:
+    """One patch for three prompts with the LocDiT's GEMMs in FP8 (every CFG evaluation, all four GEMMs of each
+    layer on the [B, L] rows), against the same model without: within FP8's error; below MIN_ROWS, untouched."""
+    torch.manual_seed(1)
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
+    noises = [torch.randn(64, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    timesteps, dit = 4, model.feat_decoder.estimator.decoder
+
+    def one_patch() -> torch.Tensor:
+        seqs = three_prompts()
+        with torch.no_grad():
+            lm_h, res_h = prefill(model, seqs)
+            sample(model, seqs, lm_h, res_h, noises, timesteps, [2.0, 2.0, 1.5])
+        return torch.stack([s.patches[-1] for s in seqs])
+
+    want = one_patch()
+    model.quantize_dit_fp8()
+    assert all(layer.mlp.down8 is not None for layer in dit.layers)
+    assert model.base_lm.layers[0].mlp.down8 is None  # the LMs stay as they are
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    assert torch.equal(one_patch(), want) and calls == []  # below MIN_ROWS
+    monkeypatch.setattr(fp8, "MIN_ROWS", 8)
+    got = one_patch()
+    assert len(calls) == 4 * len(dit.layers) * (timesteps - 1)  # every layer's GEMMs in each of the solver's steps
+    assert 1e-4 < rel(got, want) < 0.1
+
+
 @pytest.mark.asyncio
 async def test_engine_refuses_fp8_with_lora_slots(tiny_v2_dir) -> None:
     from engine import Engine
 
-    with pytest.raises(InvalidParameter, match="fp8_prefill does not combine with LoRA"):
+    with pytest.raises(InvalidParameter, match="fp8_prefill and fp8_dit do not combine with LoRA"):
         Engine(str(tiny_v2_dir), fp8_prefill=True, max_loras=2)
 
 
 @pytest.mark.asyncio
-async def test_engine_serves_with_fp8_prefill(tiny_v2_dir, monkeypatch) -> None:
-    """The real engine (its own worker process) with FP8 prefill from 8 rows on: the same request as without (which
-    gives the same bits twice), in the same number of samples, finite, and not bit-equal (its prefill ran in FP8)."""
+async def test_engine_serves_with_fp8_gemms(tiny_v2_dir, monkeypatch) -> None:
+    """The real engine (its own worker process) with FP8 from 8 rows on, in the LMs' prefill or in the LocDiT: the
+    same request as without (which gives the same bits twice), in the same number of samples, finite, and not
+    bit-equal (those GEMMs ran in FP8)."""
     from engine import Engine
 
     monkeypatch.setenv("VOXGATE_FP8_MIN_ROWS", "8")  # the worker process reads it when it imports the model
     audio = []
-    for on in (False, False, True):
-        engine = Engine(str(tiny_v2_dir), max_num_seqs=2, fp8_prefill=on)
+    for switch in ({}, {}, {"fp8_prefill": True}, {"fp8_dit": True}):
+        engine = Engine(str(tiny_v2_dir), max_num_seqs=2, **switch)
         try:
             await engine.wait_for_ready()
             audio.append(np.concatenate([c.audio async for c in engine.generate(
@@ -241,5 +275,6 @@ async def test_engine_serves_with_fp8_prefill(tiny_v2_dir, monkeypatch) -> None:
         finally:
             await engine.stop()
     assert np.array_equal(audio[0], audio[1])
-    assert audio[2].shape == audio[0].shape and np.isfinite(audio[2]).all() and np.abs(audio[2]).max() > 0
-    assert not np.array_equal(audio[2], audio[0])
+    for fp8_audio in audio[2:]:
+        assert fp8_audio.shape == audio[0].shape and np.isfinite(fp8_audio).all() and np.abs(fp8_audio).max() > 0
+        assert not np.array_equal(fp8_audio, audio[0])

@@ -102,8 +102,8 @@ def test_engine_switches_reach_the_engine_only_when_set():
 
     assert _engine_kwargs(_parser().parse_args(["serve"])) == {}
     args = _parser().parse_args(["serve", "--split-decodes-above", "0", "--no-merge-lora", "--vae-dtype", "bfloat16",
-                                 "--fp8-prefill"])
+                                 "--fp8-prefill", "--fp8-dit"])
     assert _engine_kwargs(args) == {"split_decodes_above": None, "merge_lora": False, "vae_dtype": "bfloat16",
-                                    "fp8_prefill": True}
+                                    "fp8_prefill": True, "fp8_dit": True}
     assert _engine_kwargs(_parser().parse_args(["serve", "--split-decodes-above", "200"])) == {
         "split_decodes_above": 200}

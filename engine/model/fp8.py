@@ -40,16 +40,17 @@ class Fp8Weight:
 @dataclass(frozen=True)
 class Fp8Rows:
     """A GEMM's input already in FP8, from a producer kernel that quantized it as it wrote it (the norms before
-    q|k|v and gate|up, SwiGLU's act before down): q [R, K] float8_e4m3fn, scale [R, 1] float32, and the dtype the
-    GEMM returns."""
+    q|k|v and gate|up, SwiGLU's act before down): q [R, K] float8_e4m3fn, scale [R, 1] float32, the dtype the
+    GEMM returns, and the input's leading dims (R rows in all)."""
 
     q: Tensor
     scale: Tensor
     dtype: torch.dtype
+    lead: tuple[int, ...]
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((*self.lead, self.q.shape[1]))
 
 
 def supported(device: torch.device) -> bool:
@@ -97,7 +98,8 @@ def linear(x: Tensor | Fp8Rows, w: Fp8Weight | None) -> Tensor | None:
     None otherwise (the caller runs its own GEMM)."""
     if isinstance(x, Fp8Rows):
         assert w is not None, "FP8 rows need the FP8 weight they were made for"
-        return _scaled_mm(x.q, x.scale, w, x.dtype)
+        y = _scaled_mm(x.q, x.scale, w, x.dtype)
+        return y.view(*x.lead, y.shape[-1])
     if not wants(x, w):
         return None
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
@@ -106,13 +108,14 @@ def linear(x: Tensor | Fp8Rows, w: Fp8Weight | None) -> Tensor | None:
 
 
 def silu_mul(gate_up: Tensor, w_next: Fp8Weight | None) -> Tensor | Fp8Rows:
-    """SwiGLU's act of gate_up [R, 2F] for the down projection `w_next`: already quantized for it, in the same
+    """SwiGLU's act of gate_up [..., 2F] for the down projection `w_next`: already quantized for it, in the same
     kernel, when that GEMM runs in FP8 on the fused path; else `layers.silu_mul`'s."""
-    if wants(gate_up, w_next) and layers.fused(gate_up) and gate_up.dim() == 2:
+    if wants(gate_up, w_next) and layers.fused(gate_up):
         from engine import kernels
 
-        if gate_up.shape[1] // 2 <= kernels.FP8_ROW_MAX:
-            return Fp8Rows(*kernels.silu_mul_fp8(gate_up), gate_up.dtype)
+        if gate_up.shape[-1] // 2 <= kernels.FP8_ROW_MAX:
+            q, scale = kernels.silu_mul_fp8(gate_up.reshape(-1, gate_up.shape[-1]))
+            return Fp8Rows(q, scale, gate_up.dtype, tuple(gate_up.shape[:-1]))
     return layers.silu_mul(gate_up)
 
 

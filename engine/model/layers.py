@@ -51,10 +51,11 @@ class RMSNorm(nn.Module):
         if fp8_for is not None and self._fuses_fp8(x, branch, fp8_for):
             from engine import kernels
 
+            rows, lead = x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
             if branch is None:
-                return x, fp8.Fp8Rows(*kernels.rms_norm_fp8(x, self.weight, self.eps), x.dtype)
-            out, q, q_scale = kernels.add_rms_norm_fp8(x, branch, self.weight, self.eps, scale)
-            return out, fp8.Fp8Rows(q, q_scale, x.dtype)
+                return x, fp8.Fp8Rows(*kernels.rms_norm_fp8(rows, self.weight, self.eps), x.dtype, lead)
+            out, q, q_scale = kernels.add_rms_norm_fp8(rows, branch.reshape(rows.shape), self.weight, self.eps, scale)
+            return out.view(x.shape), fp8.Fp8Rows(q, q_scale, x.dtype, lead)
         if branch is None:
             return x, self(x)
         # the kernel would skip hooks on the norm, and eager's sum would broadcast or promote other branches
@@ -67,9 +68,9 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
     def _fuses_fp8(self, x: Tensor, branch: Tensor | None, w: fp8.Fp8Weight) -> bool:
-        # the FP8 norm kernels take flat rows with weight and branch in x's dtype (as the plain kernels, else eager
-        # would promote), and skip hooks
-        return (fp8.wants(x, w) and fused(x) and x.dim() == 2 and self.weight.dtype == x.dtype
+        # the FP8 norm kernels take weight and branch in x's dtype (as the plain kernels, else eager would promote),
+        # and skip hooks
+        return (fp8.wants(x, w) and fused(x) and self.weight.dtype == x.dtype
                 and (branch is None or (branch.dtype == x.dtype and branch.shape == x.shape))
                 and not (self._forward_hooks or self._forward_pre_hooks))
 

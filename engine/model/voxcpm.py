@@ -58,6 +58,10 @@ class VoxCPMModel(nn.Module):
         for stack in (self.base_lm, self.residual_lm):
             stack.quantize_fp8()
 
+    def quantize_dit_fp8(self) -> None:
+        """FP8 copies of the LocDiT's plain linear weights, for its GEMMs of many rows (`engine.model.fp8`)."""
+        self.feat_decoder.estimator.decoder.quantize_fp8()
+
     def set_lora_indices(self, tokens: Tensor | None = None, seqs: Tensor | None = None) -> None:
         """Adapter slot (0: none) of each flat LM position [N] and each sampled sequence [B] for the coming
         `forward_lms` / `sample_patches`; only the given ones change. No-op without LoRA slots."""

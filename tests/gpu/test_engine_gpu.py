@@ -36,11 +36,12 @@ def make_spec(i: int, config, timesteps: int, prompt_len: int = 12, cfg_value: f
                        SamplingParams(cfg_value=cfg_value, seed=i, max_length=50, min_length=50, timesteps=timesteps))
 
 
-def runner_and_scheduler(loaded, max_num_seqs: int, timesteps: int, blocks: int = 128) -> tuple[Runner, Scheduler]:
+def runner_and_scheduler(loaded, max_num_seqs: int, timesteps: int, blocks: int = 128,
+                         **config) -> tuple[Runner, Scheduler]:
     device = str(next(loaded.model.parameters()).device)
     cfg = WorkerConfig(model="", device=device, dtype=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                        block_size=16, num_kv_blocks=blocks, gpu_memory_utilization=0.9,
-                       inference_timesteps=timesteps)
+                       inference_timesteps=timesteps, **config)
     runner = Runner(loaded, cfg)
     return runner, Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, num_blocks=runner.num_blocks,
                              block_size=16, patch_ms=loaded.config.patch_ms)
@@ -116,6 +117,25 @@ def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
     assert runner.graphs is not None and runner.sample_graphs is not None
     check_graphed_steps(runner, sched, loaded, batch)
+
+
+@gpu
+def test_fp8_locdit_graphed_decode_step_equals_its_eager_step(cuda, tiny_v2_dir, no_tf32, monkeypatch):
+    """`fp8_dit`: the tiny LocDiT's 8 x 22 rows in FP8 (MIN_ROWS lowered), captured in the decode graph; the bucket
+    is full, so the graph's GEMMs see the eager step's rows."""
+    from engine.model import fp8
+
+    monkeypatch.setattr(fp8, "MIN_ROWS", 64)
+    loaded = load_model(tiny_v2_dir, cuda, "float32")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, fp8_dit=True)
+    assert runner.graphs is not None and loaded.model.feat_decoder.estimator.decoder.layers[0].mlp.down8 is not None
+    for i in range(8):
+        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=10 + 3 * i))
+    for _ in range(3):
+        advance(runner, sched)
+    seqs = sched.schedule()
+    assert runner._decode_only(seqs) and len(seqs) == 8
+    graphed_vs_eager(runner, seqs)
 
 
 def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir):
