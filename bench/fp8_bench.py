@@ -28,8 +28,9 @@ LAYERS = 28 + 8  # VoxCPM2: base LM + residual LM, same widths
 SHAPES = {"q|k|v": (2048, 2560), "o": (2048, 2048), "gate|up": (2048, 12288), "down": (6144, 2048)}  # (K, N)
 
 
-def measure(rows: int, k: int, n: int) -> tuple[float, dict[str, float]]:
-    """(The FP8 linear's error against fp32, median us of bf16 / the FP8 linear / its quantizer / its GEMM)."""
+def measure(rows: int, k: int, n: int) -> tuple[float, float, dict[str, float]]:
+    """(The FP8 linear's error against fp32, fast accumulation's difference from exact accumulation on the same FP8
+    inputs, median us of bf16 / the FP8 linear / its quantizer / its GEMM, with either accumulation)."""
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     w = fp8.quantized((linear,))
@@ -42,7 +43,9 @@ def measure(rows: int, k: int, n: int) -> tuple[float, dict[str, float]]:
                                                   out_dtype=torch.bfloat16),
             "scaled_mm_fast_accum": lambda: torch._scaled_mm(q, w.weight.t(), scale_a=scale, scale_b=w.scale,
                                                              out_dtype=torch.bfloat16, use_fast_accum=True)}
-    return err, {key: 1e3 * do_bench(run, return_mode="median") for key, run in runs.items()}
+    exact, fast = runs["scaled_mm"]().float(), runs["scaled_mm_fast_accum"]().float()
+    fast_err = float((fast - exact).norm() / exact.norm())
+    return err, fast_err, {key: 1e3 * do_bench(run, return_mode="median") for key, run in runs.items()}
 
 
 def producers(rows: int) -> dict[str, float]:
@@ -68,9 +71,10 @@ def main() -> None:
     fp8.MIN_ROWS = 1
     results = []
     for name, (k, n) in SHAPES.items():
-        err, times = measure(args.rows, k, n)
+        err, fast_err, times = measure(args.rows, k, n)
         flop = 2 * args.rows * k * n
         row = {"gemm": name, "rows": args.rows, "k": k, "n": n, "fp8_rel_err": round(err, 5),
+               "fast_accum_vs_exact": round(fast_err, 6),
                **{f"{key}_us": round(us, 1) for key, us in times.items()},
                "bf16_tflops": round(flop / times["bf16"] / 1e6, 1),
                "scaled_mm_tflops": round(flop / times["scaled_mm"] / 1e6, 1)}
@@ -78,7 +82,7 @@ def main() -> None:
         print(f"{name:8s} {args.rows}x{k}->{n}: bf16 {times['bf16']:7.1f} us ({row['bf16_tflops']} TFLOPS)  "
               f"fp8 {times['fp8']:7.1f} = quantize {times['quantize']:5.1f} + scaled_mm {times['scaled_mm']:7.1f} "
               f"({row['scaled_mm_tflops']} TFLOPS; fast accumulation {times['scaled_mm_fast_accum']:7.1f})  "
-              f"err {err:.4f}", flush=True)
+              f"err {err:.4f} (fast accumulation: {fast_err:.1e} from exact)", flush=True)
     made = producers(args.rows)
     print("producers (us): " + ", ".join(f"{key} {us}" for key, us in made.items()))
     bf16_ms = LAYERS * sum(r["bf16_us"] for r in results) / 1e3
