@@ -1,6 +1,8 @@
-"""FP8 prefill (`engine.model.fp8`, the engine's opt-in `fp8_prefill`): per-row quantization keeps FP8's precision,
-large GEMMs run in FP8 and small ones do not, only plain linears get an FP8 copy, the LMs' prefill stays within
-FP8's error of the model's own, and the engine refuses what it cannot combine with and serves with it on.
+"""FP8 GEMMs (`engine.model.fp8`, the engine's opt-in `fp8_prefill` and `fp8_dit`): per-row quantization keeps
+FP8's precision; the Triton quantizer and the producers that quantize as they write (norms, silu_mul) give the bits
+of producing then quantizing, alone and in a whole layer; large GEMMs run in FP8 and small ones do not; only plain
+linears get an FP8 copy; the LMs' prefill and the LocDiT's samples stay within FP8's error of the model's own; the
+engine refuses what it cannot combine with and serves with either switch on.
 
 CPU: `torch._scaled_mm` runs FP8 here too. The Triton kernels run in Triton's interpreter, with its FP8 cast replaced
 by torch's (the interpreter's own drops the carry into the exponent); on the GPU, tests/gpu/test_fp8_gpu.py.
