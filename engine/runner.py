@@ -176,6 +176,10 @@ class Runner:
                 self.model.quantize_lms_fp8()
             if cfg.fp8_dit:
                 self.model.quantize_dit_fp8()
+            copies = fp8.weights(self.model)
+            log.info("FP8 GEMMs from %d rows on in %s: %d FP8 weights, %.2f GiB", fp8.MIN_ROWS,
+                     " and ".join(n for n, on in (("the LMs", cfg.fp8_prefill), ("the LocDiT", cfg.fp8_dit)) if on),
+                     len(copies), sum(w.weight.numel() + 4 * w.scale.numel() for w in copies) / GiB)
             fp8.warm_up(self.model, cfg.max_num_batched_tokens)
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 

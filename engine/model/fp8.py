@@ -126,18 +126,23 @@ def _scaled_mm(q: Tensor, scale: Tensor, w: Fp8Weight, dtype: torch.dtype) -> Te
     return y.to(dtype)
 
 
+def weights(module: nn.Module) -> list[Fp8Weight]:
+    """The FP8 weights kept by the module's layers (`quantize_fp8`)."""
+    return [w for m in module.modules() for w in vars(m).values() if isinstance(w, Fp8Weight)]
+
+
 def warm_up(module: nn.Module, max_rows: int) -> None:
     """Run each of the module's FP8 GEMM shapes once at row counts from MIN_ROWS to `max_rows` (CUDA), so cuBLASLt
     picks and loads its kernels at start and not in the first burst (s14c: the first c=64 burst's prefill step took
     101 ms of wall time, the next ones 55)."""
-    weights = {w.weight.shape: w for m in module.modules() for w in vars(m).values() if isinstance(w, Fp8Weight)}
-    if not weights or next(iter(weights.values())).weight.device.type != "cuda":
+    by_shape = {w.weight.shape: w for w in weights(module)}
+    if not by_shape or next(iter(by_shape.values())).weight.device.type != "cuda":
         return
     dtype = next(module.parameters()).dtype
     sizes = sorted({*range(MIN_ROWS, min(max_rows, 16384) + 1, 512), *(2 ** i for i in range(14, 20)
                                                                            if MIN_ROWS <= 2 ** i <= max_rows)})
-    for w in weights.values():
+    for w in by_shape.values():
         x = torch.zeros(sizes[-1], w.weight.shape[1], device=w.weight.device, dtype=dtype)
         for rows in sizes:
             linear(x[:rows], w)
-    torch.cuda.synchronize(next(iter(weights.values())).weight.device)
+    torch.cuda.synchronize(next(iter(by_shape.values())).weight.device)

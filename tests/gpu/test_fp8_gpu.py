@@ -74,8 +74,7 @@ def test_warm_up_runs_every_fp8_shape_at_every_row_count(monkeypatch) -> None:
     monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **k: calls.append((a.shape[0], tuple(b.shape))) or real(
         a, b, **k))
     fp8.warm_up(model, 3000)
-    shapes = {tuple(w.weight.t().shape) for m in model.modules() for w in vars(m).values()
-              if isinstance(w, fp8.Fp8Weight)}
+    shapes = {tuple(w.weight.t().shape) for w in fp8.weights(model)}
     assert len(shapes) >= 3 and sorted(calls) == sorted((rows, s) for s in shapes for rows in (1024, 1536, 2048, 2560))
 
 
