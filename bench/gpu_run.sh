@@ -13,7 +13,7 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: race pdl_gemm fp8 bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: race pdl_gemm persistent fp8 bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -146,6 +146,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 60 150 "bursts with timelines, FP8 prefill" env VOXGATE_LOG=DEBUG $BENCH --fp8-prefill \
             --concurrency 1,8,64,1,8,64,1,8,64 --requests-factor 1 --max-num-seqs 512 --timeline \
             --out "$OUT/bursts_fp8.json" 2>"$OUT/bursts_fp8.log" >/dev/null ;;
+    persistent)  # the LocDiT's batch-1 GEMM chain as one persistent launch with grid barriers, against cuBLAS (~20 s;
+        # a barrier that never opens is cut by the stage's timeout)
+        stage 30 60 "persistent GEMM chain" $PY bench/persistent_gemm_bench.py --out "$OUT/persistent.json" 2>&1 \
+            | tail -6 | tee -a "$OUT/smoke.log" ;;
     fp8_ab)  # c=1, a 64 burst and 256 at once, bf16 then with every FP8 switch (--fp8-prefill --fp8-dit), ~2 x 60 s
         for mode in bf16 fp8; do
             flags=; [ "$mode" = fp8 ] && flags="--fp8-prefill --fp8-dit"
