@@ -8,14 +8,15 @@ the question that plan stands on, before anyone writes it: what does a barrier p
 Chains of the LocDiT's GEMMs at c=1 (22 rows; q|k|v, o, gate|up, down per layer, 12 layers, weights of their own),
 each GEMM's outputs written before the next starts:
 - `cublas`: torch.mm a GEMM, in a CUDA graph (as the engine runs them now);
-- `persistent`: one launch of `_chain_kernel`, one program per SM, each looping over the column tiles of every
-  GEMM in turn, with a grid barrier (an atomic arrival counter, spun on) after each GEMM;
+- `persistent_{P}x_k{B}`: one launch of `_chain_kernel`, P programs per SM (all resident), each looping over its
+  share of the column tiles of every GEMM in turn (K blocks of B), with a grid barrier (an atomic arrival counter,
+  spun on) after each GEMM;
 - `persistent_no_barrier`: the same without the barriers (wrong as a chain; the barriers' cost is the difference).
 
 Checked against torch first (phase by phase, one launch a GEMM, which is also how it runs in Triton's interpreter:
 programs run one after another there, so a barrier would spin forever).
 
-    python bench/persistent_gemm_bench.py [--out persistent.json]      (GPU, ~20 s)
+    python bench/persistent_gemm_bench.py [--out persistent.json]      (GPU, ~30 s)
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ REPLAYS = 50
 ROWS, LAYERS = 22, 12  # the LocDiT at c=1: 2 CFG rows x 11 tokens
 SHAPES = [(1024, 2560), (2048, 1024), (1024, 8192), (4096, 1024)]  # (K, N): q|k|v, o, gate|up, down
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 16, 128
+# (programs per SM, BLOCK_K) of each persistent run: more programs a SM share a GEMM's tiles more finely (they must
+# all stay resident: 24.5 KB of shared memory and 94 registers a thread each at BLOCK_K 128, so 4 fit)
+VARIANTS = [(1, 128), (2, 128), (4, 128), (4, 64)]
 
 
 @triton.jit
@@ -93,17 +97,17 @@ class Chain:
         self.n_table = table([w.shape[0] for w in self.ws])
         self.count = torch.zeros(1, device=device, dtype=torch.int32)
 
-    def launch(self, first: int, last: int, programs: int, barrier: bool) -> None:
+    def launch(self, first: int, last: int, programs: int, barrier: bool, block_k: int = BLOCK_K) -> None:
         _chain_kernel[(programs,)](self.x_table, self.w_table, self.y_table, self.k_table, self.n_table, self.count,
-                                   first, last, programs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                   first, last, programs, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                                    ROWS=self.xs[SHAPES[0][0]].shape[0], BARRIER=barrier,
                                    DTYPE=tl.float32 if self.dtype == torch.float32 else tl.bfloat16, num_warps=4,
                                    num_stages=3)
 
-    def persistent(self, programs: int, barrier: bool = True) -> None:
+    def persistent(self, programs: int, barrier: bool = True, block_k: int = BLOCK_K) -> None:
         """The whole chain in one launch (the counter zeroed first: graph replays start over)."""
         self.count.zero_()
-        self.launch(0, len(self.ws), programs, barrier)
+        self.launch(0, len(self.ws), programs, barrier, block_k)
 
     def phased(self, programs: int) -> None:
         """One launch a GEMM, no barrier: the interpreter's way, and the correctness reference's."""
@@ -134,28 +138,29 @@ def main() -> None:
         ys.fill_(float("nan"))
     chain.phased(sms)
     results["phased_max_rel_err"] = chain.max_error()
-    for ys in chain.ys:
-        ys.fill_(float("nan"))
-    chain.persistent(sms)
-    torch.cuda.synchronize()
-    results["persistent_max_rel_err"] = chain.max_error()
-    assert results["persistent_max_rel_err"] < 2e-2, results
     runs = {
         "cublas": lambda: [torch.mm(chain.xs[w.shape[1]], w.t(), out=y) for w, y in zip(chain.ws, chain.ys,
                                                                                           strict=True)],
-        "persistent": lambda: chain.persistent(sms),
-        "persistent_no_barrier": lambda: chain.persistent(sms, barrier=False),
         "phased": lambda: chain.phased(sms),
+        "persistent_no_barrier": lambda: chain.persistent(sms, barrier=False),
     }
+    for per_sm, block_k in VARIANTS:
+        name = f"persistent_{per_sm}x_k{block_k}"
+        for ys in chain.ys:
+            ys.fill_(float("nan"))
+        chain.persistent(per_sm * sms, block_k=block_k)
+        torch.cuda.synchronize()
+        results[f"{name}_max_rel_err"] = chain.max_error()
+        assert results[f"{name}_max_rel_err"] < 2e-2, results
+        runs[name] = lambda p=per_sm * sms, b=block_k: chain.persistent(p, block_k=b)
     for name, run in runs.items():
         us = step_graph_us(run, REPLAYS)[0] / gemms
         results[f"{name}_us_per_gemm"] = round(us, 3)
         print(f"{name:22s} {us:6.2f} us a GEMM ({gemms} GEMMs of {ROWS} rows)", flush=True)
     floor = 1e6 * sum(w.numel() * 2 for w in chain.ws) / 4.8e12 / gemms
-    print(f"HBM floor {floor:.2f} us a GEMM; errors: phased {results['phased_max_rel_err']:.1e}, "
-          f"persistent {results['persistent_max_rel_err']:.1e}")
+    print(f"HBM floor {floor:.2f} us a GEMM; largest error {max(v for k, v in results.items() if 'err' in k):.1e}")
     report = {"device": torch.cuda.get_device_name(), "sms": sms, "replays": REPLAYS, "rows": ROWS, "layers": LAYERS,
-              "blocks": [BLOCK_M, BLOCK_N, BLOCK_K], "hbm_floor_us_per_gemm": round(floor, 3),
+              "blocks_m_n": [BLOCK_M, BLOCK_N], "variants": VARIANTS, "hbm_floor_us_per_gemm": round(floor, 3),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "seconds": round(time.perf_counter() - started, 1), "results": results}
     if args.out:
