@@ -113,6 +113,8 @@ class Engine:
         self.config = ModelConfig.from_file(self.path / "config.json")
         self.tokenizer = Tokenizer.from_dir(self.path)
         guards.check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        if (fp8_prefill or fp8_dit) and tensor_parallel_size > 1:  # the sharded linears keep no FP8 copy yet
+            raise InvalidParameter("fp8_prefill and fp8_dit do not combine with tensor parallelism yet")
         try:
             check_tensor_parallel(self.config, tensor_parallel_size)
         except ValueError as e:

@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--fp8-prefill", action="store_true",
                        help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: first audio "
                             "sooner under bursts, for FP8 rounding in the prompts' KV cache and ~1.7 GB more GPU "
-                            "memory for VoxCPM2; needs an Ada or Hopper GPU; not with LoRA adapters")
+                            "memory for VoxCPM2; needs an Ada or Hopper GPU; not with LoRA or tensor parallelism")
         p.add_argument("--fp8-dit", action="store_true",
                        help="run the LocDiT's GEMMs of busy steps (~47+ streams) in FP8: more streams per GPU, with "
                             "FP8 rounding in every patch of those steps; needs an Ada or Hopper GPU; not with LoRA")

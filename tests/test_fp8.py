@@ -252,11 +252,13 @@ def test_the_locdit_in_fp8_samples_within_fp8_error_of_the_model(monkeypatch) ->
 
 
 @pytest.mark.asyncio
-async def test_engine_refuses_fp8_with_lora_slots(tiny_v2_dir) -> None:
+async def test_engine_refuses_fp8_with_lora_slots_or_tensor_parallelism(tiny_v2_dir) -> None:
     from engine import Engine
 
     with pytest.raises(InvalidParameter, match="fp8_prefill and fp8_dit do not combine with LoRA"):
         Engine(str(tiny_v2_dir), fp8_prefill=True, max_loras=2)
+    with pytest.raises(InvalidParameter, match="do not combine with tensor parallelism"):
+        Engine(str(tiny_v2_dir), fp8_dit=True, devices=["cpu", "cpu"], tensor_parallel_size=2)
 
 
 @pytest.mark.asyncio
