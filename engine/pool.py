@@ -103,8 +103,6 @@ class Engine:
             guards.check_int("split_decodes_above", split_decodes_above, 1)
         if vae_dtype not in VAE_DTYPES:
             raise InvalidParameter(f"vae_dtype: {vae_dtype!r} is not one of {', '.join(VAE_DTYPES)}")
-        if (fp8_prefill or fp8_dit) and max_loras:  # a merged adapter changes the weights the FP8 copies came from
-            raise InvalidParameter("fp8_prefill and fp8_dit do not combine with LoRA slots (max_loras) yet")
         guards.check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  block_size=block_size, inference_timesteps=inference_timesteps, max_loras=max_loras,
                                  max_lora_rank=max_lora_rank, gpu_memory_utilization=gpu_memory_utilization)
@@ -113,8 +111,11 @@ class Engine:
         self.config = ModelConfig.from_file(self.path / "config.json")
         self.tokenizer = Tokenizer.from_dir(self.path)
         guards.check_int("tensor_parallel_size", tensor_parallel_size, 1)
-        if (fp8_prefill or fp8_dit) and tensor_parallel_size > 1:  # the sharded linears keep no FP8 copy yet
-            raise InvalidParameter("fp8_prefill and fp8_dit do not combine with tensor parallelism yet")
+        if fp8_prefill or fp8_dit:
+            if max_loras:  # a merged adapter changes the weights the FP8 copies came from
+                raise InvalidParameter("fp8_prefill and fp8_dit do not combine with LoRA slots (max_loras) yet")
+            if tensor_parallel_size > 1:  # the sharded linears keep no FP8 copy yet
+                raise InvalidParameter("fp8_prefill and fp8_dit do not combine with tensor parallelism yet")
         try:
             check_tensor_parallel(self.config, tensor_parallel_size)
         except ValueError as e:

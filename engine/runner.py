@@ -168,19 +168,7 @@ class Runner:
             if FUSED_KERNELS:
                 self.model.fuse_projections()  # before the graphs capture the step
         if cfg.fp8_prefill or cfg.fp8_dit:
-            if not fp8.supported(self.device):
-                raise ValueError(f"FP8 GEMMs need a GPU of compute capability 8.9 or newer; {self.device} is "
-                                 f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
-            # before the memory budget below counts the weights
-            if cfg.fp8_prefill:
-                self.model.quantize_lms_fp8()
-            if cfg.fp8_dit:
-                self.model.quantize_dit_fp8()
-            copies = fp8.weights(self.model)
-            log.info("FP8 GEMMs from %d rows on in %s: %d FP8 weights, %.2f GiB", fp8.MIN_ROWS,
-                     " and ".join(n for n, on in (("the LMs", cfg.fp8_prefill), ("the LocDiT", cfg.fp8_dit)) if on),
-                     len(copies), sum(w.weight.numel() + 4 * w.scale.numel() for w in copies) / GiB)
-            fp8.warm_up(self.model, cfg.max_num_batched_tokens)
+            self._quantize_fp8(cfg)  # before the memory budget below counts the weights
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
         # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).
@@ -281,6 +269,21 @@ class Runner:
         if self.adapter_free_graphs is not None and self.model.lora.bypass:
             return self.adapter_free_graphs
         return self.graphs, self.sample_graphs, self.lm_graphs
+
+    def _quantize_fp8(self, cfg: WorkerConfig) -> None:
+        """FP8 copies of the weights `fp8_prefill` / `fp8_dit` name (`engine.model.fp8`), their kernels warmed up."""
+        if not fp8.supported(self.device):
+            raise ValueError(f"FP8 GEMMs need a GPU of compute capability 8.9 or newer; {self.device} is "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        if cfg.fp8_prefill:
+            self.model.quantize_lms_fp8()
+        if cfg.fp8_dit:
+            self.model.quantize_dit_fp8()
+        copies = fp8.weights(self.model)
+        log.info("FP8 GEMMs from %d rows on in %s: %d FP8 weights, %.2f GiB", fp8.MIN_ROWS,
+                 " and ".join(n for n, on in (("the LMs", cfg.fp8_prefill), ("the LocDiT", cfg.fp8_dit)) if on),
+                 len(copies), sum(w.weight.numel() + 4 * w.scale.numel() for w in copies) / GiB)
+        fp8.warm_up(self.model, cfg.max_num_batched_tokens)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
