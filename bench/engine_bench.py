@@ -444,10 +444,12 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
 
 @torch.inference_mode()
 def profile(model: str, dtype: str | None, timesteps: int, context: int, batches: tuple[int, ...] = (1, 64, 256),
-            loras: int = 0, lora_rank: int = 32) -> dict:
+            loras: int = 0, lora_rank: int = 32, fp8_prefill: bool = False, fp8_dit: bool = False,
+            mixed_only: bool = False) -> dict:
     """GPU time per module of one decode step (LocEnc, base LM, residual LM, DiT with all Euler steps, VAE with its
     state gather/scatter) and of the whole graphed step, at each batch size, sequences `context` positions long.
-    loras > 0: with that many random adapters in LoRA slots, row j using adapter j % loras + 1."""
+    loras > 0: with that many random adapters in LoRA slots, row j using adapter j % loras + 1. `mixed_only`: only
+    the host's side of real mixed steps (`_profile_mixed`: a burst's prefill step, prompts joining)."""
     from engine.checkpoint import load_model
     from engine.runner import Runner
     from engine.worker import WorkerConfig
@@ -459,10 +461,17 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     runner = Runner(loaded, WorkerConfig(
         model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=4096,
         block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
-        inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank))
+        inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank, fp8_prefill=fp8_prefill,
+        fp8_dit=fp8_dit))
+    from gateway_proc import git_commit  # bench/ is on the path: this file's folder
+
     out: dict = {"model": model, "dtype": str(runner.dtype), "timesteps": timesteps, "context": context,
-                 "device": torch.cuda.get_device_name(0), "loras": loras, "batches": {},
+                 "device": torch.cuda.get_device_name(0), "loras": loras, "fp8_prefill": fp8_prefill,
+                 "fp8_dit": fp8_dit, "batches": {}, "git_commit": git_commit(), "command": " ".join(sys.argv),
                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if mixed_only:
+        out["mixed_steps"] = _profile_mixed(runner, loaded.config, PREFILL_POSITIONS)
+        return out
     for b in batches:
         out["batches"][b] = times = _profile_batch(runner, b, blocks, context, timesteps)
         print(f"profile batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), file=sys.stderr)
@@ -594,10 +603,16 @@ def _profile_mixed(runner, config, length: int) -> dict:
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # by own (total) time
         top = [{"function": f"{Path(f).name}:{line}:{name}", "calls": cc, "own_ms": round(tt * 1e3, 2),
                 "cum_ms": round(ct * 1e3, 2)} for (f, line, name), (cc, nc, tt, ct, _) in rows]
+        # our own functions by cumulative time: which part of the step (staging, each LM, sampling) the host spends
+        # it in; own-time ranks alone name only the leaves (torch ops, Triton's launcher)
+        ours = sorted(((k, v) for k, v in stats.stats.items() if "/engine/" in k[0]), key=lambda kv: -kv[1][3])[:25]
+        top_ours = [{"function": f"{Path(f).parent.name}/{Path(f).name}:{line}:{name}", "calls": cc,
+                     "cum_ms": round(ct * 1e3, 2)} for (f, line, name), (cc, nc, tt, ct, _) in ours]
         print(f"mixed step {label}: {ms:.1f} ms, {len(seqs)} seqs, kind {runner.last_step.kind}; top: "
               + "; ".join(f"{t['function']} {t['own_ms']}" for t in top[:8]), file=sys.stderr)
         return {"seqs": len(seqs), "tokens": sum(q.num_tokens for q in seqs), "kind": runner.last_step.kind,
-                "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top}
+                "wall_ms": round(ms, 2), "gpu_ms": runner.last_step.gpu_ms, "top_functions": top,
+                "engine_functions": top_ours}
 
     def kernel_step(label: str, timeline: bool = False, first: bool = False) -> dict:
         """A step without cProfile: its wall time, and the GPU time its kernels took (torch.profiler). Kernel time
@@ -783,7 +798,7 @@ def top_kernels(fn, top: int = 15) -> list[dict]:
 
 
 def profile_table(result: dict) -> str:
-    names = list(next(iter(result["batches"].values())))
+    names = list(next(iter(result["batches"].values()), {}))
     rows = ["| batch | " + " | ".join(names) + " (ms; kernels: counts) |", "|---" * (len(names) + 1) + "|"]
     for b, times in result["batches"].items():
         rows.append(f"| {b} | " + " | ".join(f"{times[n]:.0f}" if "kernels" in n else f"{times[n]:.2f}"
@@ -794,6 +809,10 @@ def profile_table(result: dict) -> str:
         if isinstance(v, dict) and "fp32_ms" in v:  # the batches; beside them the op breakdown and cuDNN autotune
             rows.append(f"VAE batch {b}: fp32 {v['fp32_ms']} ms, bf16 {v['bf16_ms']} ms, bf16 rel err "
                         f"{v['bf16_rel_err']}")
+    for name, step in result.get("mixed_steps", {}).items():
+        rows.append(f"mixed step {name}: wall {step['wall_ms']} ms, " + (
+            f"kernels {step['kernel_ms']} ms" if "kernel_ms" in step else
+            "top: " + "; ".join(f"{t['function'][-40:]} {t['own_ms']}" for t in step["top_functions"][:6])))
     for name, kernels in result.get("top_kernels", {}).items():
         rows.append(f"top kernels, {name}: " + "; ".join(f"{k['kernel'][:40]} x{k['calls']} {k['ms']}"
                                                          for k in kernels[:6]))
@@ -816,6 +835,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--extra", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="more levels on the same engine after the sweep: closed:C (C users), poisson:R (R req/s)")
     p.add_argument("--profile", action="store_true", help="CUDA only: per-module GPU times of a decode step")
+    p.add_argument("--profile-mixed", action="store_true", help="with --profile: only the host's side of mixed steps "
+                   "(a burst's prefill step under cProfile, and its GPU idle gaps)")
     p.add_argument("--closed-loop", action="store_true", help="each of C users sends requests back to back")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per level in closed loop")
     p.add_argument("--ramp", type=float, default=0.0, help="closed loop: start the users evenly over this many "
@@ -846,7 +867,8 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.profile:
         result = profile(model_dir(arguments), arguments.dtype, arguments.timesteps, arguments.context,
-                         loras=arguments.lora, lora_rank=arguments.lora_rank)
+                         loras=arguments.lora, lora_rank=arguments.lora_rank, fp8_prefill=arguments.fp8_prefill,
+                         fp8_dit=arguments.fp8_dit, mixed_only=arguments.profile_mixed)
         render = profile_table
     else:
         result = asyncio.run(main(arguments))

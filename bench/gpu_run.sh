@@ -13,7 +13,7 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: race pdl_gemm persistent fp8 bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -100,6 +100,13 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     profile)
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
+    profile_burst)  # the host's side of a c=64 burst's prefill step (cProfile, GPU idle gaps), bf16 then FP8 prefill
+        for mode in bf16 fp8; do
+            flags=; [ "$mode" = fp8 ] && flags=--fp8-prefill
+            stage 40 120 "host profile of a burst's prefill step, $mode" $PY bench/engine_bench.py --model $V2 \
+                --profile --profile-mixed $flags --out "$OUT/profile_burst_$mode.json" 2>>"$OUT/profile_burst.log" \
+                | tail -6 | tee -a "$OUT/smoke.log"
+        done ;;
     profile_lora)  # the same with 32 adapters in LoRA slots, rows spread over them: where LoRA's time goes (up to
         # ~120 s when it is the first stage to compile the LoRA kernels: s10b lost it at an 80 s cap)
         stage 40 150 "per-module profile with 32 LoRA adapters" $PY bench/engine_bench.py --model $V2 --profile \
