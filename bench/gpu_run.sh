@@ -148,7 +148,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 60 150 "bursts with timelines" env VOXGATE_LOG=DEBUG $BENCH --concurrency 1,8,64,1,8,64,1,8,64 \
             --requests-factor 1 --max-num-seqs 512 --timeline --out "$OUT/bursts.json" 2>"$OUT/bursts.log" >/dev/null ;;
     fp8)  # the LMs' prefill GEMMs at a c=64 burst's rows, bf16 against FP8 (bench/fp8_bench.py, ~15 s)
-        stage 30 90 "FP8 prefill GEMMs" $PY bench/fp8_bench.py --out "$OUT/fp8.json" 2>&1 | tail -9 | tee -a "$OUT/smoke.log" ;;
+        stage 30 90 "FP8 prefill GEMMs" $PY bench/fp8_bench.py --out "$OUT/fp8.json" 2>&1 | tail -24 | tee -a "$OUT/smoke.log" ;;
     bursts_fp8)  # the bursts stage with the LMs' large GEMMs in FP8 (--fp8-prefill)
         stage 60 150 "bursts with timelines, FP8 prefill" env VOXGATE_LOG=DEBUG $BENCH --fp8-prefill \
             --concurrency 1,8,64,1,8,64,1,8,64 --requests-factor 1 --max-num-seqs 512 --timeline \
@@ -156,7 +156,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     persistent)  # the LocDiT's batch-1 GEMM chain as one persistent launch with grid barriers, against cuBLAS (~20 s;
         # a barrier that never opens is cut by the stage's timeout)
         stage 30 60 "persistent GEMM chain" $PY bench/persistent_gemm_bench.py --out "$OUT/persistent.json" 2>&1 \
-            | tail -9 | tee -a "$OUT/smoke.log" ;;
+            | tail -24 | tee -a "$OUT/smoke.log" ;;
     fp8_ab)  # c=1, a 64 burst and 256 at once, bf16 then with every FP8 switch (--fp8-prefill --fp8-dit), ~2 x 60 s
         for mode in bf16 fp8; do
             flags=; [ "$mode" = fp8 ] && flags="--fp8-prefill --fp8-dit"
