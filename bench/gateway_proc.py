@@ -203,8 +203,10 @@ class GatewayProcess:
 
 
 def git_commit() -> str | None:
-    """HEAD, marked when the gateway, bench or engine client files differ from it; outside a checkout (a
-    `git archive` snapshot on the device machine) the VOXGATE_COMMIT that bench/gpu_run.sh is given."""
+    """The VOXGATE_COMMIT that bench/gpu_run.sh is given (a `git archive` snapshot on the device machine, which
+    may sit inside another checkout); else HEAD, marked when the gateway, bench or engine client files differ."""
+    if os.environ.get("VOXGATE_COMMIT"):
+        return os.environ["VOXGATE_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "bench", "engine/pool.py",
