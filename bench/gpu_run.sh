@@ -114,8 +114,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     tests)
         # -v names each test as it ends (a stage cut at its cap leaves no summary: s11d lost a failure's name that
         # way); the whole GPU suite takes ~300 s on the H200
-        stage 60 420 "GPU tests" $PY -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -s --timeout 120 \
-            $TESTS >"$OUT/gpu_tests.log" 2>&1
+        # in the default configuration even when the smoke fell back (s15c: its VOXGATE_FUSED_KERNELS=0 made the
+        # suite pass unfused while the fused engine could not start)
+        stage 60 420 "GPU tests" env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS $PY -m pytest -v -rfE \
+            --tb=short -m gpu -p no:cacheprovider -s --timeout 120 $TESTS >"$OUT/gpu_tests.log" 2>&1
         grep -E "(PASSED|FAILED|ERROR)( |$)|^(FAILED|ERROR) |passed|failed" "$OUT/gpu_tests.log" | tail -25 ;;
     lora)
         stage 50 120 "LoRA: 32 adapters at c=1 and 64" env VOXGATE_LOG="${LORA_LOG:-$VOXGATE_LOG}" $BENCH \
@@ -216,6 +218,9 @@ done
 grep -h "GPU memory" "$OUT"/*.log | tail -2 >&2
 
 step "done; tables"
+[ -n "${VOXGATE_FUSED_KERNELS:-}${VOXGATE_CUDA_GRAPHS:-}" ] && echo "WARNING: the smoke run failed; every engine run" \
+    "above ran with VOXGATE_FUSED_KERNELS=${VOXGATE_FUSED_KERNELS:-1} VOXGATE_CUDA_GRAPHS=${VOXGATE_CUDA_GRAPHS:-1}" \
+    "(see smoke.log): these numbers are not the default engine's"
 $PY - "$OUT" "$COMMIT" "$GPU" <<'PYEOF'
 import json, sys
 from pathlib import Path
