@@ -24,6 +24,12 @@ if str(ROOT) not in sys.path:  # `pytest` (not only `python -m pytest`) must imp
 if importlib.util.find_spec("torchaudio") is None:
     sys.path.insert(0, str(Path(__file__).parent / "_stubs"))
 
+# Interpreted kernels: every load and store inside the launch's tensors (a GPU would fault, or read garbage).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_bounds import install as _check_triton_bounds
+
+    _check_triton_bounds()
+
 # CI has 2 cores; tiny models gain nothing from more threads and worker processes must not oversubscribe.
 torch.set_num_threads(int(os.environ.get("VOXGATE_TEST_THREADS", "1")))
 
