@@ -458,8 +458,11 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     if loras:
         _random_lora_slots(loaded.model, loras, lora_rank)
     blocks = -(-(context + 1) // 16)
+    # the Engine's token budget, so a burst's prefill step takes the worker's path (padded flat buffers; s15b's
+    # 4,096 sent it down the unpadded one)
+    tokens = Engine.__init__.__kwdefaults__["max_num_batched_tokens"]
     runner = Runner(loaded, WorkerConfig(
-        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=4096,
+        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=tokens,
         block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
         inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank, fp8_prefill=fp8_prefill,
         fp8_dit=fp8_dit))
