@@ -3,7 +3,8 @@ DEBUG log (`VOXGATE_LOG=DEBUG`: each request's arrival, each step's start and le
 
 For every batch level of at least `--min-concurrency` requests, in ms from the level's first request start:
 the spread of the starts (the callers' own `generate` work: tokenizing, building the spec), when the requests
-reached the worker, the prefill step (start, wall, GPU), when its audio was published and when the clients had it.
+reached the worker, the prefill step (start, host launch, wall, GPU), when its audio was published and when the
+clients had it.
 
     python bench/burst_timeline.py bursts.json bursts.log
 """
@@ -49,6 +50,8 @@ def bursts(result: dict, log: list[str], min_concurrency: int) -> list[dict]:
         rows.append({"concurrency": n, "starts_ms": ms(starts[-1]), "arrived_ms": [ms(arrived[0]), ms(arrived[-1])],
                      "received_ms": [ms(got[0][0]), round(sum(u for _, u in got), 2), len(got)] if got else None,
                      "prefill_start_ms": ms(prefill[0]), "prefill_wall_ms": prefill[1],
+                     # host time launching the prefill step itself (s15: 26-54 ms, at times longer than its GPU work)
+                     "prefill_launch_ms": ahead.get(prefill[4]),
                      "prefill_gpu_ms": float(prefill[2]) if prefill[2] != "-" else None,
                      "prefill_tokens": prefill[3], "collected_ms": ms(collected),
                      # when the prefill step's audio was back, from its start on the device (None before s11)
@@ -71,13 +74,14 @@ def main() -> None:
     with open(args.log) as f:
         log = f.read().splitlines()
     print("| c | starts end | received (ms, unpickle ms, messages) | adds handled | prefill start "
-          "| wall / GPU / audio | next launch | collected | published "
+          "| launch | wall / GPU / audio | next launch | collected | published "
           "| clients have it | TTFB p50 / p90 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in bursts(result, log, args.min_concurrency):
         print(f"| {r['concurrency']} | {r['starts_ms']} | {r['received_ms']} "
               f"| {r['arrived_ms'][0]}-{r['arrived_ms'][1]} "
-              f"| {r['prefill_start_ms']} | {r['prefill_wall_ms']:.1f} / {r['prefill_gpu_ms']} / "
+              f"| {r['prefill_start_ms']} | {r['prefill_launch_ms']} "
+              f"| {r['prefill_wall_ms']:.1f} / {r['prefill_gpu_ms']} / "
               f"{r['prefill_audio_ms']} | {r['next_launch_ms']} | {r['collected_ms']} "
               f"| {r['published_ms']} | {r['first_audio_ms'][0]}-{r['first_audio_ms'][1]} "
               f"| {r['ttfb_ms']['p50']:.1f} / {r['ttfb_ms']['p90']:.1f} |")
