@@ -12,7 +12,6 @@ make the GEMM inputs, plain and quantizing as they write. The last line: the 36 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from engine import kernels  # noqa: E402
 from engine.model import fp8  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_proc import git_commit  # noqa: E402
+from gateway_proc import save_probe  # noqa: E402
 
 LAYERS = 28 + 8  # VoxCPM2: base LM + residual LM, same widths
 SHAPES = {"q|k|v": (2048, 2560), "o": (2048, 2048), "gate|up": (2048, 12288), "down": (6144, 2048)}  # (K, N)
@@ -98,13 +97,8 @@ def main() -> None:
                            + made["silu_mul_fp8"] - made["silu_mul"]) / 1e3)
     print(f"{LAYERS} layers' GEMMs at {args.rows} rows: bf16 {bf16_ms:.1f} ms, fp8 {fp8_ms:.1f} ms with a quantizer "
           f"each, {engine_ms:.1f} ms with the producers quantizing")
-    report = {"device": torch.cuda.get_device_name(), "git_commit": git_commit(),
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-              "seconds": round(time.perf_counter() - started, 1), "layers": LAYERS, "bf16_ms": round(bf16_ms, 2),
-              "fp8_ms": round(fp8_ms, 2), "fp8_with_producers_ms": round(engine_ms, 2), "producers_us": made,
-              "results": results}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    save_probe(args.out, started, torch.cuda.get_device_name(), layers=LAYERS, bf16_ms=round(bf16_ms, 2),
+               fp8_ms=round(fp8_ms, 2), fp8_with_producers_ms=round(engine_ms, 2), producers_us=made, results=results)
 
 
 if __name__ == "__main__":

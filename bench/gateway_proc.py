@@ -216,6 +216,16 @@ def git_commit() -> str | None:
     return commit.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
 
 
+def save_probe(out: Path | None, started: float, device: str, **fields: Any) -> dict:
+    """A GPU probe's report (bench/fp8_bench.py, pdl_gemm_bench.py, persistent_gemm_bench.py): device, commit, date,
+    command and seconds since `started` (perf_counter), then `fields`; written to `out` as JSON when given."""
+    report = {"device": device, "git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
+              "command": " ".join(sys.argv), "seconds": round(time.perf_counter() - started, 1), **fields}
+    if out:
+        out.write_text(json.dumps(report, indent=2))
+    return report
+
+
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
     result: list[str] = []
     reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)  # type: ignore

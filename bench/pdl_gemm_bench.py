@@ -27,7 +27,6 @@ Outputs are checked against fp32 first (twice, into a NaN-poisoned output).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from lora_bench import step_graph_us  # bench/ is on the path when this runs as a script
+from gateway_proc import save_probe  # bench/ is on the path when this runs as a script
+from lora_bench import step_graph_us
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 REPLAYS = 50
@@ -231,11 +231,7 @@ def main() -> None:
             cells = {r["variant"]: r for r in rows_out if (r["stack"], r["k"], r["n"]) == (stack, k, n)}
             print(f"{stack} {rows}x{k}->{n} | " + " | ".join(
                 f"{cells[v]['cold_us']:.2f} ({cells[v]['hot_us']:.2f})" for v in VARIANTS))
-    report = {"device": torch.cuda.get_device_name(), "replays": REPLAYS, "tiles": TILES[0],
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-              "seconds": round(time.perf_counter() - started, 1), "results": rows_out}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    save_probe(args.out, started, torch.cuda.get_device_name(), replays=REPLAYS, tiles=TILES[0], results=rows_out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_proc import git_commit  # noqa: E402
+from gateway_proc import save_probe  # noqa: E402
 from lora_bench import step_graph_us  # noqa: E402
 
 REPLAYS = 50
@@ -314,13 +313,9 @@ def main() -> None:
         print(f"{name:22s} {us:6.2f} us a GEMM ({gemms} GEMMs of {ROWS} rows)", flush=True)
     floor = 1e6 * sum(w.numel() * 2 for w in chain.ws) / 4.8e12 / gemms
     print(f"HBM floor {floor:.2f} us a GEMM; largest error {max(v for k, v in results.items() if 'err' in k):.1e}")
-    report = {"device": torch.cuda.get_device_name(), "git_commit": git_commit(),
-              "sms": sms, "replays": REPLAYS, "rows": ROWS, "layers": LAYERS,
-              "blocks_m_n": [BLOCK_M, BLOCK_N], "variants": VARIANTS, "hbm_floor_us_per_gemm": round(floor, 3),
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-              "seconds": round(time.perf_counter() - started, 1), "results": results}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    save_probe(args.out, started, torch.cuda.get_device_name(), sms=sms, replays=REPLAYS, rows=ROWS, layers=LAYERS,
+               blocks_m_n=[BLOCK_M, BLOCK_N], variants=VARIANTS, hbm_floor_us_per_gemm=round(floor, 3),
+               results=results)
 
 
 if __name__ == "__main__":
