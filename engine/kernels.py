@@ -299,14 +299,14 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return y.view(*gate_up.shape[:-1], ffn)
 
 
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (a constexpr: kernels may read it)
 
 
 @triton.jit
 def _store_fp8_row(y, q_ptr, scale_ptr, row, stride_q, cols, mask):
     """Store one row held in fp32 (masked columns 0) as FP8 e4m3 with its scale max|y| / 448, as torch would:
     the quantizer's and the fused producers' (norms, silu_mul) last step."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0  # E4M3_MAX (kernels read constexpr globals)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / E4M3_MAX
     tl.store(scale_ptr + row, scale)
     tl.store(q_ptr + row * stride_q + cols, tl.math.div_rn(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -325,7 +325,7 @@ def _quantize_rows_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / E4M3_MAX
         tl.store(scale_ptr + row, scale)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)

@@ -71,7 +71,7 @@ class WorkerConfig:
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
     cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
-    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: ~2x their bf16 rate on an H200,
+    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: ~1.5x faster on an H200 (s15a),
     # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
     fp8_prefill: bool = False
     # the LocDiT's GEMMs of >= MIN_ROWS rows (from ~47 streams on, 22 rows each, and prefill bursts) in FP8 too: every

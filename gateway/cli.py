@@ -64,12 +64,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="always the batched LoRA kernels; by default steps whose streams all use one adapter run "
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
         p.add_argument("--fp8-prefill", action="store_true",
-                       help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: first audio "
-                            "sooner under bursts, for FP8 rounding in the prompts' KV cache and ~1.7 GB more GPU "
-                            "memory for VoxCPM2; needs an Ada or Hopper GPU; not with LoRA or tensor parallelism")
+                       help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: ~1.5x "
+                            "faster GEMMs (first audio sooner only when the host launches the step in time), for FP8 "
+                            "rounding in the prompts' KV cache and ~1.7 GB more GPU memory for VoxCPM2; needs an Ada "
+                            "or Hopper GPU; not with LoRA or tensor parallelism")
         p.add_argument("--fp8-dit", action="store_true",
                        help="run the LocDiT's GEMMs of busy steps (~47+ streams) in FP8: more streams per GPU, with "
-                            "FP8 rounding in every patch of those steps; needs an Ada or Hopper GPU; not with LoRA")
+                            "FP8 rounding in every patch of those steps; needs an Ada or Hopper GPU; not with LoRA "
+                            "or tensor parallelism")
 
     serve = sub.add_parser("serve", help="run the gateway")
     engine_args(serve)

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) GEMMs for the LMs' large steps: the opt-in `fp8_prefill`.
+"""FP8 (e4m3) GEMMs for steps of many rows: the opt-in `fp8_prefill` (both LMs) and `fp8_dit` (the LocDiT).
 
 A burst of prompts is compute-bound: 64 prompts of ~111 positions through both LMs are ~24 TFLOP, ~36 ms of bf16
 GEMMs on an H200 at ~700 TFLOPS (bench/results, s11c), most of the first audio's wait. FP8 tensor cores have twice
@@ -8,9 +8,10 @@ the kernel that produces it where one can (the norms before q|k|v and gate|up, S
 input's dtype.
 
 Only GEMMs of at least `MIN_ROWS` rows run in FP8. Below that a GEMM is bound by reading its weights or by latency
-(decode steps, the LocDiT), where FP8 would buy little and would make a stream's numbers depend on which batch it
-shares. So in practice: prefill steps of many prompts, or of one long prompt. Only plain linears get an FP8 copy
-(not tensor-parallel or LoRA-wrapped ones, whose own forward must run); it costs one byte per weight.
+(decode steps, the LocDiT of a few streams), where FP8 would buy little and would make a stream's numbers depend on
+which batch it shares. So in practice: the LMs' prefill steps of many prompts or of one long prompt, and with
+`fp8_dit` the LocDiT of ~47 streams or more (22 rows each). Only plain linears get an FP8 copy (not
+tensor-parallel or LoRA-wrapped ones, whose own forward must run); it costs one byte per weight.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class VoxCPMModel(nn.Module):
 
     def quantize_lms_fp8(self) -> None:
         """FP8 copies of both LMs' plain linear weights, for their large (prefill) GEMMs (`engine.model.fp8`); the
-        local stacks run at most 22 rows a sequence and stay in the model's dtype."""
+        LocDiT has its own switch (`quantize_dit_fp8`), LocEnc none (its rows are the audio positions alone)."""
         for stack in (self.base_lm, self.residual_lm):
             stack.quantize_fp8()
 
