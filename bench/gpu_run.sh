@@ -106,7 +106,7 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         for v in "large graphs on" "VOXGATE_LARGE_LM_GRAPHS=0" "VOXGATE_FUSED_KERNELS=0"; do
             step "bisect: $v"
             env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS ${v/large graphs on/VOXGATE_LARGE_LM_GRAPHS=1} \
-                CUDA_LAUNCH_BLOCKING=1 timeout 120 $BENCH \
+                CUDA_LAUNCH_BLOCKING=1 VOXGATE_LOG=DEBUG timeout 120 $BENCH \
                 --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 >>"$OUT/bisect.log" 2>&1 \
                 && echo "bisect: $v ok" | tee -a "$OUT/smoke.log" || echo "bisect: $v FAILED" | tee -a "$OUT/smoke.log"
         done ;;
