@@ -100,15 +100,17 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     profile)
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
-    bisect)  # s15c: with the large LM graphs (branch large-lm-graphs) the fused smoke failed at engine start (an
-        # illegal address, reported by a later cuBLAS call) while the unfused one ran. Each variant once, the
-        # faulting op named by CUDA_LAUNCH_BLOCKING=1 in bisect.log
-        for v in "large graphs on" "VOXGATE_LARGE_LM_GRAPHS=0" "VOXGATE_FUSED_KERNELS=0"; do
+    bisect)  # s15c: with the large LM graphs the fused smoke failed at engine start ("an illegal memory access",
+        # reported by a later cuBLAS call) while the unfused one ran. The smoke in four settings (~45 s each): as
+        # is, again with CUDA_LAUNCH_BLOCKING=1 (the faulting op, if it faults outside a capture), without the large
+        # graphs, unfused; the worker's start traceback (VOXGATE_LOG=DEBUG) in bisect.log
+        for v in DEFAULT CUDA_LAUNCH_BLOCKING=1 VOXGATE_LARGE_LM_GRAPHS=0 VOXGATE_FUSED_KERNELS=0; do
             step "bisect: $v"
-            env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS ${v/large graphs on/VOXGATE_LARGE_LM_GRAPHS=1} \
-                CUDA_LAUNCH_BLOCKING=1 VOXGATE_LOG=DEBUG timeout 120 $BENCH \
-                --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 >>"$OUT/bisect.log" 2>&1 \
-                && echo "bisect: $v ok" | tee -a "$OUT/smoke.log" || echo "bisect: $v FAILED" | tee -a "$OUT/smoke.log"
+            echo "=== bisect: $v" >>"$OUT/bisect.log"
+            env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS ${v/DEFAULT/VOXGATE_LARGE_LM_GRAPHS=1} \
+                VOXGATE_LOG=DEBUG timeout 120 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 \
+                >>"$OUT/bisect.log" 2>&1 && echo "bisect: $v ok" | tee -a "$OUT/smoke.log" \
+                || echo "bisect: $v FAILED" | tee -a "$OUT/smoke.log"
         done ;;
     profile_burst)  # the host's side of a c=64 burst's prefill step (cProfile, GPU idle gaps), bf16 then FP8 prefill
         for mode in bf16 fp8; do
