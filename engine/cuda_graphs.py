@@ -40,8 +40,9 @@ EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions
 # s15b (H200): launching such a step eagerly took 26-54 ms of host time, as long as its GPU work (48-60 ms) or
 # longer, so a burst's first audio waited on the host; with FP8 GEMMs the step was host-bound every time.
 LARGE_LM_GRAPH_TOKENS = 8192
-# VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager, as before s15), for bisecting
-LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1") != "0"
+# VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager, as before s15); =text: only those
+# of prompts alone (LocEnc on no row). For bisecting s15c's fault.
+LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1")
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
@@ -107,10 +108,10 @@ def large_lm_graph_keys(max_tokens: int, seqs: int, audio_rows: int) -> list[tup
     """(tokens, sequences, audio rows) of every large LM graph, smallest first: tokens at the eager buckets past
     LM_GRAPH_TOKENS up to `max_tokens` (at most LARGE_LM_GRAPH_TOKENS), `seqs` sequences (all a flat batch holds,
     with the padding one), LocEnc on no rows or on `audio_rows` listed rows."""
-    if not LARGE_LM_GRAPHS:
+    if LARGE_LM_GRAPHS == "0":
         return []
     tokens = [t for t in eager_flat_token_buckets(min(max_tokens, LARGE_LM_GRAPH_TOKENS)) if t > LM_GRAPH_TOKENS[-1]]
-    return [(t, seqs, a) for t in tokens for a in (0, audio_rows)]
+    return [(t, seqs, a) for t in tokens for a in ((0,) if LARGE_LM_GRAPHS == "text" else (0, audio_rows))]
 
 
 def large_lm_graph_key(tokens: int, seqs: int, audio: int, keys: list) -> tuple[int, int, int] | None:
