@@ -101,13 +101,13 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
     bisect)  # s15c: with the large LM graphs the fused smoke failed at engine start ("an illegal memory access",
-        # reported by a later cuBLAS call) while the unfused one ran. The smoke in six settings (~45 s each): as
-        # is, again with CUDA_LAUNCH_BLOCKING=1 (the faulting op, if it faults outside a capture), with text-only large
-        # graphs (no LocEnc rows), without them, unfused; the worker's start traceback (VOXGATE_LOG=DEBUG) in bisect.log
-        # CUBLAS_WORKSPACE_CONFIG=:0:0: no cuBLAS workspace (a guess: the fused engine's large captured GEMMs, new in
-        # s15c, may be the first to pick algorithms that use it under capture)
+        # reported by a later cuBLAS call) while the unfused one ran. The smoke in seven settings, ~45 s each, the
+        # worker's start traceback (VOXGATE_LOG=DEBUG) in bisect.log: as is; with CUDA_LAUNCH_BLOCKING=1 (the
+        # faulting op, if it faults outside a capture); text-only large graphs (no LocEnc rows); none; unfused; no
+        # cuBLAS workspace (a guess: the fused engine's large captured GEMMs, new in s15c, may be the first to pick
+        # algorithms that use it under capture); cuBLASLt (its workspace passed per call) instead of cublasGemmEx
         for v in DEFAULT CUDA_LAUNCH_BLOCKING=1 VOXGATE_LARGE_LM_GRAPHS=text VOXGATE_LARGE_LM_GRAPHS=0 \
-            VOXGATE_FUSED_KERNELS=0 CUBLAS_WORKSPACE_CONFIG=:0:0; do
+            VOXGATE_FUSED_KERNELS=0 CUBLAS_WORKSPACE_CONFIG=:0:0 TORCH_BLAS_PREFER_CUBLASLT=1; do
             step "bisect: $v"
             echo "=== bisect: $v" >>"$OUT/bisect.log"
             env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS ${v/DEFAULT/VOXGATE_LARGE_LM_GRAPHS=1} \
