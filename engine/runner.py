@@ -861,6 +861,14 @@ class Runner:
         h["last_index"][seqs:rows] = 0
 
     def _pad_flat(self, key: tuple[int, ...]) -> None:
+        """Stage and upload an all-padding flat batch of bucket `key` (warm-up and graph capture only)."""
+        if self.device.type == "cuda":
+            # The pinned mirror is rewritten below while the device may still be behind: its copy of the previous
+            # bucket (enqueued non-blocking) would then read this one's lengths for that one's tensors. s16a (H200):
+            # with the large LM graphs captured, cuBLAS knew every warm-up shape, the host ran ahead of the device
+            # and the eager warm-up faulted ("illegal memory access"; fine with CUDA_LAUNCH_BLOCKING=1). Steps
+            # alternate two mirrors and collect one before staging into its mirror again.
+            torch.cuda.synchronize(self.device)
         self._stage_flat_padding(0, 0, key)
         if len(key) > 2:
             self.flat_np["audio_rows"][:key[2]] = 0
