@@ -13,7 +13,7 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   stages: bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -100,6 +100,21 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
     profile)
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \
             --out "$OUT/profile.json" 2>>"$OUT/smoke.log" >/dev/null ;;
+    bisect)  # s15c: with the large LM graphs the fused smoke failed at engine start ("an illegal memory access",
+        # reported by a later cuBLAS call) while the unfused one ran. The smoke in seven settings, ~45 s each, the
+        # worker's start traceback (VOXGATE_LOG=DEBUG) in bisect.log: as is; with CUDA_LAUNCH_BLOCKING=1 (the
+        # faulting op, if it faults outside a capture); text-only large graphs (no LocEnc rows); none; unfused; no
+        # cuBLAS workspace (a guess: the fused engine's large captured GEMMs, new in s15c, may be the first to pick
+        # algorithms that use it under capture); cuBLASLt (its workspace passed per call) instead of cublasGemmEx
+        for v in DEFAULT CUDA_LAUNCH_BLOCKING=1 VOXGATE_LARGE_LM_GRAPHS=text VOXGATE_LARGE_LM_GRAPHS=0 \
+            VOXGATE_FUSED_KERNELS=0 CUBLAS_WORKSPACE_CONFIG=:0:0 TORCH_BLAS_PREFER_CUBLASLT=1; do
+            step "bisect: $v"
+            echo "=== bisect: $v" >>"$OUT/bisect.log"
+            env -u VOXGATE_FUSED_KERNELS -u VOXGATE_CUDA_GRAPHS ${v/DEFAULT/VOXGATE_LARGE_LM_GRAPHS=1} \
+                VOXGATE_LOG=DEBUG timeout 120 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 \
+                >>"$OUT/bisect.log" 2>&1 && echo "bisect: $v ok" | tee -a "$OUT/smoke.log" \
+                || echo "bisect: $v FAILED" | tee -a "$OUT/smoke.log"
+        done ;;
     profile_burst)  # the host's side of a c=64 burst's prefill step (cProfile, GPU idle gaps), bf16 then FP8 prefill
         for mode in bf16 fp8; do
             flags=; [ "$mode" = fp8 ] && flags=--fp8-prefill

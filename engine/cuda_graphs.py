@@ -11,13 +11,17 @@ maximum positions) and the kernel loops only over each sequence's real length, r
 
 Steps with prefill chunks run both LMs over a flat batch (`FlatBuffers`, staged from pinned memory). A small one (a
 single new prompt, or a few joining a small batch) spends far longer launching ~500 kernels than running them: it
-replays an LM graph keyed by (tokens, sequences) buckets (`lm_graph_key`). Larger ones run eagerly over the same
-buffers, padded to coarser buckets (`eager_flat_key`) so that cuBLAS sees recurring shapes. The padding tokens form
-one extra sequence whose K/V go to the scratch block; buckets' other sequences are empty.
+replays an LM graph keyed by (tokens, sequences) buckets (`lm_graph_key`). A large one (a burst of prompts, prompts
+joining many speaking streams) replays a large LM graph (`large_lm_graph_key`): keyed by tokens at the eager
+buckets' sizes, every sequence a step can hold, and the audio rows LocEnc runs on (none, or up to a fixed count,
+listed in the buffers). Past those, or with more audio rows, a step runs eagerly over the same buffers, padded to
+coarser buckets (`eager_flat_key`) so that cuBLAS sees recurring shapes. The padding tokens form one extra
+sequence whose K/V go to the scratch block; buckets' other sequences are empty.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,6 +36,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LM_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
 LM_GRAPH_SEQS = (2, 4, 8, 16, 32, 64)
 EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions (`eager_flat_key`)
+# Large LM graphs, past LM_GRAPH_TOKENS up to this many positions (a c=64 burst of ~111-position prompts is ~7,100).
+# s15b (H200): launching such a step eagerly took 26-54 ms of host time, as long as its GPU work (48-60 ms) or
+# longer, so a burst's first audio waited on the host; with FP8 GEMMs the step was host-bound every time.
+LARGE_LM_GRAPH_TOKENS = 8192
+# VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager, as before s15); =text: only those
+# of prompts alone (LocEnc on no row). For bisecting s15c's fault.
+LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1")
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
@@ -87,9 +98,27 @@ def lm_graph_keys(max_num_seqs: int) -> list[tuple[int, int]]:
     return [(t, s) for t in LM_GRAPH_TOKENS for s in seqs if s <= t]
 
 
-def lm_graph_key(tokens: int, seqs: int, keys: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """The smallest LM graph for a flat batch of `tokens` positions in `seqs` sequences (plus the padding one)."""
-    return next(((t, s) for t, s in keys if t >= tokens and s > seqs), None)
+def lm_graph_key(tokens: int, seqs: int, keys: list) -> tuple[int, int] | None:
+    """The smallest small LM graph (among `keys`, small and large) for a flat batch of `tokens` positions in `seqs`
+    sequences (plus the padding one)."""
+    return next(((k[0], k[1]) for k in keys if len(k) == 2 and k[0] >= tokens and k[1] > seqs), None)
+
+
+def large_lm_graph_keys(max_tokens: int, seqs: int, audio_rows: int) -> list[tuple[int, int, int]]:
+    """(tokens, sequences, audio rows) of every large LM graph, smallest first: tokens at the eager buckets past
+    LM_GRAPH_TOKENS up to `max_tokens` (at most LARGE_LM_GRAPH_TOKENS), `seqs` sequences (all a flat batch holds,
+    with the padding one), LocEnc on no rows or on `audio_rows` listed rows."""
+    if LARGE_LM_GRAPHS == "0":
+        return []
+    tokens = [t for t in eager_flat_token_buckets(min(max_tokens, LARGE_LM_GRAPH_TOKENS)) if t > LM_GRAPH_TOKENS[-1]]
+    return [(t, seqs, a) for t in tokens for a in ((0,) if LARGE_LM_GRAPHS == "text" else (0, audio_rows))]
+
+
+def large_lm_graph_key(tokens: int, seqs: int, audio: int, keys: list) -> tuple[int, int, int] | None:
+    """The smallest large LM graph (among `keys`) for a flat batch of `tokens` positions in `seqs` sequences (plus
+    the padding one), `audio` of them audio positions."""
+    return next((k for k in keys if len(k) == 3 and k[0] >= tokens and k[1] > seqs and k[2] >= audio
+                 and (k[2] > 0) == (audio > 0)), None)
 
 
 def eager_flat_key(tokens: int, seqs: int) -> tuple[int, int]:
@@ -126,23 +155,29 @@ class FlatBuffers:
     seq_lens: Tensor  # [S] i32
     block_tables: Tensor  # [S, W] i32
     last_index: Tensor  # [S] i64: each sequence's last position in the flat batch
+    audio_rows: Tensor  # [A] i64: a large LM graph's audio positions, LocEnc's rows (padded with a repeat)
 
     @classmethod
     def allocate(cls, tokens: int, seqs: int, patch_size: int, feat_dim: int, table_width: int,
-                 device: torch.device, pin: bool = False) -> FlatBuffers:
+                 device: torch.device, pin: bool = False, audio_rows: int = 0) -> FlatBuffers:
         def empty(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
         return cls(empty(tokens), empty(tokens, patch_size, feat_dim, dtype=torch.float32), empty(tokens),
                    empty(tokens), empty(tokens), empty(tokens), empty(seqs + 1, dtype=torch.int32),
-                   empty(seqs, dtype=torch.int32), empty(seqs, table_width, dtype=torch.int32), empty(seqs))
+                   empty(seqs, dtype=torch.int32), empty(seqs, table_width, dtype=torch.int32), empty(seqs),
+                   empty(audio_rows))
 
-    def copy_(self, src: FlatBuffers, tokens: int, seqs: int) -> None:
-        """The first `tokens` positions and `seqs` sequences from `src` (asynchronous when src is pinned)."""
+    def copy_(self, src: FlatBuffers, key: tuple[int, ...]) -> None:
+        """What bucket `key` reads, from `src` (asynchronous when src is pinned): its (tokens, sequences) and, for a
+        large LM graph, its audio rows."""
+        tokens, seqs = key[:2]
+        audio = key[2] if len(key) > 2 else 0
         for f in fields(self):
-            n = seqs + 1 if f.name == "cu_seqlens" else seqs if f.name in ("seq_lens", "block_tables",
-                                                                          "last_index") else tokens
-            getattr(self, f.name)[:n].copy_(getattr(src, f.name)[:n], non_blocking=True)
+            n = {"cu_seqlens": seqs + 1, "seq_lens": seqs, "block_tables": seqs, "last_index": seqs,
+                 "audio_rows": audio}.get(f.name, tokens)
+            if n:
+                getattr(self, f.name)[:n].copy_(getattr(src, f.name)[:n], non_blocking=True)
 
 
 @dataclass

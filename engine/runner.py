@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import (
+    LARGE_LM_GRAPH_TOKENS,
     DecodeBuffers,
     DecodeResult,
     FlatBuffers,
@@ -45,11 +46,13 @@ from engine.cuda_graphs import (
     buckets_for,
     eager_flat_key,
     eager_flat_token_buckets,
+    large_lm_graph_key,
+    large_lm_graph_keys,
     lm_graph_key,
     lm_graph_keys,
 )
 from engine.model import fp8
-from engine.model.attention import AttentionMetadata, KVCache, make_attention_backend
+from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, make_attention_backend
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
@@ -221,14 +224,19 @@ class Runner:
         self.sample_graphs: StepGraphs | None = None
         self.lm_graphs: StepGraphs | None = None
         self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
-        self.lm_keys: list[tuple[int, int]] = []
+        self.lm_keys: list[tuple[int, ...]] = []  # LM graph buckets: (tokens, seqs) and large (tokens, seqs, audio)
         self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
         self.ahead_tokens = 0  # positions a step launched ahead may hold (its flat batch must take it)
         if cuda or cfg.mixed_ahead(cuda):  # on CPU the flat batch serves only steps launched ahead (no padding gain)
             # the padding sequence (at most 1/8 of a bucket) must fit one sequence's positions
             self.ahead_tokens = min(cfg.max_num_batched_tokens, self.max_positions)
-            self.allocate_flat(lm_graph_keys(cfg.max_num_seqs) if cuda and cfg.cuda_graphs else [],
-                               eager_flat_key(self.ahead_tokens, cfg.max_num_seqs))
+            eager = eager_flat_key(self.ahead_tokens, cfg.max_num_seqs)
+            keys: list[tuple[int, ...]] = []
+            if cuda and cfg.cuda_graphs:
+                # large graphs: LocEnc on no rows, or on as many as a step has sequences (decode rows, short audio)
+                keys = [*lm_graph_keys(cfg.max_num_seqs),
+                        *large_lm_graph_keys(self.ahead_tokens, eager[1], -(-cfg.max_num_seqs // 64) * 64)]
+            self.allocate_flat(keys, eager)
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
@@ -298,6 +306,8 @@ class Runner:
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
         # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
         graphs = GRAPH_POOL_FACTOR * (decode * (2 if self.lora else 1) + vae)
+        if cfg.cuda_graphs:  # the large LM graphs' intermediates: the mixed peak scaled to their largest bucket
+            graphs += mixed * min(1.0, LARGE_LM_GRAPH_TOKENS / eager_flat_key(cfg.max_num_batched_tokens, 0)[0])
         eager = max(mixed, decode, vae)
         budget = total * cfg.gpu_memory_utilization - (total - free) - eager - graphs - MEMORY_MARGIN
         self.memory.update(weights_gib=weights / GiB, eager_peak_gib=eager / GiB,
@@ -759,18 +769,20 @@ class Runner:
                             torch.empty(rows, c.samples_per_patch, pin_memory=True))
 
     # ---- LM graphs of small mixed steps -------------------------------------------------------------------------
-    def allocate_flat(self, keys: list[tuple[int, int]], eager: tuple[int, int] | None = None) -> None:
-        """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets and, with
-        `eager` (the largest `eager_flat_key`), for eager mixed steps up to that size."""
+    def allocate_flat(self, keys: list[tuple[int, ...]], eager: tuple[int, int] | None = None) -> None:
+        """Static flat-batch buffers (and their pinned host mirror on CUDA) for LM graphs of these buckets (small
+        (tokens, seqs) and large (tokens, seqs, audio rows) ones) and, with `eager` (the largest `eager_flat_key`),
+        for eager mixed steps up to that size."""
         self.lm_keys, self.eager_flat = keys, eager
         sizes = keys + ([eager] if eager else [])
-        tokens, seqs = max(t for t, _ in sizes), max(s for _, s in sizes)
+        tokens, seqs = max(k[0] for k in sizes), max(k[1] for k in sizes)
+        audio = max((k[2] for k in keys if len(k) > 2), default=0)
         p, d, width = self.config.patch_size, self.config.feat_dim, self.staging.buffers.block_tables.shape[1]
-        self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device)
+        self.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, self.device, audio_rows=audio)
         cuda = self.device.type == "cuda"
         for staging in self.stagings:  # one pinned mirror per staging: a step launched ahead stages into the other
-            staging.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True) \
-                if cuda else self.flat
+            staging.flat = FlatBuffers.allocate(tokens, seqs, p, d, width, torch.device("cpu"), pin=True,
+                                                audio_rows=audio) if cuda else self.flat
             staging.flat_arrays = {name: t.numpy() for name, t in vars(staging.flat).items()}
 
     @property
@@ -785,8 +797,9 @@ class Runner:
         return self.staging.flat_arrays
 
     def flat_key(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        """The padded flat batch of a mixed step: the smallest LM graph bucket holding it, else its eager bucket
-        when the buffers hold that; None: neither (the unpadded eager path)."""
+        """The padded flat batch of a mixed step: the smallest small LM graph bucket holding it, else its eager
+        bucket when the buffers hold that; None: neither (the unpadded eager path). `stage_flat` may then pick a
+        large LM graph instead of the eager bucket."""
         key = lm_graph_key(tokens, seqs, self.lm_keys)
         if key is None and self.eager_flat is not None:
             key = eager_flat_key(tokens, seqs)
@@ -794,9 +807,10 @@ class Runner:
                 return None
         return key
 
-    def stage_flat(self, seqs: list[ScheduledSeq], fed: Container[int] = ()) -> tuple[int, int] | None:
-        """Stage the scheduled chunks into the flat buffers, padded to their bucket (`flat_key`; the padding
-        positions form one extra sequence in the scratch KV block); the bucket, or None when none holds them.
+    def stage_flat(self, seqs: list[ScheduledSeq], fed: Container[int] = ()) -> tuple[int, ...] | None:
+        """Stage the scheduled chunks into the flat buffers, padded to their bucket (`flat_key`, or a large LM
+        graph's when one holds the chunks and their audio rows; the padding positions form one extra sequence in
+        the scratch KV block); the bucket, or None when none holds them.
         `fed`: seqs (one audio position each) whose patch is still on the device: zeros here, fed in later."""
         tokens = sum(s.num_tokens for s in seqs)
         key = self.flat_key(tokens, len(seqs))
@@ -815,12 +829,24 @@ class Runner:
             h["cu_seqlens"][j], h["seq_lens"][j], h["last_index"][j] = pos, start + n, pos + n - 1
             h["block_tables"][j, :len(table)] = table
             pos += n
+        if key not in self.lm_keys:
+            key = self._large_key(pos, len(seqs)) or key
         self._stage_flat_padding(pos, len(seqs), key)
         return key
 
-    def _stage_flat_padding(self, tokens: int, seqs: int, key: tuple[int, int]) -> None:
+    def _large_key(self, tokens: int, seqs: int) -> tuple[int, int, int] | None:
+        """The large LM graph for the staged flat batch, its audio rows listed for LocEnc; None: none holds it."""
+        h = self.flat_np
+        audio = np.flatnonzero(h["masks"][:tokens])
+        key = large_lm_graph_key(tokens, seqs, len(audio), self.lm_keys)
+        if key is not None and key[2]:
+            h["audio_rows"][:len(audio)] = audio
+            h["audio_rows"][len(audio):key[2]] = audio[0]  # a repeat writes the same LocEnc row again
+        return key
+
+    def _stage_flat_padding(self, tokens: int, seqs: int, key: tuple[int, ...]) -> None:
         """Positions [tokens, T) as sequence `seqs` (writing K/V only into the scratch block), empty sequences after."""
-        total, rows = key
+        total, rows = key[:2]
         h, q = self.flat_np, total - tokens
         for name in ("ids", "masks", "lora"):
             h[name][tokens:total] = 0
@@ -834,25 +860,43 @@ class Runner:
         h["block_tables"][seqs:rows, :-(-max(q, 1) // self.block_size)] = self.scratch_block
         h["last_index"][seqs:rows] = 0
 
-    def _pad_flat(self, key: tuple[int, int]) -> None:
+    def _pad_flat(self, key: tuple[int, ...]) -> None:
+        """Stage and upload an all-padding flat batch of bucket `key` (warm-up and graph capture only)."""
+        if self.device.type == "cuda":
+            # The pinned mirror is rewritten below while the device may still be behind: its copy of the previous
+            # bucket (enqueued non-blocking) would then read this one's lengths for that one's tensors. s16a (H200):
+            # with the large LM graphs captured, cuBLAS knew every warm-up shape, the host ran ahead of the device
+            # and the eager warm-up faulted ("illegal memory access"; fine with CUDA_LAUNCH_BLOCKING=1). Steps
+            # alternate two mirrors and collect one before staging into its mirror again.
+            torch.cuda.synchronize(self.device)
         self._stage_flat_padding(0, 0, key)
+        if len(key) > 2:
+            self.flat_np["audio_rows"][:key[2]] = 0
         self._upload_flat(key)
 
-    def _upload_flat(self, key: tuple[int, int]) -> None:
+    def _upload_flat(self, key: tuple[int, ...]) -> None:
         if self.flat_host is not self.flat:
-            self.flat.copy_(self.flat_host, *key)
+            self.flat.copy_(self.flat_host, key)
 
-    def lm_body(self, key: tuple[int, int], eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def lm_body(self, key: tuple[int, ...], eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the staged flat buffers of bucket `key` (what an LM graph captures); (lm_h, res_h) [S, H]
-        with row j the state of scheduled sequence j (rows past the real sequences are padding).
+        with row j the state of scheduled sequence j (rows past the real sequences are padding). LocEnc runs on
+        every row of a small graph's bucket, on the listed audio rows of a large one's (tokens, seqs, audio).
 
         `eager` (not captured): the attention grid and KV splits from the staged batch's real lengths, and LocEnc
         on its audio rows only (padded to a multiple of 64 with a repeat, so their GEMM shapes recur too)."""
-        tokens, seqs = key
+        tokens, seqs = key[:2]
         f = self.flat
         if self.lora:
             self.model.set_lora_indices(tokens=f.lora[:tokens])
         max_q, max_k, audio_rows = tokens, self.max_positions, None
+        query_rows = None
+        if len(key) > 2:
+            audio_rows = f.audio_rows[:key[2]]
+            # the attention's query tile (its heuristic reads the batch shape, which a graph bucket of mostly empty
+            # sequences misstates): large for prompts alone, small beside decode rows (audio rows), whose programs
+            # would compute whole tiles for one query each (`TritonAttention.rows_for`)
+            query_rows = PREFILL_ROWS[-1] if key[2] else PREFILL_ROWS[0]
         if eager or self.device.type != "cuda":
             h = self.flat_np
             max_q, max_k = int(np.diff(h["cu_seqlens"][:seqs + 1]).max()), int(h["seq_lens"][:seqs].max())
@@ -863,7 +907,7 @@ class Runner:
             audio_rows = self._device_index(audio)
         meta = AttentionMetadata(cu_seqlens_q=f.cu_seqlens[:seqs + 1], seq_lens=f.seq_lens[:seqs],
                                  slot_mapping=f.slots[:tokens], block_tables=f.block_tables[:seqs],
-                                 max_seqlen_q=max_q, max_seqlen_k=max_k)
+                                 max_seqlen_q=max_q, max_seqlen_k=max_k, query_rows=query_rows)
         return self.model.forward_lms(f.ids[:tokens], f.patches[:tokens].to(self.dtype), f.masks[:tokens],
                                       f.positions[:tokens], meta, self.caches, last_index=f.last_index[:seqs],
                                       audio_rows=audio_rows)

@@ -144,6 +144,23 @@ def test_padded_graph_bucket(kernels):
     assert relative_error(out, ref) < 1e-5
 
 
+def test_padded_prefill_graph_bucket(kernels):
+    """A large LM graph bucket: prompts beside many empty sequences, max_seqlen_q over-stated to the bucket's tokens.
+    The programs follow the query blocks of the whole batch (each finds its sequence), so the result holds and empty
+    sequences cost no programs."""
+    attention_triton, _ = kernels
+    gen = torch.Generator().manual_seed(11)
+    query_lens = [23, 0, 0, 9, 0, 17] + [0] * 40 + [5]
+    (q, k, v, k_cache, v_cache), meta = paged_case(query_lens, [0, 0, 0, 4, 0, 0] + [0] * 40 + [2], 8, 16, 2, 16,
+                                                   torch.float32, gen)
+    ref = TorchAttention()(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), meta)
+    meta.max_seqlen_q = meta.max_seqlen_k = 256
+
+    out = attention_triton.TritonAttention(block_n=16, rows_per_program=64)(q, k, v, k_cache, v_cache, meta)
+
+    assert relative_error(out, ref) < 1e-5
+
+
 def test_bad_split_count_is_a_value_error(kernels):
     with pytest.raises(ValueError, match="num_splits"):
         kernels[0].TritonAttention(num_splits=0)

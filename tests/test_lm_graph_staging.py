@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from engine.checkpoint import load_model
-from engine.cuda_graphs import eager_flat_key, eager_flat_token_buckets, lm_graph_key, lm_graph_keys
+from engine.cuda_graphs import (
+    eager_flat_key,
+    eager_flat_token_buckets,
+    large_lm_graph_key,
+    large_lm_graph_keys,
+    lm_graph_key,
+    lm_graph_keys,
+)
 from engine.request import RequestSpec, SamplingParams
 from engine.runner import Runner
 from engine.scheduler import Scheduler
@@ -36,22 +43,39 @@ def test_eager_flat_batches_round_to_recurring_shapes():
     assert buckets == sorted(set(buckets)) and buckets[-1] == 32768 and len(buckets) == 40
 
 
-def serve(loaded, flat: bool, eager_only: bool = False) -> tuple[list[torch.Tensor], int]:
+def test_large_lm_graphs_follow_the_eager_buckets_and_the_audio_rows():
+    keys = large_lm_graph_keys(32768, 528, 512)
+    tokens = sorted({k[0] for k in keys})
+    assert tokens[0] == 2304 and tokens[-1] == 8192 and len(keys) == 2 * len(tokens) == 32
+    assert all(s == 528 and a in (0, 512) for _, s, a in keys)
+    assert large_lm_graph_keys(4096, 16, 64)[-1] == (4096, 16, 64)
+    keys = lm_graph_keys(512) + keys
+    assert large_lm_graph_key(7104, 64, 0, keys) == (7168, 528, 0)  # a c=64 burst: LocEnc on no row
+    assert large_lm_graph_key(2049, 400, 384, keys) == (2304, 528, 512)  # prompts joining 384 speaking streams
+    assert large_lm_graph_key(7104, 64, 513, keys) is None  # more audio rows than a graph lists: eager
+    assert large_lm_graph_key(8193, 1, 0, keys) is None and large_lm_graph_key(3000, 528, 0, keys) is None
+
+
+def serve(loaded, flat: bool, eager_only: bool = False, large: bool = False) -> tuple[list[torch.Tensor], list]:
     """`flat`: through the padded flat buffers (graph buckets and, past them, eager buckets); `eager_only`: eager
-    buckets alone (as on CUDA past the LM graphs)."""
+    buckets alone (as on CUDA past the LM graphs); `large`: large LM graph buckets (small ones here) alone, LocEnc
+    on their listed audio rows. Returns the patches and the bucket of each step staged into the flat buffers."""
     cfg = WorkerConfig(model="", device="cpu", dtype=None, max_num_seqs=6, max_num_batched_tokens=80, block_size=16,
                        num_kv_blocks=64, gpu_memory_utilization=0.9, inference_timesteps=2)
     runner = Runner(loaded, cfg)
     if flat:
+        eager = eager_flat_key(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         keys = [] if eager_only else [k for k in lm_graph_keys(cfg.max_num_seqs) if k[0] <= 64]
-        runner.allocate_flat(keys, eager_flat_key(cfg.max_num_batched_tokens, cfg.max_num_seqs))
-    staged = 0
+        if large:
+            keys = [(t, eager[1], a) for t in (16, 32, 48) for a in (0, 8)]
+        runner.allocate_flat(keys, eager)
+    staged = []
     stage = runner.stage_flat
 
     def counting(seqs, fed=()):
-        nonlocal staged
         key = stage(seqs, fed)
-        staged += key is not None
+        if key is not None:
+            staged.append(key)
         return key
 
     runner.stage_flat = counting
@@ -75,9 +99,13 @@ def serve(loaded, flat: bool, eager_only: bool = False) -> tuple[list[torch.Tens
 def test_padded_flat_lm_batches_serve_the_same_audio_as_eager_steps(tiny_v2_dir):
     loaded = load_model(tiny_v2_dir)
     eager, _ = serve(loaded, flat=False)
-    for eager_only in (False, True):  # graph buckets up to 64 positions, eager buckets past them; eager ones alone
-        padded, staged = serve(loaded, flat=True, eager_only=eager_only)
-        assert staged >= 4  # every prefill step went through the padded buffers
+    # graph buckets up to 64 positions, eager buckets past them; eager ones alone; large graph buckets (LocEnc on
+    # none or on the listed audio rows) with eager ones past them
+    for eager_only, large in ((False, False), (True, False), (False, True)):
+        padded, staged = serve(loaded, flat=True, eager_only=eager_only, large=large)
+        assert len(staged) >= 4  # every prefill step went through the padded buffers
+        if large:  # prompts alone, prompts beside speaking streams (decode rows are audio rows), and past them
+            assert {k[2] for k in staged if len(k) == 3} == {0, 8} and any(len(k) == 2 for k in staged)
         assert len(eager) == len(padded) == 25
         for a, b in zip(eager, padded, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

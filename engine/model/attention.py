@@ -19,6 +19,9 @@ from torch import Tensor
 from engine.config import StackConfig
 from engine.model import layers
 
+# the query tiles (query heads x tokens) a Triton prefill program takes, largest first (`TritonAttention.rows_for`)
+PREFILL_ROWS = (256, 128, 64)
+
 
 @dataclass
 class AttentionMetadata:
@@ -30,6 +33,9 @@ class AttentionMetadata:
     block_tables: Tensor  # int32 [B, max_blocks] (padded with 0)
     max_seqlen_q: int
     max_seqlen_k: int
+    # the query tile (query heads x tokens) of a Triton prefill program, when the caller knows better than the
+    # batch's shape: a large LM graph, whose bucket is mostly empty sequences (`TritonAttention.rows_for`)
+    query_rows: int | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], cached_lens: list[int], block_tables: list[list[int]],

@@ -25,27 +25,40 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels import dot_precision, rope_f32, rope_heads_
-from engine.model.attention import AttentionMetadata, rope_and_store_kv
+from engine.model.attention import PREFILL_ROWS, AttentionMetadata, rope_and_store_kv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
-PREFILL_ROWS = (256, 128, 64)  # the query tiles `TritonAttention.rows_for` picks from, largest first
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies step to step
+@triton.jit(do_not_specialize=["stride_bt", "batch"])  # both vary step to step
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_on, stride_oh, stride_os, stride_ln, stride_lh, stride_bt,
-    scale_log2e, num_splits,
+    scale_log2e, num_splits, batch,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TOKEN_GRID: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
+    if TOKEN_GRID:
+        # program p takes the p-th query block of the whole batch, the blocks of each sequence in turn (see
+        # `TritonAttention.__call__`): its sequence is the number of sequences whose blocks all come before p
+        block = tl.program_id(2) // num_splits
+        seqs = tl.arange(0, BLOCK_S)
+        bounds = tl.load(cu_seqlens_q_ptr + seqs, mask=seqs <= batch, other=0)
+        lens = tl.where(seqs < batch, tl.load(cu_seqlens_q_ptr + seqs + 1, mask=seqs < batch, other=0) - bounds, 0)
+        blocks = (lens + BLOCK_Q - 1) // BLOCK_Q
+        seq = tl.sum((tl.cumsum(blocks, 0) <= block).to(tl.int32), 0)
+        if seq >= batch:  # beyond the batch's blocks (the grid is an upper bound)
+            return
+        q_block = block - tl.sum(tl.where(seqs < seq, blocks, 0), 0)
+    else:
+        seq = tl.program_id(0)
+        q_block = tl.program_id(2) // num_splits
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -307,6 +320,8 @@ class TritonAttention:
         (`tokens` is the flat batch's length), so a graph bucket always gets the same tile."""
         if self.rows_per_program is not None:
             return self.rows_per_program
+        if meta.query_rows is not None:
+            return meta.query_rows
         # CPU tensors (the interpreter tests) plan as an H200's 132 SMs
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         for rows in PREFILL_ROWS[:-1]:
@@ -345,7 +360,13 @@ class TritonAttention:
         block_r = _next_pow2(max(16, block_q * group))  # tl.dot needs at least 16 rows
         block_d = _next_pow2(max(16, head_dim))
         splits = self.splits_for(batch, kv_heads, meta, q.device)
-        grid = (batch, kv_heads, triton.cdiv(meta.max_seqlen_q, block_q) * splits)
+        # Prefill chunks: a program per query block of the batch (at most n / block_q + batch of them), each finding
+        # its sequence in-kernel, so the grid follows the tokens, not sequences x the longest chunk (a graph bucket
+        # of many sequences, most of them empty or short, would launch mostly idle programs). Decode: a program per
+        # sequence and KV split.
+        token_grid = meta.max_seqlen_q > 1
+        blocks = triton.cdiv(n, block_q) + batch if token_grid else triton.cdiv(meta.max_seqlen_q, block_q)
+        grid = (1 if token_grid else batch, kv_heads, blocks * splits)
 
         out = torch.empty_like(q)
         if splits == 1:
@@ -358,10 +379,12 @@ class TritonAttention:
             q, k_cache, v_cache, part, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             *part_strides, *lse_strides, meta.block_tables.stride(0),
-            LOG2E / math.sqrt(head_dim), splits,
+            LOG2E / math.sqrt(head_dim), splits, batch,
             PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_R=block_r,
             BLOCK_N=self.block_n, num_warps=4 if block_r * block_d <= 64 * 64 else 8,
             PRECISION=dot_precision(q),  # fp32 stays a reference; tf32 is ~1e-3
+            # one width for every batch up to 1,023 sequences, so a new batch size never recompiles
+            TOKEN_GRID=token_grid, BLOCK_S=max(1024, _next_pow2(batch + 1)) if token_grid else 1,
         )
         if splits > 1:
             _merge_splits_kernel[(n, q_heads)](

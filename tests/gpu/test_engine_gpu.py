@@ -36,14 +36,14 @@ def make_spec(i: int, config, timesteps: int, prompt_len: int = 12, cfg_value: f
                        SamplingParams(cfg_value=cfg_value, seed=i, max_length=50, min_length=50, timesteps=timesteps))
 
 
-def runner_and_scheduler(loaded, max_num_seqs: int, timesteps: int, blocks: int = 128,
+def runner_and_scheduler(loaded, max_num_seqs: int, timesteps: int, blocks: int = 128, tokens: int = 512,
                          **config) -> tuple[Runner, Scheduler]:
     device = str(next(loaded.model.parameters()).device)
-    cfg = WorkerConfig(model="", device=device, dtype=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+    cfg = WorkerConfig(model="", device=device, dtype=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
                        block_size=16, num_kv_blocks=blocks, gpu_memory_utilization=0.9,
                        inference_timesteps=timesteps, **config)
     runner = Runner(loaded, cfg)
-    return runner, Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, num_blocks=runner.num_blocks,
+    return runner, Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens, num_blocks=runner.num_blocks,
                              block_size=16, patch_ms=loaded.config.patch_ms)
 
 
@@ -117,6 +117,45 @@ def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
     assert runner.graphs is not None and runner.sample_graphs is not None
     check_graphed_steps(runner, sched, loaded, batch)
+
+
+@gpu
+def test_large_lm_graphs_equal_eager_steps(cuda, tiny_v2_dir, no_tf32):
+    """Past the small LM graphs: a burst of prompts replays a large LM graph that runs LocEnc on no row, prompts
+    joining speaking streams one that runs it on the listed audio rows (the decode rows, padded with a repeat);
+    both equal the eager step, and their attention finds each query block's sequence among mostly empty ones."""
+    loaded = load_model(tiny_v2_dir, cuda, "float32")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=48, timesteps=4, blocks=1024, tokens=4096)
+    replayed = []
+    replay = runner.lm_graphs.replay
+    runner.lm_graphs.replay = lambda key: replayed.append(key) or replay(key)
+    eager_step = runner._eager_step
+
+    def eager_lms(seqs):  # the reference: the step with its LMs eager (no large graph holds it)
+        keys = runner.lm_keys
+        runner.lm_keys = [k for k in keys if len(k) == 2]
+        try:
+            return eager_step(seqs)
+        finally:
+            runner.lm_keys = keys
+
+    runner._eager_step = eager_lms
+    for i in range(24):
+        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=90 + i))
+    seqs = sched.schedule()
+    assert sum(s.num_tokens for s in seqs) > 2048 and all(not s.request.generated for s in seqs)
+    out = graphed_vs_eager(runner, seqs)
+    assert len(replayed) == 1 and len(replayed[0]) == 3 and replayed[0][2] == 0
+    sched.postprocess(seqs, out.patches, out.stops)
+    for _ in range(2):
+        advance(runner, sched)
+    for i in range(20):
+        sched.add(make_spec(100 + i, loaded.config, timesteps=4, prompt_len=110))
+    seqs = sched.schedule()
+    assert len(seqs) == 44 and sum(s.num_tokens for s in seqs) > 2048
+    replayed.clear()
+    graphed_vs_eager(runner, seqs)
+    assert len(replayed) == 1 and len(replayed[0]) == 3 and replayed[0][2] >= 24
 
 
 @gpu
