@@ -105,7 +105,8 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         # worker's start traceback (VOXGATE_LOG=DEBUG) in bisect.log: as is; with CUDA_LAUNCH_BLOCKING=1 (the
         # faulting op, if it faults outside a capture); text-only large graphs (no LocEnc rows); none; unfused; no
         # cuBLAS workspace (a guess: the fused engine's large captured GEMMs, new in s15c, may be the first to pick
-        # algorithms that use it under capture); cuBLASLt (its workspace passed per call) instead of cublasGemmEx
+        # algorithms that use it under capture); cuBLASLt (its workspace passed per call) instead of cublasGemmEx.
+        # s16a found it (a warm-up race, only CUDA_LAUNCH_BLOCKING=1 and no large graphs ran); kept for the next fault
         for v in DEFAULT CUDA_LAUNCH_BLOCKING=1 VOXGATE_LARGE_LM_GRAPHS=text VOXGATE_LARGE_LM_GRAPHS=0 \
             VOXGATE_FUSED_KERNELS=0 CUBLAS_WORKSPACE_CONFIG=:0:0 TORCH_BLAS_PREFER_CUBLASLT=1; do
             step "bisect: $v"

@@ -39,9 +39,10 @@ EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions
 # Large LM graphs, past LM_GRAPH_TOKENS up to this many positions (a c=64 burst of ~111-position prompts is ~7,100).
 # s15b (H200): launching such a step eagerly took 26-54 ms of host time, as long as its GPU work (48-60 ms) or
 # longer, so a burst's first audio waited on the host; with FP8 GEMMs the step was host-bound every time.
+# s16b: replaying a large LM graph, the step's launch took 4-5.5 ms.
 LARGE_LM_GRAPH_TOKENS = 8192
 # VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager, as before s15); =text: only those
-# of prompts alone (LocEnc on no row). For bisecting s15c's fault.
+# of prompts alone (LocEnc on no row). For A/B timing and as a fallback.
 LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1")
 
 
