@@ -536,8 +536,15 @@ class Engine:
         for w in list(self._workers):
             await self._wait_ready(w)
 
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
-        """End every request with `EngineStopped` and stop the workers."""
+        """End every request with `EngineStopped` and stop the workers (also on leaving `async with Engine(...)`;
+        a program that never stops its engine has its workers stopped at exit)."""
         if self._stopped:
             return
         self._stopped = True

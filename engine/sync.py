@@ -95,7 +95,14 @@ class SyncEngine:
     def wait_for_ready(self) -> None:
         self._run(self.engine.wait_for_ready())
 
+    def __enter__(self) -> SyncEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
+        """End every request with `EngineStopped`, stop the workers and the loop thread (also on leaving `with`)."""
         if self._loop.is_running():
             self._run(self.engine.stop())
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -9,6 +9,7 @@ stats and answers its own calls; steps, request failures, fatal errors and the p
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import multiprocessing as mp
@@ -63,8 +64,12 @@ class WorkerHandle:
         self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready_flag = threading.Event()
+        self._closed = False
         threading.Thread(target=self._send_loop, daemon=True, name=f"voxgate-send-{index}").start()
         threading.Thread(target=self._read_loop, daemon=True, name=f"voxgate-read-{index}").start()
+        # an engine its program never stopped: stop the worker and free the ring at exit, before multiprocessing's
+        # own exit handler (registered earlier, so run later) would kill the daemonic process and leak the ring
+        atexit.register(self.close, 2.0)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Queue a message for the worker (sent once it is ready)."""
@@ -90,7 +95,11 @@ class WorkerHandle:
                 fut.set_exception(error)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker (killed if it takes longer than `timeout`) and free its ring."""
+        """Stop the worker (killed if it takes longer than `timeout`) and free its ring. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self.alive = False
         self.send(("stop",))
         self.process.join(timeout)
@@ -133,11 +142,21 @@ class WorkerHandle:
                     self._ready_flag.set()
                 if msg[0] == "step":
                     msg = self._unpack_step(msg)
-                self._loop.call_soon_threadsafe(self._on_message, msg)
+                if not self._to_loop(self._on_message, msg):
+                    break
             elif self.process.sentinel in ready:
                 break
         self._outbox.put(None)
-        self._loop.call_soon_threadsafe(self._ended)
+        self._to_loop(self._ended)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run `fn(*args)` on the event loop; False once that loop is closed (its program ended without stopping
+        the engine: nobody is left to tell)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _unpack_step(self, msg: tuple[Any, ...]) -> tuple[Any, ...]:
         _, chunks, audio, stats = msg
@@ -174,7 +193,7 @@ class WorkerHandle:
         self.alive = False
         error = WorkerCrashed(f"worker {self.index} ({self.cfg.device}) exited with code {self.process.exitcode}")
         self.fail_calls(error)
-        self.ring.close()
+        self.close(0.0)  # the process is gone: its ring (the reader, which called this, is done with it) and exit hook
         self._on_exit(self, error)
 
 

@@ -1,0 +1,72 @@
+"""An engine's end frees what it holds: `async with Engine(...)` and `with SyncEngine` stop the worker processes and
+unlink their shared-memory audio rings, and a program that never stops its engine still exits quietly (no thread
+traceback, no leaked shared memory) with its workers stopped. The real engine on the tiny VoxCPM2 checkpoint."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineStopped, SyncEngine
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_freed(workers: list) -> None:
+    assert workers
+    for w in workers:
+        assert not w.process.is_alive()
+        with pytest.raises(FileNotFoundError):  # the ring was unlinked
+            SharedMemory(name=w.shm.name)
+
+
+async def test_async_with_stops_the_workers_and_frees_their_rings(tiny_v2_dir):
+    async with Engine(str(tiny_v2_dir), max_num_seqs=2, inference_timesteps=2) as engine:
+        chunks = [c async for c in engine.generate("Hello there.", max_length=2, min_length=2)]
+        workers = list(engine._workers)
+    assert len(chunks) == 2
+    assert_freed(workers)
+    with pytest.raises(EngineStopped):
+        engine.generate("Anyone there?")
+
+
+def test_with_stops_the_sync_engine(tiny_v2_dir):
+    with Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=2, inference_timesteps=2) as engine:
+        assert isinstance(engine, SyncEngine)
+        assert len(list(engine.generate("Hello there.", max_length=2, min_length=2))) == 2
+        workers = list(engine.engine._workers)
+    assert_freed(workers)
+
+
+def test_a_program_that_never_stops_its_engine_exits_quietly(tiny_v2_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio
+        from engine import Engine
+
+        async def main():
+            engine = Engine({str(tiny_v2_dir)!r}, max_num_seqs=2, inference_timesteps=2)
+            async for _ in engine.generate("Hello there.", max_length=2, min_length=2):
+                pass
+            w = engine._workers[0]
+            print(w.process.pid, w.shm.name)
+
+        if __name__ == "__main__":
+            asyncio.run(main())  # the loop closes with the engine still running
+    """)
+    path = tmp_path / "forgetful.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    for noise in ("Traceback", "Exception in thread", "leaked shared_memory", "terminate called"):
+        assert noise not in done.stderr, done.stderr
+    pid, ring = done.stdout.split()
+    with pytest.raises(FileNotFoundError):
+        SharedMemory(name=ring)
+    with pytest.raises(ProcessLookupError):  # the worker is gone (reaped by its parent before it exited)
+        os.kill(int(pid), 0)
