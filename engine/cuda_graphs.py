@@ -99,7 +99,7 @@ def lm_graph_keys(max_num_seqs: int) -> list[tuple[int, int]]:
     return [(t, s) for t in LM_GRAPH_TOKENS for s in seqs if s <= t]
 
 
-def lm_graph_key(tokens: int, seqs: int, keys: list) -> tuple[int, int] | None:
+def lm_graph_key(tokens: int, seqs: int, keys: list[tuple[int, ...]]) -> tuple[int, int] | None:
     """The smallest small LM graph (among `keys`, small and large) for a flat batch of `tokens` positions in `seqs`
     sequences (plus the padding one)."""
     return next(((k[0], k[1]) for k in keys if len(k) == 2 and k[0] >= tokens and k[1] > seqs), None)
@@ -115,7 +115,8 @@ def large_lm_graph_keys(max_tokens: int, seqs: int, audio_rows: int) -> list[tup
     return [(t, seqs, a) for t in tokens for a in ((0,) if LARGE_LM_GRAPHS == "text" else (0, audio_rows))]
 
 
-def large_lm_graph_key(tokens: int, seqs: int, audio: int, keys: list) -> tuple[int, int, int] | None:
+def large_lm_graph_key(tokens: int, seqs: int, audio: int,
+                       keys: list[tuple[int, ...]]) -> tuple[int, int, int] | None:
     """The smallest large LM graph (among `keys`) for a flat batch of `tokens` positions in `seqs` sequences (plus
     the padding one), `audio` of them audio positions."""
     return next((k for k in keys if len(k) == 3 and k[0] >= tokens and k[1] > seqs and k[2] >= audio

@@ -216,7 +216,7 @@ def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm
     try:
         worker = Worker(cfg, commands, results, AudioRing(SharedMemory(name=shm_name), read_pos, owner=False))
     except Exception as e:  # a load failure is reported once, then the process exits
-        # the caller gets the message; with VOXGATE_LOG=DEBUG the worker's log the traceback too (which op failed)
+        # the caller gets the message; with VOXGATE_LOG=DEBUG the worker logs the traceback too (which op failed)
         logging.getLogger(__name__).debug("worker start failed", exc_info=True)
         results.send(("fatal", f"{type(e).__name__}: {e}"))
         return

@@ -65,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
         p.add_argument("--fp8-prefill", action="store_true",
                        help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: ~1.5x "
-                            "faster GEMMs (first audio sooner only when the host launches the step in time), for FP8 "
-                            "rounding in the prompts' KV cache and ~1.7 GB more GPU memory for VoxCPM2; needs an Ada "
-                            "or Hopper GPU; not with LoRA or tensor parallelism")
+                            "faster GEMMs (H200: 64 prompts at once get first audio ~10 ms sooner), for FP8 rounding "
+                            "in the prompts' KV cache and ~1.7 GB more GPU memory for VoxCPM2; needs an Ada or Hopper "
+                            "GPU; not with LoRA or tensor parallelism")
         p.add_argument("--fp8-dit", action="store_true",
                        help="run the LocDiT's GEMMs of busy steps (~47+ streams) in FP8: more streams per GPU, with "
                             "FP8 rounding in every patch of those steps; needs an Ada or Hopper GPU; not with LoRA "

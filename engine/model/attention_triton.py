@@ -62,7 +62,7 @@ def _paged_attention_kernel(
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:  # padding programs of short sequences (the grid covers max_seqlen_q)
+    if q_block * BLOCK_Q >= q_len:  # an empty sequence's program (decode grid: one program per sequence)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     cached = seq_len - q_len
