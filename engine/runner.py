@@ -120,11 +120,28 @@ class HostStaging:
     lora_rows: torch.Tensor  # each row's LoRA slot
     flat: FlatBuffers | None = None  # a mixed step's flat batch (`Runner.allocate_flat`), and its numpy views
     flat_arrays: dict[str, np.ndarray] | None = None
+    # the last upload from these (pinned) buffers, recorded on the stream behind its copies: they are read by the
+    # device when the stream gets there, so the host must not write the buffers again before (`writable`)
+    uploaded: torch.cuda.Event | None = None
 
     @classmethod
     def of(cls, buffers: DecodeBuffers, rows: int, pin: bool) -> HostStaging:
         return cls(buffers, {name: t.numpy() for name, t in vars(buffers).items()},
                    torch.zeros(rows, dtype=torch.long, pin_memory=pin))
+
+    def mark_uploaded(self) -> None:
+        """Note an upload just enqueued from these buffers (CUDA only: on CPU they are the device inputs)."""
+        self.uploaded = torch.cuda.Event()
+        self.uploaded.record()
+
+    def writable(self) -> None:
+        """Wait until the device has read the last upload from these buffers. A serving step finds it done (steps
+        alternate two stagings and collect one before staging into it again); the warm-up, staging bucket after
+        bucket into one, waits here. s16a (H200): without this wait the host, once ahead of the device, rewrote a
+        bucket's lengths under the previous bucket's pending copy, and the attention read past its tensors."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+            self.uploaded = None
 
 
 _engine_kernels: tuple[int, list] = (-1, [])  # (len(sys.modules) when found, the engine's JITFunctions)
@@ -264,6 +281,7 @@ class Runner:
     def _use_host(self, turn: int) -> None:
         self.host_turn = turn
         self.staging = self.stagings[turn]
+        self.staging.writable()
 
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
@@ -649,6 +667,8 @@ class Runner:
             self.inputs.copy_rows_(host.buffers, rows)
         if self.lora:
             self.lora_rows[:rows].copy_(host.lora_rows[:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            host.mark_uploaded()
 
     def _download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
                   ) -> PendingStep:
@@ -688,6 +708,7 @@ class Runner:
         self.staging.lora_rows[first:rows] = 0
 
     def _pad_all(self, rows: int) -> None:
+        self.staging.writable()
         self._stage_padding(rows)
         self._upload(rows)
 
@@ -862,13 +883,7 @@ class Runner:
 
     def _pad_flat(self, key: tuple[int, ...]) -> None:
         """Stage and upload an all-padding flat batch of bucket `key` (warm-up and graph capture only)."""
-        if self.device.type == "cuda":
-            # The pinned mirror is rewritten below while the device may still be behind: its copy of the previous
-            # bucket (enqueued non-blocking) would then read this one's lengths for that one's tensors. s16a (H200):
-            # with the large LM graphs captured, cuBLAS knew every warm-up shape, the host ran ahead of the device
-            # and the eager warm-up faulted ("illegal memory access"; fine with CUDA_LAUNCH_BLOCKING=1). Steps
-            # alternate two mirrors and collect one before staging into its mirror again.
-            torch.cuda.synchronize(self.device)
+        self.staging.writable()
         self._stage_flat_padding(0, 0, key)
         if len(key) > 2:
             self.flat_np["audio_rows"][:key[2]] = 0
@@ -877,6 +892,7 @@ class Runner:
     def _upload_flat(self, key: tuple[int, ...]) -> None:
         if self.flat_host is not self.flat:
             self.flat.copy_(self.flat_host, key)
+            self.staging.mark_uploaded()
 
     def lm_body(self, key: tuple[int, ...], eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the staged flat buffers of bucket `key` (what an LM graph captures); (lm_h, res_h) [S, H]
