@@ -167,8 +167,12 @@ def launch_short_attention(stack: StackConfig, length: int, dtype: torch.dtype) 
     heads, kv, d = stack.num_attention_heads, stack.num_key_value_heads, stack.head_dim
     qkv = torch.randn(2, length, heads + 2 * kv, d, dtype=dtype)
     q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
+    rope = (torch.randn(length, d), torch.randn(length, d))
     short_attention(q, k, v)
-    short_attention(q, k, v, (torch.randn(length, d), torch.randn(length, d)))  # RoPE in the kernel (CUDA path)
+    short_attention(q, k, v, rope)  # RoPE in the kernel (CUDA path)
+    if length > 4:  # the LocDiT's last layer: its last P tokens' outputs only
+        short_attention(q, k, v, last=4)
+        short_attention(q, k, v, rope, last=4)
 
 
 def launch_attention(stack: StackConfig, dtype: torch.dtype) -> None:

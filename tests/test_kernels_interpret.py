@@ -452,12 +452,15 @@ def test_fused_stack_matches_eager(kernels, monkeypatch, mup, dtype):
         if dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong: short attention is checked in fp16
             monkeypatch.setattr(kernels[0], "short_attention_fits", lambda q, k: False)  # and on the GPU
         out = model.forward_dense(x.to(dtype))
-    assert calls == [model.layers[0].branch_scale] * (2 * len(model.layers))  # each add fused with the next norm
+        kept = model.forward_dense(x.to(dtype), keep_last=2)  # the LocDiT's call: its last P tokens only
+    assert calls[:2 * len(model.layers)] == [model.layers[0].branch_scale] * (2 * len(model.layers))  # one per add
     assert out.dtype == dtype
     if dtype == torch.float32:
         assert relative_error(out, ref) < 1e-5
+        assert relative_error(kept, out[:, -2:]) < 1e-6
     else:
         assert relative_error(out, ref) <= 1.5 * relative_error(eager, ref) + 1e-3
+        assert relative_error(kept, ref[:, -2:]) <= 1.5 * relative_error(eager, ref) + 1e-3
 
 
 @pytest.mark.parametrize("length,q_heads,kv_heads,head_dim", [(11, 16, 2, 32), (5, 4, 4, 16), (9, 8, 2, 64)])
@@ -471,6 +474,20 @@ def test_short_attention_matches_sdpa(kernels, length, q_heads, kv_heads, head_d
     ref = dense_attention(q.float(), k.float(), v.float())  # SDPA on CPU
     assert out.shape == ref.shape and out.dtype == dtype
     assert relative_error(out, ref) < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_short_attention_keeps_the_last_tokens(kernels, rope):
+    """`last`: the last tokens' outputs of the whole attention, bit for bit (every token is still a key)."""
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(3, 11, 20, 32, generator=gen)
+    q, k, v = qkv[:, :, :16], qkv[:, :, 16:18], qkv[:, :, 18:]
+    table = rope_table(torch.arange(11), 32) if rope else None
+    out = kernels[0].short_attention(q, k, v, table, last=4)
+    assert out.shape == (3, 4, 16, 32)
+    assert torch.equal(out, kernels[0].short_attention(q, k, v, table)[:, -4:])
+    with pytest.raises(ValueError, match="last=12"):
+        kernels[0].short_attention(q, k, v, last=12)
 
 
 def rope_table(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

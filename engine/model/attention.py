@@ -175,18 +175,20 @@ class TorchAttention:
         return out[batch, local]
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, rope: Rope | None = None) -> Tensor:
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, rope: Rope | None = None, last: int | None = None) -> Tensor:
     """Bidirectional attention without cache for LocEnc/LocDiT: q [B, L, Hq, D], k/v [B, L, Hkv, D]; rope: (cos, sin)
-    [L, D] still to apply to q and k (None: applied already, or no RoPE). On CUDA one Triton kernel for these
-    few-token sequences (`short_attention`, which also does the rotation), else `apply_rope` and torch's SDPA."""
+    [L, D] still to apply to q and k (None: applied already, or no RoPE); `last`: only the last `last` tokens'
+    outputs, [B, last, Hq, D]. On CUDA one Triton kernel for these few-token sequences (`short_attention`, which
+    also does the rotation), else `apply_rope` and torch's SDPA."""
     if layers.fused(q):
         from engine.model.attention_triton import short_attention, short_attention_fits
 
         if short_attention_fits(q, k) and min(t.stride(-1) for t in (q, k, v)) == 1:
-            return short_attention(q, k, v, rope)
+            return short_attention(q, k, v, rope, last)
     q, k = rotate(q, k, rope)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
-    return out.transpose(1, 2)
+    out = out.transpose(1, 2)
+    return out if last is None else out[:, -last:]
 
 
 class FlashAttention:

@@ -139,7 +139,7 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _short_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, length,
+    q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, length, first,
     stride_qb, stride_ql, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
     stride_ob, stride_ol, stride_oh, stride_c, scale_log2e,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -170,8 +170,9 @@ def _short_attention_kernel(
     s = tl.where(key_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - tl.max(s, 1)[:, None])
     out = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) / tl.sum(p, 1)[:, None]
-    tl.store(out_ptr + b * stride_ob + token[:, None] * stride_ol + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    # only the queries from token `first` on are kept, at out rows token - first (the others are keys only)
+    tl.store(out_ptr + b * stride_ob + (token - first)[:, None] * stride_ol + head[:, None] * stride_oh
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask & (token >= first)[:, None])
 
 
 @triton.jit
@@ -197,9 +198,11 @@ def short_attention_fits(q: Tensor, k: Tensor) -> bool:
     return q.shape[2] % k.shape[2] == 0 and group * max(16, _next_pow2(q.shape[1])) <= MAX_SHORT_ROWS
 
 
-def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor] | None = None,
+                    last: int | None = None) -> Tensor:
     """Bidirectional attention (GQA, scale 1/sqrt(D)) over sequences of a few tokens, one launch: q [B, L, Hq, D],
-    k/v [B, L, Hkv, D], any strides with unit stride in D (views of a fused qkv output work). Returns [B, L, Hq, D].
+    k/v [B, L, Hkv, D], any strides with unit stride in D (views of a fused qkv output work). Returns [B, L, Hq, D],
+    or with `last` the last `last` tokens' outputs only, [B, last, Hq, D] (every token is still a key).
     rope: (cos, sin) fp32 [L, D] to rotate q and k by as they are loaded (rotate-half, token t at row t; q and k
     are not written): the same result, bit for bit, as `rope_` on q and k before a call without it.
 
@@ -212,14 +215,17 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]
     if rope is not None and (rope[0].shape != (length, head_dim) or rope[1].shape != rope[0].shape or head_dim % 2):
         raise ValueError(f"short_attention: rope needs cos/sin [L, D] with D even (got {tuple(rope[0].shape)} "
                          f"for q {tuple(q.shape)})")
+    kept = length if last is None else last
+    if not 1 <= kept <= length:
+        raise ValueError(f"short_attention: last={last} outside 1..{length}")
     cos, sin = (q, q) if rope is None else (t.float().contiguous() for t in rope)  # unused pointers without rope
-    out = torch.empty(b, length, q_heads, head_dim, device=q.device, dtype=q.dtype)
+    out = torch.empty(b, kept, q_heads, head_dim, device=q.device, dtype=q.dtype)
     if out.numel():
         block_l = max(16, _next_pow2(length))  # tl.dot needs 16 rows/columns
         group = q_heads // kv_heads
         _short_attention_kernel[(b, kv_heads)](
-            q, k, v, out, cos, sin, length, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            cos.stride(0), LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim,
+            q, k, v, out, cos, sin, length, length - kept, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *out.stride()[:3], cos.stride(0), LOG2E / math.sqrt(head_dim), GROUP=group, HEAD_DIM=head_dim,
             BLOCK_D=_next_pow2(max(16, head_dim)), BLOCK_L=block_l, HAS_ROPE=rope is not None,
             PRECISION=dot_precision(q), num_warps=4 if group * block_l <= 64 else 8)
     return out

@@ -60,8 +60,7 @@ class LocDiT(nn.Module):
         else:
             prefix = torch.cat((mu, t_emb[:, None]), dim=1)
         tokens = torch.cat((prefix, cond_h, x), dim=1)
-        hidden = self.decoder.forward_dense(tokens)
-        return self.out_proj(hidden[:, -x.shape[1]:])
+        return self.out_proj(self.decoder.forward_dense(tokens, keep_last=x.shape[1]))
 
 
 @cache

@@ -27,7 +27,7 @@ from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_line
 # measured between; the batch is a host int, so each CUDA graph bucket takes one path.
 DENSE_ROPE_IN_ATTENTION_MIN_SEQS = 64
 
-# attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D]
+# attend(layer_index, q [..., Hq, D], k [..., Hkv, D], v) -> [..., Hq, D] (dense stacks: of the kept tokens)
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -73,7 +73,8 @@ class Attention(nn.Module):
             if rope is not None:
                 qk = apply_rope(qk, *rope)
             q, k = qk[..., :self.heads, :], qk[..., self.heads:, :]
-        attended = attend(layer, q, k, v).reshape(*shape, self.heads * self.head_dim)
+        attended = attend(layer, q, k, v)
+        attended = attended.reshape(*attended.shape[:-2], self.heads * self.head_dim)
         out = fp8.linear(attended, self.o8)
         return self.o_proj(attended) if out is None else out
 
@@ -89,12 +90,16 @@ class DecoderLayer(nn.Module):
         self.branch_scale = stack.scale_depth / math.sqrt(stack.num_hidden_layers) if stack.use_mup else None
 
     def forward(self, x: Tensor, branch: Tensor | None, rope: tuple[Tensor, Tensor] | None, attend: Attend,
-                layer: int) -> tuple[Tensor, Tensor]:
+                layer: int, keep_last: int | None = None) -> tuple[Tensor, Tensor]:
         """The residual stream x, with the previous layer's MLP `branch` still to be added (None in the first layer),
         through this layer -> (x, this layer's MLP branch, still to be added). Each add is done with the norm after
-        it (`RMSNorm.add_and_norm`: one kernel on CUDA); the stack adds the last branch with its final norm."""
+        it (`RMSNorm.add_and_norm`: one kernel on CUDA); the stack adds the last branch with its final norm.
+        `keep_last` (dense [B, L, H] only, with an `attend` that returns those tokens): every token is a key, but
+        only the last `keep_last` go on through o_proj and the MLP, and out."""
         x, normed = self.input_layernorm.add_and_norm(x, branch, self.branch_scale, fp8_for=self.self_attn.qkv8)
         h = self.self_attn(normed, rope, attend, layer)
+        if keep_last is not None:
+            x = x[:, -keep_last:]
         x, normed = self.post_attention_layernorm.add_and_norm(x, h, self.branch_scale, fp8_for=self.mlp.gate_up8)
         return x, self.mlp(normed)
 
@@ -122,11 +127,14 @@ class MiniCPM(nn.Module):
             layer.self_attn.quantize_fp8()
             layer.mlp.quantize_fp8()
 
-    def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend) -> Tensor:
-        """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE)."""
+    def run(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, attend: Attend, keep_last: int | None = None
+            ) -> Tensor:
+        """x through every layer; `rope` (cos, sin) computed once for the whole stack (or None without RoPE);
+        `keep_last`: the last layer carries only the last tokens on (`DecoderLayer.forward`)."""
         branch = None  # a layer's MLP output: the next layer adds it together with its input norm
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, branch = layer(x, branch, rope, attend, i)
+            x, branch = layer(x, branch, rope, attend, i, keep_last if i == last else None)
         return self.norm.add_and_norm(x, branch, self.layers[-1].branch_scale)[1]
 
     def forward_paged(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache,
@@ -138,11 +146,17 @@ class MiniCPM(nn.Module):
             return self.run(x, None, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta, rope))
         return self.run(x, rope, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
 
-    def forward_dense(self, x: Tensor) -> Tensor:
-        """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L).
-        On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own), from
-        `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
+    def forward_dense(self, x: Tensor, keep_last: int | None = None) -> Tensor:
+        """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L) -> [B, L, H], or
+        with `keep_last` the last keep_last tokens' outputs, [B, keep_last, H]: the last layer's attention then
+        queries for those only, and its o_proj and MLP run on them only (the LocDiT reads its last P tokens: 7 of
+        11 rows of VoxCPM2's last layer skipped, ~4.5% of its GEMM work). On CUDA the attention kernel rotates q and
+        k as it loads them (no RoPE launch of its own), from `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
-        if layers.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS:
-            return self.run(x, None, lambda i, q, k, v: dense_attention(q, k, v, rope))
-        return self.run(x, rope, lambda i, q, k, v: dense_attention(q, k, v))
+        last_layer = len(self.layers) - 1
+        in_kernel = layers.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return dense_attention(q, k, v, rope if in_kernel else None, keep_last if i == last_layer else None)
+
+        return self.run(x, None if in_kernel else rope, attend, keep_last)
