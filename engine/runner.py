@@ -120,28 +120,28 @@ class HostStaging:
     lora_rows: torch.Tensor  # each row's LoRA slot
     flat: FlatBuffers | None = None  # a mixed step's flat batch (`Runner.allocate_flat`), and its numpy views
     flat_arrays: dict[str, np.ndarray] | None = None
-    # the last upload from these (pinned) buffers, recorded on the stream behind its copies: they are read by the
-    # device when the stream gets there, so the host must not write the buffers again before (`writable`)
+    # pinned buffers (CUDA): re-recorded on the stream behind each upload from them. The copies read the buffers
+    # when the stream gets there, so the host must not write them again before (`writable`)
     uploaded: torch.cuda.Event | None = None
 
     @classmethod
     def of(cls, buffers: DecodeBuffers, rows: int, pin: bool) -> HostStaging:
         return cls(buffers, {name: t.numpy() for name, t in vars(buffers).items()},
-                   torch.zeros(rows, dtype=torch.long, pin_memory=pin))
+                   torch.zeros(rows, dtype=torch.long, pin_memory=pin), uploaded=torch.cuda.Event() if pin else None)
 
     def mark_uploaded(self) -> None:
-        """Note an upload just enqueued from these buffers (CUDA only: on CPU they are the device inputs)."""
-        self.uploaded = torch.cuda.Event()
-        self.uploaded.record()
+        """Note an upload just enqueued from these buffers (nothing to note on CPU: they are the device inputs)."""
+        if self.uploaded is not None:
+            self.uploaded.record()
 
     def writable(self) -> None:
-        """Wait until the device has read the last upload from these buffers. A serving step finds it done (steps
-        alternate two stagings and collect one before staging into it again); the warm-up, staging bucket after
-        bucket into one, waits here. s16a (H200): without this wait the host, once ahead of the device, rewrote a
-        bucket's lengths under the previous bucket's pending copy, and the attention read past its tensors."""
+        """Wait until the device has read the last upload from these buffers (returns at once before any). A
+        serving step finds it done (steps alternate two stagings and collect one before staging into it again);
+        the warm-up, staging bucket after bucket into one, waits here. s16a (H200): without this wait the host, once
+        ahead of the device, rewrote a bucket's lengths under the previous bucket's pending copy, and the attention
+        read past its tensors."""
         if self.uploaded is not None:
             self.uploaded.synchronize()
-            self.uploaded = None
 
 
 _engine_kernels: tuple[int, list] = (-1, [])  # (len(sys.modules) when found, the engine's JITFunctions)
@@ -667,8 +667,7 @@ class Runner:
             self.inputs.copy_rows_(host.buffers, rows)
         if self.lora:
             self.lora_rows[:rows].copy_(host.lora_rows[:rows], non_blocking=True)
-        if self.device.type == "cuda":
-            host.mark_uploaded()
+        host.mark_uploaded()
 
     def _download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
                   ) -> PendingStep:
