@@ -68,3 +68,4 @@ class EngineStats:
     workers: int = 0
     workers_ready: int = 0
     worker_restarts: int = 0
+    admission_room: int = 0  # requests the least loaded ready worker still takes before `EngineOverloaded`

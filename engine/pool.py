@@ -511,9 +511,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The workers' latest reports, summed."""
-        s = EngineStats(in_flight=len(self._streams), workers=len(self._workers),
-                        workers_ready=sum(w.ready.is_set() and w.alive for w in self._workers),
-                        worker_restarts=self._restarts)
+        ready = [w for w in self._workers if w.ready.is_set() and w.alive]
+        room = max((self.max_num_seqs + self.max_waiting - len(w.in_flight) for w in ready), default=0)
+        s = EngineStats(in_flight=len(self._streams), workers=len(self._workers), workers_ready=len(ready),
+                        worker_restarts=self._restarts, admission_room=max(room, 0))
         for w in self._workers:
             for key in ("running", "waiting", "free_blocks", "total_blocks", "voice_blocks", "steps", "preemptions"):
                 setattr(s, key, getattr(s, key) + w.stats.get(key, 0))

@@ -166,7 +166,7 @@ async def _start_engine(args: argparse.Namespace):
 async def _serve(args: argparse.Namespace) -> int:
     from gateway.auth import Auth
     from gateway.protocol import Limits
-    from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
+    from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, drain, start_server
     from gateway.session import SessionConfig
 
     try:
@@ -180,9 +180,9 @@ async def _serve(args: argparse.Namespace) -> int:
                           shutdown_timeout_s=args.shutdown_timeout,
                           web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR)
     engine = await _start_engine(args)
+    app = create_app(engine, config, auth=auth, compat=True)
     try:
-        runner, port = await start_server(create_app(engine, config, auth=auth, compat=True), args.host, args.port,
-                                          shutdown_timeout_s=args.shutdown_timeout + 5)
+        runner, port = await start_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout + 5)
     except OSError as e:
         await engine.stop()
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from None
@@ -198,8 +198,10 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("voxgate: shutting down (finishing turns in progress)", file=sys.stderr)
-    await runner.cleanup()  # stops listening, then drains sessions (on_shutdown), then closes connections
+    print(f"voxgate: draining (/readyz 503, new sessions refused, turns in progress get up to "
+          f"{args.shutdown_timeout:g} s)", file=sys.stderr)
+    await drain(app)  # still listening, so balancers see the 503s and retry refused handshakes elsewhere
+    await runner.cleanup()  # then stop listening and close what is left
     await engine.stop()
     return 0
 
