@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.config_file import ConfigFileError, with_config_file
+
 log = logging.getLogger("voxgate")
 
 DEMO_WARNING = ("THE MODEL IS THE TINY BUILT-IN DEMO (random weights): the audio is NOT speech. "
@@ -21,7 +23,15 @@ DEMO_WARNING = ("THE MODEL IS THE TINY BUILT-IN DEMO (random weights): the audio
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        try:
+            args = parser.parse_args(with_config_file(parser, argv, args.config))
+        except ConfigFileError as e:
+            print(f"voxgate: error: --config {e}", file=sys.stderr)
+            return 2
     _setup_logging(args.log_level, args.log_json)
     try:
         return asyncio.run(args.run(args))
@@ -84,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds turns may take to finish on SIGTERM (default 10)")
     serve.add_argument("--web-client", help="folder of the browser client to serve at / (default: web_client/)")
+    serve.add_argument("--config", help="TOML file of serve settings, keyed by these flags' names (max-sessions = "
+                                        "500; deploy/voxgate.toml lists them all); flags given here override it")
     common(serve)
     serve.set_defaults(run=_serve)
 

@@ -30,6 +30,7 @@ LONG_TEXT = ("Each of these streams keeps speaking while its node is told to sto
              "and it must be heard to the end before that node closes the session.")
 NEW_SESSIONS = 12  # opened through HAProxy during node A's drain: a burst at once, then one every 0.25 s
 BURST = 4
+MAX_SESSIONS = 50  # set in the nodes' config file
 
 
 def _free_port() -> int:
@@ -54,11 +55,13 @@ async def _start(args: list[str], log: Path) -> asyncio.subprocess.Process:
                                                     stdin=asyncio.subprocess.DEVNULL)
 
 
-async def _wait_for(what: str, check, timeout: float) -> None:
+async def _wait_for(what: str, check, timeout: float) -> float:
+    """Poll `check` until it is true (assert it is within the timeout); the monotonic time it was seen true."""
     end = time.monotonic() + timeout
     while not await check():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+    return time.monotonic()
 
 
 async def _status(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
@@ -120,10 +123,12 @@ async def test_haproxy_spreads_sessions_and_moves_new_ones_off_a_draining_node(t
     cfg.write_text(haproxy_config((ROOT / "deploy" / "haproxy.cfg").read_text(), front, stats, ports))
     procs: dict[str, asyncio.subprocess.Process] = {}
     try:
-        for name, port in ports.items():
-            procs[name] = await _start([sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_v2_dir),
-                                        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "4",
-                                        "--shutdown-timeout", "30"], tmp_path / f"{name}.log")
+        node_config = tmp_path / "voxgate.toml"  # the nodes are configured from a file, as deployments are
+        node_config.write_text(f'model = "{tiny_v2_dir}"\nhost = "127.0.0.1"\nport = 1\nmax-num-seqs = 16\n'
+                               f'max-sessions = {MAX_SESSIONS}\nshutdown-timeout = 30\n')
+        for name, port in ports.items():  # each on its own port: the command line overrides the file
+            procs[name] = await _start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(node_config),
+                                        "--port", str(port)], tmp_path / f"{name}.log")
         procs["haproxy"] = await _start(["haproxy", "-db", "-f", str(cfg)], tmp_path / "haproxy.log")
         async with aiohttp.ClientSession() as http:
             async def both_up() -> bool:
@@ -144,8 +149,9 @@ async def test_haproxy_spreads_sessions_and_moves_new_ones_off_a_draining_node(t
                 await c.append(LONG_TEXT, "t")
                 await c.end("t")
                 speaking.append(c)
-            sessions = {name: (await _status(http, f"http://127.0.0.1:{port}/readyz"))[1]["sessions"]
-                        for name, port in ports.items()}
+            loads = {name: (await _status(http, f"http://127.0.0.1:{port}/readyz"))[1] for name, port in ports.items()}
+            sessions = {name: load["sessions"] for name, load in loads.items()}
+            assert all(load["free_slots"] == MAX_SESSIONS - load["sessions"] for load in loads.values()), loads
             assert sessions["node_a"] >= 1 and sessions["node_b"] >= 1 and sum(sessions.values()) == 4, sessions
             for c in speaking:  # all of them speak when node A is told to stop
                 while not isinstance(await c.recv(30), AudioFrame):
@@ -175,8 +181,7 @@ async def test_haproxy_spreads_sessions_and_moves_new_ones_off_a_draining_node(t
             failed = [r for r in results if isinstance(r, BaseException)]
             assert not failed, f"{len(failed)} of {NEW_SESSIONS} new sessions failed: {failed[:3]}"
             assert all(ms > 0 for ms in results)
-            await out_of_pool
-            left_pool_s = time.monotonic() - sigterm
+            left_pool_s = await out_of_pool - sigterm
             assert left_pool_s < 3.0, f"node A left HAProxy's pool after {left_pool_s:.1f} s"
             assert await _turns(http, ports["node_b"]) - turns_b == NEW_SESSIONS  # every new session on node B
 
