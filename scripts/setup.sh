@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up voxgate on a fresh Debian machine (as root, or with sudo): system libraries, then a virtualenv in .venv.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh test     runtime + test tools (the official voxcpm oracle, Chromium for browser tests)
+#   scripts/setup.sh test     runtime + test tools (the official voxcpm oracle, Chromium for browser tests, HAProxy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
@@ -10,7 +10,8 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 # gcc + python3-dev build gateway/_opus_frames.c (Opus frames encoded without the GIL; optional: without a compiler
 # the gateway encodes frame by frame through opuslib)
 apt_pkgs="libopus0 libsndfile1 gcc python3-dev"
-[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium"
+# test: chromium for the browser tests, haproxy for the cluster test (tests/test_cluster_haproxy.py)
+[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium haproxy"
 missing=""
 for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
