@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.client import VoxgateClient
 from gateway.protocol import AudioFrame
@@ -167,6 +167,9 @@ async def test_haproxy_spreads_sessions_and_moves_new_ones_off_a_draining_node(t
                 return status == 503 and body["status"] == "draining"
 
             await _wait_for("node A's /readyz to answer 503", a_draining, 2)
+            with pytest.raises(InvalidStatus) as refused:  # a handshake straight to node A: the typed refusal
+                await VoxgateClient.connect(f"ws://127.0.0.1:{ports['node_a']}/v1/stream")
+            assert refused.value.response.status_code == 503 and b"server_shutdown" in refused.value.response.body
 
             async def a_down() -> bool:
                 return (await _server_stats(http, stats))["node_a"]["status"].startswith("DOWN")
