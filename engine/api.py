@@ -68,4 +68,5 @@ class EngineStats:
     workers: int = 0
     workers_ready: int = 0
     worker_restarts: int = 0
-    admission_room: int = 0  # requests the least loaded ready worker still takes before `EngineOverloaded`
+    # requests the least loaded ready worker still takes before `EngineOverloaded` (None: an engine that does not say)
+    admission_room: int | None = None
