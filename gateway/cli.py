@@ -178,7 +178,8 @@ async def _start_engine(args: argparse.Namespace):
 async def _serve(args: argparse.Namespace) -> int:
     from gateway.auth import Auth
     from gateway.protocol import Limits
-    from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, drain, start_server
+    from gateway.readiness import drain
+    from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
     from gateway.session import SessionConfig
 
     try:

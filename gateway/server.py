@@ -12,7 +12,7 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from engine import errors as engine_errors
 from gateway.auth import Auth, AuthError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
+from gateway.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.session import Session, SessionConfig
 
 log = logging.getLogger("voxgate.server")
@@ -67,15 +68,6 @@ class Gateway:
                                  "sessions per API key", fatal=True)
         return None
 
-    def load(self) -> dict[str, Any]:
-        """The node's load for balancers (/readyz): open sessions, free session slots, the engine's running requests,
-        its queue and its room for more (None when the engine does not say), and whether the node drains."""
-        stats = self.engine.stats()
-        engine = stats if isinstance(stats, dict) else asdict(stats) if is_dataclass(stats) else {}
-        return {"sessions": len(self.sessions), "free_slots": max(self.config.max_sessions - len(self.sessions), 0),
-                "running": engine.get("running"), "queue": engine.get("waiting"),
-                "engine_room": engine.get("admission_room"), "draining": self.draining}
-
     @contextlib.contextmanager
     def tracked(self, session: Session, key: str) -> Iterator[None]:
         """Count a session (limits, readiness, shutdown drain) while the block runs."""
@@ -100,7 +92,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
     config = config or ServerConfig()
     metrics = metrics or GatewayMetrics()
     metrics.watch_engine(engine)
-    app = web.Application(client_max_size=config.max_voice_bytes, middlewares=[_refuse_sockets_while_draining])
+    app = web.Application(client_max_size=config.max_voice_bytes, middlewares=[refuse_sockets_while_draining])
     app[GATEWAY] = Gateway(engine, config, auth or Auth(), metrics)
     r = app.router
     r.add_get("/v1/stream", stream)
@@ -239,29 +231,6 @@ async def stream(request: web.Request) -> web.StreamResponse:
             await session.close(1000, "")
             log.info("session %s closed", session.id)
     return ws
-
-
-@web.middleware
-async def _refuse_sockets_while_draining(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every WebSocket handshake (native and compat) is answered 503 `server_shutdown` during the drain, before any
-    socket opens, so a balancer can retry it on another node."""
-    if request.app[GATEWAY].draining and request.headers.get("Upgrade", "").lower() == "websocket":
-        return _error(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down; connect again (another node)")
-    return await handler(request)
-
-
-async def drain(app: web.Application) -> None:
-    """Stop taking streams while still listening: /readyz answers 503, new sessions are refused (HTTP 503
-    `server_shutdown`, so a balancer retries them elsewhere), turns in progress get `shutdown_timeout_s` to finish,
-    then each session ends with `server_shutdown` (close 1001). `voxgate serve` runs it on SIGTERM before it stops
-    listening; the application's shutdown runs it too (then it finds nothing left to wait for)."""
-    gw = app[GATEWAY]
-    gw.draining = True
-    sessions = [s for s in gw.sessions if not s.closed]
-    if sessions:
-        log.info("draining: %d sessions get %.0f s to finish their turns", len(sessions),
-                 gw.config.shutdown_timeout_s)
-    await asyncio.gather(*(s.shutdown(gw.config.shutdown_timeout_s) for s in sessions), return_exceptions=True)
 
 
 # ---------------------------------------------------------------------------------------------------- HTTP API
@@ -455,32 +424,6 @@ async def remove_lora(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     """Liveness: the process answers."""
     return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    """Readiness that follows capacity: 200 while the engine serves and the node can take another stream; 503 while
-    it drains, is at `max_sessions`, or its engine would refuse a new request. The body is the load report."""
-    gw = request.app[GATEWAY]
-    try:
-        health = gw.engine.health()
-        if asyncio.iscoroutine(health):
-            health = await health
-        load = gw.load()
-    except Exception as e:  # a stopped or crashed engine is "not ready", never a 500
-        return web.json_response({"status": "engine unavailable", "detail": str(e), "draining": gw.draining},
-                                 status=503)
-    engine_status = health.get("status") if isinstance(health, dict) else None
-    if gw.draining:
-        status = "draining"
-    elif engine_status not in ("ok", "degraded"):  # degraded: some workers serve while others restart
-        status = f"engine {engine_status}"
-    elif load["free_slots"] == 0:
-        status = "full"
-    elif load["engine_room"] == 0:
-        status = "engine_saturated"
-    else:
-        status = "ready"
-    return web.json_response({"status": status, **load}, status=200 if status == "ready" else 503)
 
 
 async def prometheus(request: web.Request) -> web.Response:
