@@ -42,7 +42,7 @@ async def _readyz(port: int) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
-async def _until_ready(port: int, want: int, timeout: float = 10.0) -> dict:
+async def _until_status(port: int, want: int, timeout: float = 10.0) -> dict:
     """Poll /readyz until it answers `want` (assert it does within the timeout); its body."""
     end = time.monotonic() + timeout
     while True:
@@ -70,7 +70,7 @@ async def test_readyz_reports_the_load_and_turns_503_at_max_sessions(engine):
             status, full = await _readyz(port)
             assert status == 503 and full["status"] == "full"
             assert full["sessions"] == 1 and full["free_slots"] == 0
-        body = await _until_ready(port, 200)  # the slot is free again once the session is gone
+        body = await _until_status(port, 200)  # the slot is free again once the session is gone
         assert body["sessions"] == 0
     finally:
         await runner.cleanup()
@@ -83,11 +83,11 @@ async def test_readyz_turns_503_while_the_engine_would_refuse_a_request(engine):
             await c.start(output={"format": "pcm_s16le"})
             await c.append(LONG_TEXT, "t")
             await c.end("t")
-            body = await _until_ready(port, 503)  # while the engine generates the turn, it has no room left
+            body = await _until_status(port, 503)  # while the engine generates the turn, it has no room left
             assert body["status"] == "engine_saturated" and body["engine_room"] == 0, body
             assert body["free_slots"] > 0 and body["running"] + body["queue"] <= 1
             await c.collect("t")
-        body = await _until_ready(port, 200)
+        body = await _until_status(port, 200)
         assert body["engine_room"] == 1
     finally:
         await runner.cleanup()
