@@ -65,6 +65,8 @@ async def test_readyz_reports_the_load_and_turns_503_at_max_sessions(engine):
         assert status == 200, idle
         assert idle["status"] == "ready" and idle["sessions"] == 0 and idle["free_slots"] == 1
         assert idle["engine_room"] == 1 and idle["queue"] == 0 and idle["draining"] is False
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+            assert "\nvoxgate_engine_admission_room 1.0\n" in await r.text()  # the same number for Prometheus
         async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
             await c.start()
             status, full = await _readyz(port)
