@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.store.local import DEFAULT_DATA_DIR
+
 log = logging.getLogger("voxgate")
 
 DEMO_WARNING = ("THE MODEL IS THE TINY BUILT-IN DEMO (random weights): the audio is NOT speech. "
@@ -77,7 +79,19 @@ def _parser() -> argparse.ArgumentParser:
     engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--api-keys-file", help="file with one API key per line (default: no authentication)")
+    serve.add_argument("--api-keys-file", help="file with one API key per line, optionally followed by flags: "
+                       "operator (shares voices and adapters with every key, manages all), strict (unknown voice "
+                       "ids are not-found errors) (default: no authentication)")
+    serve.add_argument("--data-dir", help="where stored voices and LoRA adapters are kept across restarts "
+                       f"(default: {DEFAULT_DATA_DIR}; ignored with --store)")
+    serve.add_argument("--store", metavar="URL", help="shared state for many nodes: redis://host:port/db holds "
+                       "voices, adapters, tokens and per-key session leases (default: the local --data-dir)")
+    serve.add_argument("--api-keys-from-store", action="store_true",
+                       help="also accept the keys in the store's voxgate:keys hash (key -> flags), re-read every "
+                            "few seconds: keys are added and revoked without a restart (needs --store)")
+    serve.add_argument("--strict-voices", action="store_true",
+                       help="ElevenLabs, Cartesia and Deepgram requests naming an unknown voice get the protocol's "
+                            "not-found error (default: they speak with the default voice, logged)")
     serve.add_argument("--max-sessions", type=int, default=1000)
     serve.add_argument("--max-sessions-per-key", type=int, default=100)
     serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
@@ -168,21 +182,32 @@ async def _serve(args: argparse.Namespace) -> int:
     from gateway.protocol import Limits
     from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
     from gateway.session import SessionConfig
+    from gateway.store import open_store
 
     try:
-        auth = Auth.from_file(args.api_keys_file) if args.api_keys_file else Auth()
+        auth = Auth.from_file(args.api_keys_file, keys_from_store=args.api_keys_from_store) \
+            if args.api_keys_file else Auth(keys_from_store=args.api_keys_from_store)
     except (OSError, ValueError) as e:
         raise CliError(f"--api-keys-file: {e}") from None
+    if args.api_keys_from_store and not args.store:
+        raise CliError("--api-keys-from-store needs --store redis://...")
+    try:
+        store = open_store(args.store, None if args.store else Path(args.data_dir or DEFAULT_DATA_DIR))
+    except (OSError, ValueError) as e:
+        raise CliError(f"--data-dir / --store: {e}") from None
+    print(f"voxgate: stored voices and adapters: {store.description}", file=sys.stderr)
     if not auth.enabled:
         log.warning("no --api-keys-file: every client may connect (fine on localhost or a trusted network)")
     config = ServerConfig(session=SessionConfig(limits=Limits(idle_timeout_s=args.idle_timeout)),
                           max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
                           shutdown_timeout_s=args.shutdown_timeout,
-                          web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR)
+                          web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR,
+                          strict_voices=args.strict_voices)
     engine = await _start_engine(args)
     try:
-        runner, port = await start_server(create_app(engine, config, auth=auth, compat=True), args.host, args.port,
-                                          shutdown_timeout_s=args.shutdown_timeout + 5)
+        app = create_app(engine, config, auth=auth, compat=True, store=store,
+                         restore_progress=lambda line: print(f"voxgate: {line}", file=sys.stderr))
+        runner, port = await start_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout + 5)
     except OSError as e:
         await engine.stop()
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e}") from None

@@ -10,7 +10,8 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 # gcc + python3-dev build gateway/_opus_frames.c (Opus frames encoded without the GIL; optional: without a compiler
 # the gateway encodes frame by frame through opuslib)
 apt_pkgs="libopus0 libsndfile1 gcc python3-dev"
-[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium"
+# redis-server: the store tests start their own (tests/test_store_cluster.py)
+[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium redis-server"
 missing=""
 for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
