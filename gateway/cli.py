@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="more speaking streams than this (per worker) decode in two halves taking turns: "
                             "first audio ~2x sooner at high load, each stream still a patch every two steps "
                             "(0: never split; default: the engine's)")
+        p.add_argument("--max-loras", type=int, default=None,
+                       help="LoRA adapters resident on each worker at once (default 0: no adapters can be registered)")
+        p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
         p.add_argument("--no-merge-lora", action="store_true",
                        help="always the batched LoRA kernels; by default steps whose streams all use one adapter run "
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
@@ -154,6 +157,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["vae_dtype"] = args.vae_dtype
     if args.split_decodes_above is not None:
         kwargs["split_decodes_above"] = args.split_decodes_above or None
+    if args.max_loras is not None:
+        kwargs["max_loras"] = args.max_loras
+    if args.max_lora_rank is not None:
+        kwargs["max_lora_rank"] = args.max_lora_rank
     if args.no_merge_lora:
         kwargs["merge_lora"] = False
     if args.fp8_prefill:
