@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.leases import DEFAULT_LEASE_TTL_S
 from gateway.store.local import DEFAULT_DATA_DIR
 
 log = logging.getLogger("voxgate")
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-from-store", action="store_true",
                        help="also accept the keys in the store's voxgate:keys hash (key -> flags), re-read every "
                             "few seconds: keys are added and revoked without a restart (needs --store)")
+    serve.add_argument("--session-lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+                       help="seconds a per-key session place outlives a node that died without giving it back "
+                            "(the node refreshes its places every third of it; default %(default)s)")
     serve.add_argument("--strict-voices", action="store_true",
                        help="ElevenLabs, Cartesia and Deepgram requests naming an unknown voice get the protocol's "
                             "not-found error (default: they speak with the default voice, logged)")
@@ -209,7 +213,7 @@ async def _serve(args: argparse.Namespace) -> int:
                           max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
                           shutdown_timeout_s=args.shutdown_timeout,
                           web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR,
-                          strict_voices=args.strict_voices)
+                          strict_voices=args.strict_voices, lease_ttl_s=args.session_lease_ttl)
     engine = await _start_engine(args)
     try:
         app = create_app(engine, config, auth=auth, compat=True, store=store,

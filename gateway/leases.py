@@ -14,6 +14,7 @@ from gateway.store import Store, StoreUnavailable
 
 log = logging.getLogger("voxgate.leases")
 
+DEFAULT_LEASE_TTL_S = 15.0  # a dead node's per-key session places come back within this
 UNCLAIMED_S = 30.0  # a reservation no session took within this (a handshake that failed later) is given back
 
 
@@ -22,7 +23,7 @@ class Leases:
     when it ends. With the store unreachable, sessions are admitted by this node's own count (logged): streams do
     not depend on the store."""
 
-    def __init__(self, store: Store, ttl_s: float = 15.0):
+    def __init__(self, store: Store, ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.store, self.ttl_s = store, ttl_s
         self._reserved: dict[str, list[tuple[str, float]]] = {}  # tenant -> [(lease, when)] not yet claimed
         self._held: dict[str, str] = {}  # lease -> tenant

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from gateway.auth import Auth, AuthError
-from gateway.leases import Leases
+from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.session import Session, SessionConfig
@@ -43,7 +43,7 @@ class ServerConfig:
     store_url: str | None = None
     data_dir: Path | None = None
     strict_voices: bool = False  # compat protocols answer unknown voice ids with their not-found error
-    lease_ttl_s: float = 15.0  # a dead node's per-key session places come back within this
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
     @property
     def limits(self) -> Limits:
