@@ -21,7 +21,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.session import Session, SessionConfig
 from gateway.store import Store, open_store
-from gateway.voices import Catalog, VoiceRefused
+from gateway.voices import Catalog, Unavailable, VoiceRefused
 
 log = logging.getLogger("voxgate.server")
 
@@ -94,8 +94,10 @@ class Gateway:
         async def voices(voice_id: str) -> str | None:
             try:
                 return await self.voices.resolve(voice_id, caller)
-            except VoiceRefused as e:
+            except Unavailable as e:
                 raise ProtocolError(ErrorCode.STORE_UNAVAILABLE, e.message) from None
+            except VoiceRefused as e:  # the engine could not load it
+                raise ProtocolError(ErrorCode.ENGINE_ERROR, e.message) from None
 
         return Session(self.engine, transport, config or self.config.session, metrics=self.metrics, voices=voices,
                        session_id=session_id)

@@ -125,7 +125,11 @@ class Catalog:
             return voice_id if voice_id in await self._engine_voices() else None
         if not self.visible(item, caller):
             return None
-        await self._ensure(item)
+        try:
+            await self._ensure(item)
+        except NotVisible as e:  # its adapter is gone
+            log.error("stored voice %r cannot be loaded: %s", voice_id, e)
+            return None
         return voice_id
 
     async def voice_or_default(self, voice_id: str | None, caller: Caller, protocol: str) -> str | None:
@@ -326,10 +330,15 @@ class Catalog:
                 blobs = await self.store.blobs(item.kind, item.id)
             except StoreUnavailable as e:
                 raise Unavailable(str(e)) from None
-            if item.kind == LORA:
-                await self._load_lora(item, blobs)
-            else:
-                await self._load_voice(item, blobs)
+            try:
+                if item.kind == LORA:
+                    await self._load_lora(item, blobs)
+                else:
+                    await self._load_voice(item, blobs)
+            except (engine_errors.EngineError, ValueError, KeyError) as e:
+                log.error("cannot load stored %s %r into the engine: %s", item.kind, item.id, e)
+                raise VoiceRefused(f"stored {item.kind} {item.id!r} cannot be loaded now: {e}", status=503,
+                                   code="engine_error") from None
             self._loaded[key] = item
         self._locks.pop(key, None)
 
@@ -375,7 +384,7 @@ class Catalog:
             try:
                 await self._ensure(item)
                 done[item.kind] += 1
-            except (VoiceRefused, engine_errors.EngineError, ValueError, KeyError) as e:
+            except VoiceRefused as e:
                 log.error("cannot restore %s %r: %s", item.kind, item.id, e)
             if n % 25 == 0 or n == len(loras) + len(voices):
                 progress(f"restored {n}/{len(loras) + len(voices)} ({time.monotonic() - started:.1f} s)")

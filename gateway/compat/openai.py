@@ -199,7 +199,7 @@ async def _stored(gw: Gateway, key: str, body: Any) -> set[str]:
         return set()
     try:
         found = await gw.voices.resolve(voice, gw.auth.caller(key))
-    except VoiceRefused as e:
+    except VoiceRefused as e:  # the store or the engine cannot serve it now
         raise OpenAIError(e.status, e.message, type="server_error", code=e.code) from None
     return {found} if found else set()
 
