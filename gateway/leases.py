@@ -15,7 +15,6 @@ from gateway.store import Store, StoreUnavailable
 log = logging.getLogger("voxgate.leases")
 
 DEFAULT_LEASE_TTL_S = 15.0  # a dead node's per-key session places come back within this
-UNCLAIMED_S = 30.0  # a reservation no session took within this (a handshake that failed later) is given back
 
 
 class Leases:
@@ -52,7 +51,7 @@ class Leases:
         reserved = self._reserved.get(tenant)
         if not reserved:
             return None
-        lease, _ = reserved.pop(0)
+        lease, _ = reserved.pop()  # the newest: the handshake that reserved it is usually the one counted now
         if not reserved:
             del self._reserved[tenant]
         self._held[lease] = tenant
@@ -74,12 +73,13 @@ class Leases:
         task.add_done_callback(self._tasks.discard)
 
     async def keep_fresh(self) -> None:
-        """Refresh held leases every ttl/3 and give back stale reservations, until cancelled."""
+        """Refresh held leases every ttl/3 and drop reservations no session took within the lease time (a handshake
+        that failed after its admission; the store lets them expire by then), until cancelled."""
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             now = time.monotonic()
             for tenant, reserved in list(self._reserved.items()):
-                stale = [lease for lease, when in reserved if now - when > UNCLAIMED_S]
+                stale = [lease for lease, when in reserved if now - when > self.ttl_s]
                 self._reserved[tenant] = [(lease, when) for lease, when in reserved if lease not in stale]
                 if not self._reserved[tenant]:
                     del self._reserved[tenant]
