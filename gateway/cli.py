@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-file", help="file with one API key per line, optionally followed by flags: "
                        "operator (shares voices and adapters with every key, manages all), strict (unknown voice "
                        "ids are not-found errors) (default: no authentication)")
-    serve.add_argument("--data-dir", help="where stored voices and LoRA adapters are kept across restarts "
-                       f"(default: {DEFAULT_DATA_DIR}; ignored with --store)")
+    serve.add_argument("--data-dir", help="where stored voices and LoRA adapters are kept across restarts, for one "
+                       f"server (default: {DEFAULT_DATA_DIR}; many nodes share state with --store instead)")
     serve.add_argument("--store", metavar="URL", help="shared state for many nodes: redis://host:port/db holds "
                        "voices, adapters, tokens and per-key session leases (default: the local --data-dir)")
     serve.add_argument("--api-keys-from-store", action="store_true",

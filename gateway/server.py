@@ -20,7 +20,7 @@ from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.session import Session, SessionConfig
-from gateway.store import Store, open_store
+from gateway.store import Store, StoreUnavailable, open_store
 from gateway.voices import Catalog, Unavailable, VoiceRefused
 
 log = logging.getLogger("voxgate.server")
@@ -144,7 +144,10 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
         if not store.shared:  # a shared store's items are loaded on first use, on each node
             await gw.voices.restore(restore_progress or log.info)
         if auth.keys_from_store:
-            await auth.refresh_keys()
+            try:
+                await auth.refresh_keys()
+            except StoreUnavailable as e:  # the file's keys serve meanwhile; refreshed once the store answers
+                log.warning("API keys from the store: %s", e)
         tasks = [asyncio.create_task(gw.leases.keep_fresh())]
         if auth.keys_from_store:
             tasks.append(asyncio.create_task(auth.keep_keys_fresh()))

@@ -75,6 +75,7 @@ class Catalog:
     def __init__(self, engine: Any, store: Store, *, strict: bool = False):
         self.engine, self.store, self.strict = engine, store, strict
         self._loaded: dict[tuple[str, str], Item] = {}  # what this catalog put into the engine, as last read
+        self._ours: set[tuple[str, str]] = set()  # in the engine because of the store (until freed there)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._fallbacks_logged: set[str] = set()
 
@@ -111,7 +112,7 @@ class Catalog:
 
     def _operators(self, ids: dict[str, Any], kind: str) -> dict[str, Any]:
         """Engine items that the store did not make: the embedding program's, shared with every key."""
-        return {i: v for i, v in ids.items() if (kind, i) not in self._loaded}
+        return {i: v for i, v in ids.items() if (kind, i) not in self._ours}
 
     # ---- the one voice-resolution function -------------------------------------------------------------------
     async def resolve(self, voice_id: str, caller: Caller) -> str | None:
@@ -122,7 +123,7 @@ class Catalog:
             if (VOICE, voice_id) in self._loaded:  # deleted through another node: free it here too
                 await self._unload(VOICE, voice_id)
                 return None
-            return voice_id if voice_id in await self._engine_voices() else None
+            return voice_id if voice_id in self._operators(await self._engine_voices(), VOICE) else None
         if not self.visible(item, caller):
             return None
         try:
@@ -180,6 +181,7 @@ class Catalog:
             await self.engine.remove_voice(voice_id)
             raise Unavailable(str(e)) from None
         self._loaded[(VOICE, voice_id)] = item
+        self._ours.add((VOICE, voice_id))
         return self.voice_view(item)
 
     @staticmethod
@@ -200,7 +202,7 @@ class Catalog:
         """Remove a voice the caller owns (any, for an operator key)."""
         item = await self._get(VOICE, voice_id)
         if item is None:
-            engine_only = (VOICE, voice_id) not in self._loaded and voice_id in await self._engine_voices()
+            engine_only = voice_id in self._operators(await self._engine_voices(), VOICE)
             if not engine_only or not (caller.operator or not caller.tenant):
                 raise NotVisible(f"no stored voice {voice_id!r}")
             await self.engine.remove_voice(voice_id)
@@ -250,6 +252,8 @@ class Catalog:
         """The engine name of the adapter this caller means by `name`, loaded on this node; None if unknown."""
         item = await self._find_lora(name, caller)
         if item is None:
+            if (LORA, lora_id(caller.tenant, name)) in self._loaded:  # deleted through another node: free it here
+                await self._unload(LORA, lora_id(caller.tenant, name))
             loras = {i.name for i in self.engine.list_loras()}
             return name if name in self._operators(dict.fromkeys(loras), LORA) else None
         await self._ensure(item)
@@ -277,6 +281,7 @@ class Catalog:
             await self.engine.unregister_lora(engine_name)
             raise Unavailable(str(e)) from None
         self._loaded[(LORA, engine_name)] = item
+        self._ours.add((LORA, engine_name))
         return self.lora_view(item)
 
     def lora_view(self, item: Item) -> dict[str, Any]:
@@ -340,6 +345,7 @@ class Catalog:
                 raise VoiceRefused(f"stored {item.kind} {item.id!r} cannot be loaded now: {e}", status=503,
                                    code="engine_error") from None
             self._loaded[key] = item
+            self._ours.add(key)
         self._locks.pop(key, None)
 
     async def _load_lora(self, item: Item, blobs: dict[str, bytes]) -> None:
@@ -368,8 +374,11 @@ class Catalog:
                 await self.engine.remove_voice(item_id)
             else:
                 await self.engine.unregister_lora(item_id)
+            self._ours.discard((kind, item_id))
         except (engine_errors.UnknownVoice, engine_errors.UnknownLoRA, KeyError):
-            pass
+            self._ours.discard((kind, item_id))  # not in the engine: nothing to free
+        except engine_errors.InvalidRequest as e:  # an adapter still named by a voice loaded here: freed with it
+            log.info("keeping %s %r loaded for now: %s", kind, item_id, e)
 
     async def restore(self, progress: Callable[[str], None] = log.info) -> tuple[int, int]:
         """Load every stored adapter, then every voice, into the engine (the local store, at start); items that

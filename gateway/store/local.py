@@ -64,6 +64,7 @@ class LocalStore:
                 log.warning("removing %d unfinished write(s) from %s (a crash mid-upload)", len(leftovers), tmp)
             shutil.rmtree(tmp)
         tmp.mkdir()
+        _fsync_dir(self.data_dir)
 
     def _dir(self, kind: str, item_id: str) -> Path:
         assert self.data_dir is not None
@@ -86,7 +87,9 @@ class LocalStore:
         _write_file(staging / RECORD, json.dumps(item.to_json()).encode())
         _fsync_dir(staging)
         target = self._dir(item.kind, item.id)
-        target.parent.mkdir(exist_ok=True)
+        if not target.parent.is_dir():
+            target.parent.mkdir()
+            _fsync_dir(self.data_dir)  # the new kind folder's own entry is durable too
         if target.exists():  # a re-upload under the same id replaces the old one
             self._remove(target)
         os.rename(staging, target)
