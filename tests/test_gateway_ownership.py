@@ -96,6 +96,10 @@ async def test_another_keys_voice_is_unknown_on_the_native_and_twilio_sockets(se
             with pytest.raises(ServerError) as refused:
                 await c.start(voice=voice)
             assert refused.value.code == "unknown_voice"
+    async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key=B) as c:
+        with pytest.raises(ServerError) as missing:  # the same answer as for an id that exists nowhere
+            await c.start(voice="0123456789ab")
+    assert missing.value.code == refused.value.code
     async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key=A) as c:
         assert (await c.start(voice=voice, output={"format": "pcm_s16le"}))["voice"] == voice
         assert (await c.speak("Mine.", "m")).done["audio_ms"] > 0
@@ -124,6 +128,14 @@ async def test_another_keys_voice_is_each_compat_protocols_not_found(server):
         await ws.send_str(json.dumps({"text": " "}))
         message = await ws.receive_json(timeout=10)
         assert message["error"] == "voice_not_found", message
+    async with http.ws_connect(f"ws://127.0.0.1:{port}/tts/websocket", headers={"X-API-Key": STRICT_B}) as ws:
+        await ws.send_str(json.dumps({**cartesia, "context_id": "c1"}))
+        message = await ws.receive_json(timeout=10)
+        assert message["type"] == "error" and message["status_code"] == 404, message
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        await http.ws_connect(f"ws://127.0.0.1:{port}/v1/speak?model={voice}",
+                              headers={"Authorization": f"Token {STRICT_B}"})
+    assert refused.value.status == 400
     # the owner, strict or not, speaks with it
     async with http.post(f"{base}/v1/text-to-speech/{voice}", params={"output_format": "pcm_24000"},
                          json={"text": "Hello."}, headers={"xi-api-key": A}) as r:
