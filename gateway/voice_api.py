@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 from aiohttp import BodyPartReader, web
 
 from engine import errors as engine_errors
@@ -75,15 +73,8 @@ async def add_voice(request: web.Request) -> web.Response:
         return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
     if not data and not lora:
         return error_response(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
-    audio, rate = None, None
-    if data:
-        try:
-            audio, rate = _decode_audio(data)
-        except ValueError as e:
-            return error_response(400, ErrorCode.INVALID_VALUE, f"cannot read the audio (WAV or FLAC expected): {e}")
-    try:
-        voice = await gw.voices.create_voice(caller, audio=audio, sample_rate=rate, text=text or None, lora=lora,
-                                             public=public)
+    try:  # the file as is: the engine reads it (and says what is wrong with it)
+        voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public)
     except VoiceRefused as e:
         return _refused(e)
     except engine_errors.UnknownLoRA as e:
@@ -93,16 +84,6 @@ async def add_voice(request: web.Request) -> web.Response:
     except engine_errors.EngineError as e:
         return error_response(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
     return web.json_response(voice, status=201)
-
-
-def _decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    import soundfile
-
-    try:
-        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises its own error types for every malformed file
-        raise ValueError(str(e)) from None
-    return audio.mean(axis=1), int(rate)
 
 
 async def list_voices(request: web.Request) -> web.Response:

@@ -157,10 +157,10 @@ class Catalog:
         return found
 
     # ---- voices ----------------------------------------------------------------------------------------------
-    async def create_voice(self, caller: Caller, *, audio: np.ndarray | None = None, sample_rate: int | None = None,
-                           text: str | None = None, lora: str | None = None, public: bool = False) -> dict[str, Any]:
-        """Encode and store a voice (or an adapter-only voice); returns its listing. It is in the store before this
-        returns: acknowledged voices survive restarts. Engine errors pass through."""
+    async def create_voice(self, caller: Caller, *, audio: bytes | None = None, text: str | None = None,
+                           lora: str | None = None, public: bool = False) -> dict[str, Any]:
+        """Encode and store a voice from an audio file's bytes (or an adapter-only voice); returns its listing. It
+        is in the store before this returns: acknowledged voices survive restarts. Engine errors pass through."""
         if public and not caller.operator:
             raise NotAllowed("only an operator key may make a voice public")
         adapter = await self.resolve_lora(lora, caller) if lora else None
@@ -169,7 +169,7 @@ class Catalog:
         voice_id = uuid.uuid4().hex[:12]
         kwargs: dict[str, Any] = {"voice_id": voice_id, "lora": adapter}
         if audio is not None:
-            kwargs.update(audio=audio, sample_rate=sample_rate, text=text)
+            kwargs.update(audio=audio, text=text)
         await self.engine.add_voice(**kwargs)
         info = (await self._engine_voices())[voice_id]
         latents = self.engine.voice_latents(voice_id)
