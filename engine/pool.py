@@ -422,6 +422,14 @@ class Engine:
         """The stored voices, in the order they were added."""
         return [v.info for v in self._voices.values()]
 
+    def voice_latents(self, voice_id: str) -> np.ndarray | None:
+        """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice): with its text and adapter,
+        what `add_voice(latents=...)` needs to rebuild it exactly, e.g. after a restart."""
+        v = self._voices.get(voice_id)
+        if v is None:
+            raise UnknownVoice(f"no stored voice {voice_id!r}")
+        return None if v.latents is None else v.latents.numpy().copy()
+
     # ---- LoRA adapters -----------------------------------------------------------------------------------
     def _lora(self, name: str | None) -> LoRAEntry | None:
         if name is None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from gateway.config_file import ConfigFileError, with_config_file
+from gateway.leases import DEFAULT_LEASE_TTL_S
+from gateway.store.local import DEFAULT_DATA_DIR
 
 log = logging.getLogger("voxgate")
 
@@ -70,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="more speaking streams than this (per worker) decode in two halves taking turns: "
                             "first audio ~2x sooner at high load, each stream still a patch every two steps "
                             "(0: never split; default: the engine's)")
+        p.add_argument("--max-loras", type=int, default=None,
+                       help="LoRA adapters resident on each worker at once (default 0: no adapters can be registered)")
+        p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
         p.add_argument("--no-merge-lora", action="store_true",
                        help="always the batched LoRA kernels; by default steps whose streams all use one adapter run "
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
@@ -87,7 +92,22 @@ def _parser() -> argparse.ArgumentParser:
     engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--api-keys-file", help="file with one API key per line (default: no authentication)")
+    serve.add_argument("--api-keys-file", help="file with one API key per line, optionally followed by flags: "
+                       "operator (shares voices and adapters with every key, manages all), strict (unknown voice "
+                       "ids are not-found errors) (default: no authentication)")
+    serve.add_argument("--data-dir", help="where stored voices and LoRA adapters are kept across restarts, for one "
+                       f"server (default: {DEFAULT_DATA_DIR}; many nodes share state with --store instead)")
+    serve.add_argument("--store", metavar="URL", help="shared state for many nodes: redis://host:port/db holds "
+                       "voices, adapters, tokens and per-key session leases (default: the local --data-dir)")
+    serve.add_argument("--api-keys-from-store", action="store_true",
+                       help="also accept the keys in the store's voxgate:keys hash (key -> flags), re-read every "
+                            "few seconds: keys are added and revoked without a restart (needs --store)")
+    serve.add_argument("--session-lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+                       help="seconds a per-key session place outlives a node that died without giving it back "
+                            "(the node refreshes its places every third of it; default %(default)s)")
+    serve.add_argument("--strict-voices", action="store_true",
+                       help="ElevenLabs, Cartesia and Deepgram requests naming an unknown voice get the protocol's "
+                            "not-found error (default: they speak with the default voice, logged)")
     serve.add_argument("--max-sessions", type=int, default=1000)
     serve.add_argument("--max-sessions-per-key", type=int, default=100)
     serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
@@ -152,6 +172,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["vae_dtype"] = args.vae_dtype
     if args.split_decodes_above is not None:
         kwargs["split_decodes_above"] = args.split_decodes_above or None
+    if args.max_loras is not None:
+        kwargs["max_loras"] = args.max_loras
+    if args.max_lora_rank is not None:
+        kwargs["max_lora_rank"] = args.max_lora_rank
     if args.no_merge_lora:
         kwargs["merge_lora"] = False
     if args.fp8_prefill:
@@ -181,20 +205,31 @@ async def _serve(args: argparse.Namespace) -> int:
     from gateway.readiness import drain
     from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
     from gateway.session import SessionConfig
+    from gateway.store import open_store
 
     try:
-        auth = Auth.from_file(args.api_keys_file) if args.api_keys_file else Auth()
+        auth = Auth.from_file(args.api_keys_file, keys_from_store=args.api_keys_from_store) \
+            if args.api_keys_file else Auth(keys_from_store=args.api_keys_from_store)
     except (OSError, ValueError) as e:
         raise CliError(f"--api-keys-file: {e}") from None
+    if args.api_keys_from_store and not args.store:
+        raise CliError("--api-keys-from-store needs --store redis://...")
+    try:
+        store = open_store(args.store, None if args.store else Path(args.data_dir or DEFAULT_DATA_DIR))
+    except (OSError, ValueError) as e:
+        raise CliError(f"--data-dir / --store: {e}") from None
+    print(f"voxgate: stored voices and adapters: {store.description}", file=sys.stderr)
     if not auth.enabled:
         log.warning("no --api-keys-file: every client may connect (fine on localhost or a trusted network)")
     config = ServerConfig(session=SessionConfig(limits=Limits(idle_timeout_s=args.idle_timeout)),
                           max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
                           shutdown_timeout_s=args.shutdown_timeout,
-                          web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR)
+                          web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR,
+                          strict_voices=args.strict_voices, lease_ttl_s=args.session_lease_ttl)
     engine = await _start_engine(args)
-    app = create_app(engine, config, auth=auth, compat=True)
     try:
+        app = create_app(engine, config, auth=auth, compat=True, store=store,
+                         restore_progress=lambda line: print(f"voxgate: {line}", file=sys.stderr))
         runner, port = await start_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout + 5)
     except OSError as e:
         await engine.stop()

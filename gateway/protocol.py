@@ -40,6 +40,8 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"  # a shared voice or adapter that only its owner or an operator key may change
+    STORE_UNAVAILABLE = "store_unavailable"  # the shared store (Redis) cannot be reached
     IDLE_TIMEOUT = "idle_timeout"
     SLOW_CONSUMER = "slow_consumer"
     ENGINE_ERROR = "engine_error"

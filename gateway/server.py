@@ -1,30 +1,28 @@
-"""The aiohttp application: native WebSocket endpoint, voices and token API, health, readiness, Prometheus metrics,
-and the static web client."""
+"""The aiohttp application: native WebSocket endpoint, health, readiness, Prometheus metrics and the static web
+client; the voices, adapters and tokens API is gateway.voice_api."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import logging
 import socket
 import struct
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from aiohttp import BodyPartReader, WSMsgType, web
+from aiohttp import WSMsgType, web
 
-from engine import errors as engine_errors
 from gateway.auth import Auth, AuthError
+from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.session import Session, SessionConfig
+from gateway.store import Store, StoreUnavailable, open_store
+from gateway.voices import Catalog, Unavailable, VoiceRefused
 
 log = logging.getLogger("voxgate.server")
 
@@ -41,6 +39,12 @@ class ServerConfig:
     max_voice_bytes: int = 20 << 20
     max_lora_bytes: int = 1 << 30  # a LoRA upload (streamed, so not bound by max_voice_bytes)
     socket_send_buffer: int | None = None  # SO_SNDBUF; small values make pacing and barge-in tighter
+    # where stored voices, adapters, tokens and leases live: `store_url` redis://host:port/db (many nodes), else the
+    # local store in `data_dir` (None: memory only, gone with the process)
+    store_url: str | None = None
+    data_dir: Path | None = None
+    strict_voices: bool = False  # compat protocols answer unknown voice ids with their not-found error
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
     @property
     def limits(self) -> Limits:
@@ -48,22 +52,26 @@ class ServerConfig:
 
 
 class Gateway:
-    """State shared by the handlers: the engine, auth, metrics and the open sessions."""
+    """State shared by the handlers: the engine, auth, the store and what it holds, metrics, the open sessions."""
 
-    def __init__(self, engine: Any, config: ServerConfig, auth: Auth, metrics: GatewayMetrics):
-        self.engine, self.config, self.auth, self.metrics = engine, config, auth, metrics
+    def __init__(self, engine: Any, config: ServerConfig, auth: Auth, metrics: GatewayMetrics, store: Store):
+        self.engine, self.config, self.auth, self.metrics, self.store = engine, config, auth, metrics, store
+        self.voices = Catalog(engine, store, strict=config.strict_voices)
+        self.leases = Leases(store, config.lease_ttl_s)
         self.sessions: set[Session] = set()
-        self.per_key: Counter[str] = Counter()
         self.draining = False
 
-    def refusal(self, key: str) -> ProtocolError | None:
-        """Why a new session for this key is refused now (fatal error to send), or None. Compat adapters use it too."""
+    async def refusal(self, key: str) -> ProtocolError | None:
+        """Why a new session for this key is refused now (fatal error to send), or None: then a per-key place is
+        reserved for it (in the store, so the limit holds across nodes), taken by `tracked`. Compat adapters use
+        it too."""
         if self.draining:
             return ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down", fatal=True)
         if len(self.sessions) >= self.config.max_sessions:
             return ProtocolError(ErrorCode.OVERLOADED, f"the server is at its limit of {self.config.max_sessions} "
                                  "sessions; retry shortly or elsewhere", fatal=True)
-        if self.auth.enabled and self.per_key[key] >= self.config.max_sessions_per_key:
+        if self.auth.enabled and not await self.leases.reserve(self.auth.caller(key).tenant,
+                                                               self.config.max_sessions_per_key):
             return ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.config.max_sessions_per_key} concurrent "
                                  "sessions per API key", fatal=True)
         return None
@@ -72,40 +80,55 @@ class Gateway:
     def tracked(self, session: Session, key: str) -> Iterator[None]:
         """Count a session (limits, readiness, shutdown drain) while the block runs."""
         self.sessions.add(session)
-        self.per_key[key] += 1
+        lease = self.leases.claim(self.auth.caller(key).tenant) if self.auth.enabled else None
         try:
             yield
         finally:
             self.sessions.discard(session)
-            self.per_key[key] -= 1
-            if self.per_key[key] <= 0:
-                del self.per_key[key]
+            self.leases.release(lease)
+
+    def session(self, transport: Any, key: str, config: SessionConfig | None = None,
+                session_id: str | None = None) -> Session:
+        """A new session for this key: it speaks the stored voices the key may use."""
+        caller = self.auth.caller(key)
+
+        async def voices(voice_id: str) -> str | None:
+            try:
+                return await self.voices.resolve(voice_id, caller)
+            except Unavailable as e:
+                raise ProtocolError(ErrorCode.STORE_UNAVAILABLE, e.message) from None
+            except VoiceRefused as e:  # the engine could not load it
+                raise ProtocolError(ErrorCode.ENGINE_ERROR, e.message) from None
+
+        return Session(self.engine, transport, config or self.config.session, metrics=self.metrics, voices=voices,
+                       session_id=session_id)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
 
 
 def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | None = None,
-               metrics: GatewayMetrics | None = None, compat: bool = False) -> web.Application:
+               metrics: GatewayMetrics | None = None, compat: bool = False, store: Store | None = None,
+               restore_progress: Callable[[str], None] | None = None) -> web.Application:
     """The gateway as an aiohttp application around a started engine; `compat` adds the foreign protocols
-    (OpenAI speech, ElevenLabs stream-input, Twilio Media Streams: gateway/compat)."""
+    (OpenAI speech, ElevenLabs stream-input, Twilio Media Streams: gateway/compat). The store is `store`, else the
+    one the config names; at start-up a local store's voices and adapters are loaded back into the engine."""
     config = config or ServerConfig()
     metrics = metrics or GatewayMetrics()
     metrics.watch_engine(engine)
+    auth = auth or Auth()
+    store = store or open_store(config.store_url, config.data_dir)
+    auth.bind(store)
     app = web.Application(client_max_size=config.max_voice_bytes, middlewares=[refuse_sockets_while_draining])
-    app[GATEWAY] = Gateway(engine, config, auth or Auth(), metrics)
+    gw = app[GATEWAY] = Gateway(engine, config, auth, metrics, store)
     r = app.router
     r.add_get("/v1/stream", stream)
-    r.add_post("/v1/tokens", create_token)
-    r.add_post("/v1/voices", add_voice)
-    r.add_get("/v1/voices", list_voices)
-    r.add_delete("/v1/voices/{voice_id}", remove_voice)
-    r.add_post("/v1/loras", add_lora)
-    r.add_get("/v1/loras", list_loras)
-    r.add_delete("/v1/loras/{name}", remove_lora)
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", prometheus)
+    from gateway import voice_api  # imports this module: only here
+
+    voice_api.register(app)
     if compat:
         from gateway import compat as adapters  # imports this module: only here
 
@@ -117,6 +140,26 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
 
         r.add_get("/", index)
         r.add_static("/", web_dir)  # last: it matches every other path
+
+    async def background(_: web.Application) -> AsyncIterator[None]:
+        if not store.shared:  # a shared store's items are loaded on first use, on each node
+            await gw.voices.restore(restore_progress or log.info)
+        if auth.keys_from_store:
+            try:
+                await auth.refresh_keys()
+            except StoreUnavailable as e:  # the file's keys serve meanwhile; refreshed once the store answers
+                log.warning("API keys from the store: %s", e)
+        tasks = [asyncio.create_task(gw.leases.keep_fresh())]
+        if auth.keys_from_store:
+            tasks.append(asyncio.create_task(auth.keep_keys_fresh()))
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await gw.leases.close()
+        await store.close()
+
+    app.cleanup_ctx.append(background)
     app.on_shutdown.append(drain)
     return app
 
@@ -199,21 +242,21 @@ async def stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/stream: the native protocol (docs/PROTOCOL.md)."""
     gw = request.app[GATEWAY]
     try:
-        key = gw.auth.authenticate(request.headers.get("Authorization"), request.query.get("token"))
+        key = await gw.auth.authenticate(request.headers.get("Authorization"), request.query.get("token"))
     except AuthError as e:
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        return _error(401, ErrorCode.UNAUTHORIZED, str(e))
+        return error_response(401, ErrorCode.UNAUTHORIZED, str(e))
     if gw.draining:
-        return _error(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
+        return error_response(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
     ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
     await ws.prepare(request)
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if gw.config.socket_send_buffer and sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, gw.config.socket_send_buffer)
-    session = Session(gw.engine, _WsTransport(ws, request), gw.config.session, metrics=gw.metrics)
+    session = gw.session(_WsTransport(ws, request), key)
     session.open()
-    refusal = gw.refusal(key)
+    refusal = await gw.refusal(key)
     if refusal is not None:
         await session.fail(refusal)
         return ws
@@ -236,189 +279,9 @@ async def stream(request: web.Request) -> web.StreamResponse:
 # ---------------------------------------------------------------------------------------------------- HTTP API
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
+def error_response(status: int, code: str, message: str) -> web.Response:
+    """An HTTP error in the native API's form."""
     return web.json_response({"error": {"code": str(code), "message": message}}, status=status)
-
-
-def _check_key(request: web.Request) -> str | web.Response:
-    gw = request.app[GATEWAY]
-    try:
-        return gw.auth.check_key(request.headers.get("Authorization"))
-    except AuthError as e:
-        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
-        return _error(401, ErrorCode.UNAUTHORIZED, str(e))
-
-
-async def create_token(request: web.Request) -> web.Response:
-    """POST /v1/tokens: a short-lived single-use token for a browser's `?token=`."""
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    token, ttl = request.app[GATEWAY].auth.issue_token(key)
-    return web.json_response({"token": token, "expires_in": ttl})
-
-
-async def add_voice(request: web.Request) -> web.Response:
-    """POST /v1/voices: multipart (`audio` file + optional `text`, `lora`) or a raw WAV/FLAC body (+ `?text=`,
-    `?lora=`). `lora` names a registered adapter the voice's requests use; with it the audio is optional."""
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    gw = request.app[GATEWAY]
-    text = request.query.get("text")
-    lora = request.query.get("lora")
-    data = b""
-    try:
-        if request.content_type.startswith("multipart/"):
-            form = await request.post()
-            upload = form.get("audio") or form.get("file")
-            lora = form.get("lora") if isinstance(form.get("lora"), str) else lora
-            if upload is None and lora:
-                return await _add_lora_voice(gw, lora)
-            if upload is None or not hasattr(upload, "file"):
-                return _error(400, ErrorCode.MISSING_FIELD, "multipart body needs a file field 'audio'")
-            data = upload.file.read()
-            text = form.get("text", text) if isinstance(form.get("text", text), str | None) else text
-        else:
-            data = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
-    if not data and lora:
-        return await _add_lora_voice(gw, lora)
-    if not data:
-        return _error(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
-    try:
-        audio, rate = _decode_audio(data)
-    except ValueError as e:
-        return _error(400, ErrorCode.INVALID_VALUE, f"cannot read the audio (WAV or FLAC expected): {e}")
-    try:
-        voice_id = await gw.engine.add_voice(audio=audio, sample_rate=rate, text=text or None,
-                                             **({"lora": lora} if lora else {}))
-    except engine_errors.UnknownLoRA as e:
-        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
-    except engine_errors.InvalidRequest as e:
-        return _error(400, ErrorCode.INVALID_VALUE, str(e))
-    except engine_errors.EngineError as e:
-        return _error(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
-    return web.json_response({"voice_id": voice_id}, status=201)
-
-
-async def _add_lora_voice(gw: Gateway, lora: str) -> web.Response:
-    """A voice that is a LoRA adapter alone (a fine-tuned speaker needs no reference audio)."""
-    try:
-        voice_id = await gw.engine.add_voice(lora=lora)
-    except engine_errors.UnknownLoRA as e:
-        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
-    except engine_errors.InvalidRequest as e:
-        return _error(400, ErrorCode.INVALID_VALUE, str(e))
-    return web.json_response({"voice_id": voice_id}, status=201)
-
-
-def _decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    import soundfile
-
-    try:
-        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises its own error types for every malformed file
-        raise ValueError(str(e)) from None
-    return audio.mean(axis=1), int(rate)
-
-
-async def list_voices(request: web.Request) -> web.Response:
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    voices = request.app[GATEWAY].engine.list_voices()
-    if asyncio.iscoroutine(voices):
-        voices = await voices
-    return web.json_response({"voices": [v if isinstance(v, str) else asdict(v) for v in voices]})
-
-
-async def remove_voice(request: web.Request) -> web.Response:
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    voice_id = request.match_info["voice_id"]
-    try:
-        result = request.app[GATEWAY].engine.remove_voice(voice_id)
-        if asyncio.iscoroutine(result):
-            await result
-    except (engine_errors.UnknownVoice, KeyError):
-        return _error(404, ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice_id!r}")
-    return web.Response(status=204)
-
-
-async def add_lora(request: web.Request) -> web.Response:
-    """POST /v1/loras: multipart with `name`, `weights` (lora_weights.safetensors) and `config` (the contents of
-    lora_config.json, as a field or a file). 201 with the adapter's info; a bad adapter is a 400 naming the problem."""
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    gw = request.app[GATEWAY]
-    if not request.content_type.startswith("multipart/"):
-        return _error(400, ErrorCode.INVALID_VALUE, "send the adapter as multipart/form-data: name, weights, config")
-    fields: dict[str, bytes] = {}
-    size = 0
-    reader = await request.multipart()
-    async for part in reader:
-        if not isinstance(part, BodyPartReader) or part.name not in ("name", "weights", "config"):
-            continue
-        chunks = []
-        while chunk := await part.read_chunk():
-            size += len(chunk)
-            if size > gw.config.max_lora_bytes:
-                return _error(413, ErrorCode.MESSAGE_TOO_LARGE, f"adapter over {gw.config.max_lora_bytes} bytes")
-            chunks.append(chunk)
-        fields[part.name] = b"".join(chunks)
-    missing = [f for f in ("name", "weights", "config") if not fields.get(f)]
-    if missing:
-        return _error(400, ErrorCode.MISSING_FIELD, f"multipart body needs the field(s) {missing}")
-    try:
-        name = fields["name"].decode()
-        config = json.loads(fields["config"])
-        tensors = await asyncio.to_thread(_read_safetensors, fields["weights"])
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
-        return _error(400, ErrorCode.INVALID_VALUE, f"cannot read the adapter: {e}")
-    try:
-        info = await gw.engine.register_lora(name, tensors, config=config)
-    except engine_errors.InvalidRequest as e:
-        return _error(400, ErrorCode.INVALID_VALUE, str(e))
-    except engine_errors.EngineError as e:
-        return _error(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
-    return web.json_response({"lora": asdict(info)}, status=201)
-
-
-def _read_safetensors(data: bytes) -> dict[str, Any]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except SafetensorError as e:
-        raise ValueError(f"weights: not a safetensors file ({e})") from None
-
-
-async def list_loras(request: web.Request) -> web.Response:
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    return web.json_response({"loras": [asdict(i) for i in request.app[GATEWAY].engine.list_loras()]})
-
-
-async def remove_lora(request: web.Request) -> web.Response:
-    """DELETE /v1/loras/{name}: new requests for it are refused at once; answers 204 once those in flight finished
-    and the adapter is freed."""
-    key = _check_key(request)
-    if isinstance(key, web.Response):
-        return key
-    name = request.match_info["name"]
-    try:
-        await request.app[GATEWAY].engine.unregister_lora(name)
-    except engine_errors.UnknownLoRA as e:
-        return _error(404, ErrorCode.UNKNOWN_LORA, str(e))
-    except engine_errors.InvalidRequest as e:  # still named by a stored voice
-        return _error(409, ErrorCode.INVALID_VALUE, str(e))
-    return web.Response(status=204)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -46,6 +46,10 @@ HEAD_FRAMES = 2
 
 class SessionClosed(Exception):
     """The connection is gone (or being closed): stop what you are doing."""
+
+
+# a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
+VoiceResolver = Callable[[str], Awaitable[str | None]]
 
 
 class Transport(Protocol):
@@ -204,8 +208,10 @@ class Session:
 
     def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
                  metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 session_id: str | None = None):
+                 session_id: str | None = None, voices: VoiceResolver | None = None):
         self.engine = engine
+        # the stored voices this session's key may use (the gateway's catalog); None: every voice of the engine
+        self.voices = voices
         self.transport = transport
         self.config = config
         self.limits = config.limits
@@ -366,11 +372,16 @@ class Session:
             except RuntimeError as e:  # libopus missing: the message says how to fix it, or to ask for PCM
                 raise ProtocolError(ErrorCode.INVALID_VALUE, str(e)) from None
         gen = self.generation if generation is None else self.generation.merged(generation)
-        if set_voice and voice is not None and voice not in await stored_voices(self.engine):
+        if set_voice and voice is not None and await self._resolve_voice(voice) is None:
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
         self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
         if set_voice:
             self.voice = voice
+
+    async def _resolve_voice(self, voice: str) -> str | None:
+        if self.voices is not None:
+            return await self.voices(voice)
+        return voice if voice in await stored_voices(self.engine) else None
 
     def is_live(self, context_id: str) -> bool:
         """Whether the context is a turn still running: after an error naming it, False when the error ended it."""

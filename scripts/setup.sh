@@ -10,8 +10,8 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 # gcc + python3-dev build gateway/_opus_frames.c (Opus frames encoded without the GIL; optional: without a compiler
 # the gateway encodes frame by frame through opuslib)
 apt_pkgs="libopus0 libsndfile1 gcc python3-dev"
-# test: chromium for the browser tests, haproxy for the cluster test (tests/test_cluster_haproxy.py)
-[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium haproxy"
+# test: chromium for the browser tests, haproxy and redis-server for the cluster and store tests (each test starts its own)
+[ "$mode" = test ] && apt_pkgs="$apt_pkgs chromium haproxy redis-server"
 missing=""
 for p in $apt_pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +39,7 @@ class GatewayProcess:
         self.port = port or free_port()
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.data_dir = tempfile.TemporaryDirectory(prefix="voxgate-browser-")  # kept across restarts
 
     @property
     def url(self) -> str:
@@ -47,7 +49,7 @@ class GatewayProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
         command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--max-num-seqs", "8", "--shutdown-timeout", "1"]
+                   "--max-num-seqs", "8", "--shutdown-timeout", "1", "--data-dir", self.data_dir.name]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -66,13 +66,14 @@ async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
 
 
 @in_module_loop
-async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir):
+async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_v2_dir), "--host", "127.0.0.1",
-        "--port", str(port), "--shutdown-timeout", "0.5", "--max-num-seqs", "4", env=ENV,
+        "--port", str(port), "--shutdown-timeout", "0.5", "--max-num-seqs", "4", "--data-dir", str(tmp_path),
+        env=ENV,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         banner = b""

@@ -464,7 +464,9 @@ async def gateway_lora_routes(eng, official: torch.nn.Module) -> None:
             async with http.post(f"{base}/v1/voices", params={"lora": "up"}, headers=auth) as r:
                 assert r.status == 201
                 voice = (await r.json())["voice_id"]
-            assert [v.lora for v in eng.list_voices()] == ["up"]
+            async with http.get(f"{base}/v1/voices", headers=auth) as r:
+                assert [v["lora"] for v in (await r.json())["voices"]] == ["up"]
+            assert [v.lora for v in eng.list_voices()][0].startswith("up@")  # the key's own namespace
             async with http.delete(f"{base}/v1/loras/up", headers=auth) as r:
                 assert r.status == 409
             async with http.delete(f"{base}/v1/voices/{voice}", headers=auth) as r:

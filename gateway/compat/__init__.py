@@ -46,7 +46,8 @@ def native(kind: str, **fields: Any) -> str:
 _HTTP_STATUS: dict[str, int] = {
     ErrorCode.UNAUTHORIZED: 401, ErrorCode.RATE_LIMITED: 429, ErrorCode.TOO_MANY_CONTEXTS: 429,
     ErrorCode.IDLE_TIMEOUT: 408, ErrorCode.OVERLOADED: 503, ErrorCode.SERVER_SHUTDOWN: 503,
-    ErrorCode.ENGINE_ERROR: 500, ErrorCode.INTERNAL_ERROR: 500, ErrorCode.SLOW_CONSUMER: 500}
+    ErrorCode.ENGINE_ERROR: 500, ErrorCode.INTERNAL_ERROR: 500, ErrorCode.SLOW_CONSUMER: 500,
+    ErrorCode.STORE_UNAVAILABLE: 503}
 
 
 def http_status(code: str) -> int:
@@ -143,7 +144,7 @@ class SocketBridge:
         """Open the native session under `limits` and send it `session.start` with these fields."""
         assert self.key is not None, "authenticate before starting the session"
         config = dataclasses.replace(self.gw.config.session, limits=limits)
-        self.session = Session(self.gw.engine, self, config, metrics=self.gw.metrics)
+        self.session = self.gw.session(self, self.key, config)
         self.session.open()
         self._tracking.enter_context(self.gw.tracked(self.session, self.key))
         await self.to_session("session.start", **start)

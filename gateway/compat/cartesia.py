@@ -47,7 +47,7 @@ from gateway.auth import AuthError
 from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object, share_span
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode, Limits
-from gateway.session import stored_voices
+from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -124,7 +124,8 @@ class CartesiaBridge(SocketBridge):
     async def _generate(self, cid: str, m: dict[str, Any]) -> None:
         ctx = self.contexts.get(cid)
         if ctx is None:
-            voice, output, encoding = await _voice(m.get("voice"), self.gw), *_output_format(m.get("output_format"))
+            voice = await _voice(m.get("voice"), self.gw, self.key)
+            output, encoding = _output_format(m.get("output_format"))
             settings = (voice, json.dumps(output, sort_keys=True))
             if settings != self.settings:  # contexts already speaking keep theirs
                 await self.to_session("session.update", voice=voice, output=output)
@@ -234,11 +235,16 @@ def _check(m: dict[str, Any], limits: Limits) -> None:
         raise CartesiaError("max_buffer_delay_ms must be an integer from 0 to 5000")
 
 
-async def _voice(voice: Any, gw: Gateway) -> str | None:
-    """A stored voice id, or None (the default voice) for any other id."""
+async def _voice(voice: Any, gw: Gateway, key: str | None) -> str | None:
+    """A stored voice id this key may use, or None (the default voice) for any other id; in strict mode an
+    unknown id is Cartesia's 404."""
     if not isinstance(voice, dict) or voice.get("mode") != "id" or not isinstance(voice.get("id"), str):
         raise CartesiaError("voice must be {\"mode\": \"id\", \"id\": \"<voice id>\"}; other modes are not supported")
-    return voice["id"] if voice["id"] in await stored_voices(gw.engine) else None
+    try:
+        return await gw.voices.voice_or_default(voice["id"], gw.auth.caller(key or ""), "cartesia")
+    except VoiceRefused as e:
+        raise CartesiaError("Voice not found" if e.status == 404 else e.message, e.status,
+                            "not_found" if e.status == 404 else e.code) from None
 
 
 def _output_format(fmt: Any) -> tuple[dict[str, Any], str]:
@@ -277,20 +283,20 @@ def _http_format(fmt: Any) -> tuple[OutputFormat, str, str]:
     return out, "pcm_s16le", "audio/wav" if container == "wav" else "audio/mpeg"
 
 
-def _authenticate(request: web.Request) -> str:
+async def _authenticate(request: web.Request) -> str:
     """The key of a request: `?access_token=` (a voxgate token), `Authorization: Bearer`, `X-API-Key` or
     `?api_key=`; CartesiaError (401, 429, 503) if refused."""
     gw = gateway_of(request)
     try:
         token = request.query.get("access_token")
         if token is not None or request.headers.get("Authorization"):
-            key = gw.auth.authenticate(request.headers.get("Authorization"), token)
+            key = await gw.auth.authenticate(request.headers.get("Authorization"), token)
         else:
             key = check_api_key(gw, request.headers.get("X-API-Key") or request.query.get("api_key"))
     except AuthError as e:
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         raise CartesiaError(f"{e}; send X-API-Key", 401, "unauthorized") from None
-    refused = gw.refusal(key)
+    refused = await gw.refusal(key)
     if refused is not None:
         raise CartesiaError(refused.message, 429 if refused.code == ErrorCode.RATE_LIMITED else 503,
                             str(refused.code))
@@ -300,7 +306,7 @@ def _authenticate(request: web.Request) -> str:
 async def websocket(request: web.Request) -> web.StreamResponse:
     """GET /tts/websocket."""
     try:
-        key = _authenticate(request)
+        key = await _authenticate(request)
     except CartesiaError as e:
         return e.response()
     ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
@@ -313,7 +319,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
 async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str, str | None]:
     """(key, body, transcript, voice) of a /tts/bytes or /tts/sse request; CartesiaError with its status."""
     gw = gateway_of(request)
-    key = _authenticate(request)
+    key = await _authenticate(request)
     try:
         body = json_object(await request.text())
     except ValueError as e:
@@ -324,7 +330,7 @@ async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str,
     if len(transcript) > gw.config.limits.max_buffered_chars:
         raise CartesiaError(f"transcript has {len(transcript)} characters; the limit is "
                             f"{gw.config.limits.max_buffered_chars}")
-    return key, body, transcript, await _voice(body.get("voice"), gw)
+    return key, body, transcript, await _voice(body.get("voice"), gw, key)
 
 
 @contextlib.asynccontextmanager

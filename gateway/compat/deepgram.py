@@ -40,7 +40,7 @@ from gateway.auth import AuthError
 from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
-from gateway.session import stored_voices
+from gateway.voices import VoiceRefused
 
 log = logging.getLogger("voxgate.compat.deepgram")
 
@@ -234,13 +234,13 @@ def _parse(raw: str | bytes) -> dict[str, Any]:
     return m
 
 
-def _admit(request: web.Request) -> str:
+async def _admit(request: web.Request) -> str:
     """The key of a request: `?token=` (a voxgate token), `Authorization: Token|Bearer <key>`, or the browser's
     `Sec-WebSocket-Protocol: token, <key>`; DeepgramError (401, 429, 503) if refused."""
     gw = gateway_of(request)
     try:
         if request.query.get("token") is not None:
-            key = gw.auth.authenticate(None, request.query["token"])
+            key = await gw.auth.authenticate(None, request.query["token"])
         else:
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() not in ("token", "bearer"):
@@ -250,14 +250,14 @@ def _admit(request: web.Request) -> str:
     except AuthError as e:
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         raise DeepgramError(401, "INVALID_AUTH", f"{e}; send Authorization: Token <api key>") from None
-    refused = gw.refusal(key)
+    refused = await gw.refusal(key)
     if refused is not None:
         raise DeepgramError(429 if refused.code == ErrorCode.RATE_LIMITED else 503, str(refused.code).upper(),
                             refused.message)
     return key
 
 
-async def _settings(request: web.Request, stream: bool) -> tuple[str | None, OutputFormat]:
+async def _settings(request: web.Request, key: str, stream: bool) -> tuple[str | None, OutputFormat]:
     """(voice, what the audio is) from the query; DeepgramError (400) when a parameter is not supported."""
     q = request.query
     encoding = q.get("encoding", "linear16" if stream else "mp3")
@@ -288,15 +288,22 @@ async def _settings(request: web.Request, stream: bool) -> tuple[str | None, Out
     except ValueError as e:
         raise DeepgramError(400, "INVALID_QUERY_PARAMETER", str(e)) from None
     model = q.get("model", DEFAULT_MODEL)
-    voice = model if model in await stored_voices(gateway_of(request).engine) else None
-    return voice, output
+    if model.startswith("aura"):  # Deepgram's own voices: the default voice, as a matter of course
+        return None, output
+    gw = gateway_of(request)
+    try:
+        return await gw.voices.voice_or_default(model, gw.auth.caller(key), "deepgram"), output
+    except VoiceRefused as e:
+        if e.status == 404:
+            raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"No such model: {model!r}") from None
+        raise DeepgramError(e.status, e.code.upper(), e.message) from None
 
 
 async def speak(request: web.Request) -> web.StreamResponse:
     """GET /v1/speak: the streaming WebSocket."""
     try:
-        key = _admit(request)
-        voice, output = await _settings(request, stream=True)
+        key = await _admit(request)
+        voice, output = await _settings(request, key, stream=True)
     except DeepgramError as e:
         return e.response()
     ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
@@ -310,8 +317,8 @@ async def speak_rest(request: web.Request) -> web.StreamResponse:
     """POST /v1/speak {"text"}: the audio streamed in the response body as it is made."""
     gw = gateway_of(request)
     try:
-        key = _admit(request)
-        voice, output = await _settings(request, stream=False)
+        key = await _admit(request)
+        voice, output = await _settings(request, key, stream=False)
         try:
             text = json_object(await request.text()).get("text")
         except ValueError as e:

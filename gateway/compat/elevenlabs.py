@@ -25,7 +25,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -42,7 +42,10 @@ from gateway.compat import (
 )
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
-from gateway.session import stored_voices
+from gateway.voices import VoiceRefused
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
 
 log = logging.getLogger("voxgate.compat.elevenlabs")
 
@@ -136,7 +139,7 @@ class Bridge(SocketBridge):
         try:
             message = self._parse(raw)
             if self.key is None:
-                self.key = self._authenticate(message)
+                self.key = await self._authenticate(message)
             if self.session is None:
                 await self._start(message)
             await self._dispatch(message)
@@ -155,7 +158,7 @@ class Bridge(SocketBridge):
                 raise ElevenLabsError("invalid_message", f"field '{name}' must be a {types.__name__}")
         return message
 
-    def _authenticate(self, message: dict[str, Any]) -> str:
+    async def _authenticate(self, message: dict[str, Any]) -> str:
         gw = self.gw
         try:
             key = check_api_key(gw, message.get("xi_api_key"))
@@ -163,7 +166,7 @@ class Bridge(SocketBridge):
             gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
             raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header or "
                                   "xi_api_key in the first message") from None
-        refused = gw.refusal(key)
+        refused = await gw.refusal(key)
         if refused is not None:
             raise ElevenLabsError("max_concurrency_exceeded", refused.message, INTERNAL_ERROR if gw.draining else
                                   POLICY_VIOLATION)
@@ -173,8 +176,9 @@ class Bridge(SocketBridge):
         chunking = _chunking(first.get("generation_config"))
         limits = dataclasses.replace(self.gw.config.limits, idle_timeout_s=_inactivity(
             self.request.query.get("inactivity_timeout")), max_contexts=MAX_CONTEXTS if self.multi else 1)
-        stored = await stored_voices(self.gw.engine)
-        await self.start_session(limits, voice=self.voice_id if self.voice_id in stored else None,
+        assert self.key is not None
+        voice = await _voice(self.gw, self.voice_id, self.key)
+        await self.start_session(limits, voice=voice,
                                  output=self.wire.native, chunking=chunking)
 
     async def _dispatch(self, m: dict[str, Any]) -> None:
@@ -337,7 +341,7 @@ async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
         _inactivity(request.query.get("inactivity_timeout"))
         header_key = request.headers.get("xi-api-key")
         if header_key is not None or not gw.auth.enabled:  # else: xi_api_key in the first message
-            bridge.key = bridge._authenticate({"xi_api_key": header_key})
+            bridge.key = await bridge._authenticate({"xi_api_key": header_key})
     except ElevenLabsError as e:
         await bridge.fail(e)
         await bridge.release()
@@ -400,7 +404,7 @@ async def _speech_request(request: web.Request) -> tuple[str, str, str | None, i
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header",
                               status=401) from None
-    refused = gw.refusal(key)
+    refused = await gw.refusal(key)
     if refused is not None:
         raise ElevenLabsError("max_concurrency_exceeded", refused.message, status=503 if gw.draining else 429)
     wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
@@ -416,9 +420,20 @@ async def _speech_request(request: web.Request) -> tuple[str, str, str | None, i
                               f"{gw.config.limits.max_buffered_chars}", status=400)
     if seed is not None and (type(seed) is not int or not 0 <= seed <= 4294967295):
         raise ElevenLabsError("invalid_request", "seed must be an integer from 0 to 4294967295", status=422)
-    voice_id = request.match_info["voice_id"]
-    voice = voice_id if voice_id in await stored_voices(gw.engine) else None
+    voice = await _voice(gw, request.match_info["voice_id"], key)
     return key, text, voice, seed, wire.container or OutputFormat.from_dict(wire.native)
+
+
+async def _voice(gw: Gateway, voice_id: str, key: str) -> str | None:
+    """A stored voice this key may use, or None (the default voice) for another id; in strict mode an unknown id is
+    ElevenLabs' voice_not_found (HTTP 404; on a socket, a policy-violation close)."""
+    try:
+        return await gw.voices.voice_or_default(voice_id, gw.auth.caller(key), "elevenlabs")
+    except VoiceRefused as e:
+        if e.status == 404:
+            raise ElevenLabsError("voice_not_found", f"A voice with the voice_id {voice_id!r} was not found.",
+                                  status=404) from None
+        raise ElevenLabsError(e.code, e.message, INTERNAL_ERROR, status=e.status) from None
 
 
 def _alignment(segments: list[tuple[float, str]], end_ms: float) -> dict[str, list]:

@@ -100,7 +100,7 @@ class OneTurn:
         gw = gateway_of(request)
         inbox = Inbox(request)
         config = dataclasses.replace(gw.config.session, max_lead_ms=math.inf, max_lead_ms_telephony=math.inf)
-        session = Session(gw.engine, inbox, config, metrics=gw.metrics)
+        session = gw.session(inbox, key, config)
         session.open()
         with gw.tracked(session, key):
             try:

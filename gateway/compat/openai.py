@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -20,7 +20,10 @@ from gateway.audio import OutputFormat, av_available
 from gateway.compat import AuthError, Transcoder, gateway_of
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
-from gateway.session import stored_voices
+from gateway.voices import VoiceRefused
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
 
 BUILTIN_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                   "marin", "cedar")  # all speak with the model's default voice
@@ -154,8 +157,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             raise OpenAIError(400, "the request body is not valid JSON") from None
-        req = parse_speech_request(body, await stored_voices(gw.engine))
-        refused = gw.refusal(key)
+        req = parse_speech_request(body, await _stored(gw, key, body))
+        refused = await gw.refusal(key)
         if refused is not None:
             raise OpenAIError(503 if gw.draining else 429, refused.message, type="server_error" if gw.draining else
                               "rate_limit_exceeded", code=str(ErrorCode.OVERLOADED))
@@ -188,6 +191,19 @@ async def speech(request: web.Request) -> web.StreamResponse:
                                   trailer=usage)
 
 
+async def _stored(gw: Gateway, key: str, body: Any) -> set[str]:
+    """The body's voice, if it names a stored voice this key may use (as a set for parse_speech_request)."""
+    voice = body.get("voice") if isinstance(body, dict) else None
+    voice = voice.get("id") if isinstance(voice, dict) else voice
+    if not isinstance(voice, str) or not voice:
+        return set()
+    try:
+        found = await gw.voices.resolve(voice, gw.auth.caller(key))
+    except VoiceRefused as e:  # the store or the engine cannot serve it now
+        raise OpenAIError(e.status, e.message, type="server_error", code=e.code) from None
+    return {found} if found else set()
+
+
 def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
@@ -215,11 +231,14 @@ async def models(request: web.Request) -> web.Response:
 
 async def voices(request: web.Request) -> web.Response:
     """GET /v1/audio/voices: stored voices (usable as `voice`), then the built-in names (the default voice)."""
+    gw = gateway_of(request)
     try:
-        _authenticate(request)
+        key = _authenticate(request)
+        stored = sorted(v["voice_id"] for v in await gw.voices.list_voices(gw.auth.caller(key)))
     except OpenAIError as e:
         return e.response()
-    stored = sorted(await stored_voices(gateway_of(request).engine))
+    except VoiceRefused as e:
+        return OpenAIError(e.status, e.message, type="server_error", code=e.code).response()
     data = [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "audio_sample"} for v in stored]
     data += [{"id": v, "object": "audio.voice", "name": v, "created_at": 0, "type": "builtin"}
              for v in BUILTIN_VOICES]

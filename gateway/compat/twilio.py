@@ -171,19 +171,19 @@ async def control(request: web.Request) -> web.StreamResponse:
     """GET /v1/twilio/control: the agent's side of a call (native protocol + call events)."""
     gw = gateway_of(request)
     try:
-        key = gw.auth.authenticate(request.headers.get("Authorization"), request.query.get("token"))
+        key = await gw.auth.authenticate(request.headers.get("Authorization"), request.query.get("token"))
     except AuthError as e:
         gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
         return web.json_response({"error": {"code": str(ErrorCode.UNAUTHORIZED), "message": str(e)}}, status=401)
-    refused = gw.refusal(key)
+    refused = await gw.refusal(key)
     if refused is not None:
         return web.json_response({"error": {"code": str(refused.code), "message": refused.message}}, status=503)
     ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False)
     await ws.prepare(request)
     bridge = CallBridge(request, ws)
     limits = dataclasses.replace(gw.config.limits, max_contexts=1)
-    session = Session(gw.engine, bridge, dataclasses.replace(gw.config.session, limits=limits), metrics=gw.metrics,
-                      session_id=secrets.token_urlsafe(18))
+    session = gw.session(bridge, key, dataclasses.replace(gw.config.session, limits=limits),
+                         session_id=secrets.token_urlsafe(18))
     bridge.session = session
     calls = request.app[CALLS]
     calls[session.id] = bridge

@@ -1,0 +1,226 @@
+"""HTTP API for what keys store: voices (`/v1/voices`), LoRA adapters (`/v1/loras`) and browser tokens
+(`/v1/tokens`). Ownership and loading are gateway.voices' job; this module parses requests and answers them."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import BodyPartReader, web
+
+from engine import errors as engine_errors
+from gateway.auth import AuthError, Caller
+from gateway.protocol import ErrorCode
+from gateway.server import GATEWAY, error_response
+from gateway.store import StoreUnavailable
+from gateway.voices import LORA, VOICE, VoiceRefused
+
+
+def _caller(request: web.Request) -> Caller | web.Response:
+    gw = request.app[GATEWAY]
+    try:
+        return gw.auth.caller(gw.auth.check_key(request.headers.get("Authorization")))
+    except AuthError as e:
+        gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
+        return error_response(401, ErrorCode.UNAUTHORIZED, str(e))
+
+
+def _refused(e: VoiceRefused) -> web.Response:
+    return error_response(e.status, e.code, e.message)
+
+
+def _flag(value: object) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+async def create_token(request: web.Request) -> web.Response:
+    """POST /v1/tokens: a short-lived single-use token for a browser's `?token=` (good once, on any node)."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        token, ttl = await request.app[GATEWAY].auth.issue_token(caller.key)
+    except StoreUnavailable as e:
+        return error_response(503, ErrorCode.STORE_UNAVAILABLE, str(e))
+    return web.json_response({"token": token, "expires_in": ttl})
+
+
+async def add_voice(request: web.Request) -> web.Response:
+    """POST /v1/voices: multipart (`audio` file + optional `text`, `lora`, `public`) or a raw WAV/FLAC body (+
+    `?text=`, `?lora=`, `?public=`). `lora` names an adapter the voice's requests use; with it the audio is
+    optional. `public=true` (operator keys only) shares the voice with every key."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    gw = request.app[GATEWAY]
+    text, lora, public = request.query.get("text"), request.query.get("lora"), _flag(request.query.get("public"))
+    data = b""
+    try:
+        if request.content_type.startswith("multipart/"):
+            form = await request.post()
+            upload = form.get("audio") or form.get("file")
+            lora = form.get("lora") if isinstance(form.get("lora"), str) else lora
+            public = _flag(form["public"]) if isinstance(form.get("public"), str) else public
+            if upload is not None and not hasattr(upload, "file"):
+                return error_response(400, ErrorCode.MISSING_FIELD, "multipart body needs a file field 'audio'")
+            if upload is not None:
+                data = upload.file.read()
+            elif not lora:
+                return error_response(400, ErrorCode.MISSING_FIELD, "multipart body needs a file field 'audio'")
+            text = form.get("text", text) if isinstance(form.get("text", text), str | None) else text
+        else:
+            data = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
+    if not data and not lora:
+        return error_response(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
+    try:  # the file as is: the engine reads it (and says what is wrong with it)
+        voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public)
+    except VoiceRefused as e:
+        return _refused(e)
+    except engine_errors.UnknownLoRA as e:
+        return error_response(404, ErrorCode.UNKNOWN_LORA, str(e))
+    except engine_errors.InvalidRequest as e:
+        return error_response(400, ErrorCode.INVALID_VALUE, str(e))
+    except engine_errors.EngineError as e:
+        return error_response(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
+    return web.json_response(voice, status=201)
+
+
+async def list_voices(request: web.Request) -> web.Response:
+    """GET /v1/voices: the voices this key may use (its own, shared ones; every voice for an operator key)."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        return web.json_response({"voices": await request.app[GATEWAY].voices.list_voices(caller)})
+    except VoiceRefused as e:
+        return _refused(e)
+
+
+async def remove_voice(request: web.Request) -> web.Response:
+    """DELETE /v1/voices/{voice_id}: another key's voice is a 404, as if it did not exist."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    voice_id = request.match_info["voice_id"]
+    try:
+        await request.app[GATEWAY].voices.delete_voice(caller, voice_id)
+    except VoiceRefused as e:
+        return _refused(e)
+    except engine_errors.UnknownVoice:
+        return error_response(404, ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice_id!r}")
+    return web.Response(status=204)
+
+
+async def _share(request: web.Request, kind: str, name: str) -> web.Response:
+    """PATCH /v1/voices/{voice_id} or /v1/loras/{name} with {"public": bool}: operator keys share or unshare."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, ErrorCode.BAD_JSON, "send a JSON object: {\"public\": true}")
+    if not isinstance(body, dict) or set(body) != {"public"} or not isinstance(body["public"], bool):
+        return error_response(400, ErrorCode.INVALID_VALUE, "send a JSON object: {\"public\": true|false}")
+    try:
+        view = await request.app[GATEWAY].voices.set_public(caller, kind, name, body["public"])
+    except VoiceRefused as e:
+        return _refused(e)
+    return web.json_response(view if kind == VOICE else {"lora": view})
+
+
+async def share_voice(request: web.Request) -> web.Response:
+    return await _share(request, VOICE, request.match_info["voice_id"])
+
+
+async def share_lora(request: web.Request) -> web.Response:
+    return await _share(request, LORA, request.match_info["name"])
+
+
+async def add_lora(request: web.Request) -> web.Response:
+    """POST /v1/loras: multipart with `name`, `weights` (lora_weights.safetensors), `config` (the contents of
+    lora_config.json, as a field or a file) and optional `public`. 201 with the adapter's info; a bad adapter is a
+    400 naming the problem. Names are per key: two keys may each have an adapter `alice`."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    gw = request.app[GATEWAY]
+    if not request.content_type.startswith("multipart/"):
+        return error_response(400, ErrorCode.INVALID_VALUE,
+                              "send the adapter as multipart/form-data: name, weights, config")
+    fields: dict[str, bytes] = {}
+    size = 0
+    reader = await request.multipart()
+    async for part in reader:
+        if not isinstance(part, BodyPartReader) or part.name not in ("name", "weights", "config", "public"):
+            continue
+        chunks = []
+        while chunk := await part.read_chunk():
+            size += len(chunk)
+            if size > gw.config.max_lora_bytes:
+                return error_response(413, ErrorCode.MESSAGE_TOO_LARGE,
+                                      f"adapter over {gw.config.max_lora_bytes} bytes")
+            chunks.append(chunk)
+        fields[part.name] = b"".join(chunks)
+    missing = [f for f in ("name", "weights", "config") if not fields.get(f)]
+    if missing:
+        return error_response(400, ErrorCode.MISSING_FIELD, f"multipart body needs the field(s) {missing}")
+    try:
+        name = fields["name"].decode()
+        config = json.loads(fields["config"])
+        info = await gw.voices.create_lora(caller, name, fields["weights"], config,
+                                           public=_flag(fields.get("public", b"").decode()))
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        return error_response(400, ErrorCode.INVALID_VALUE, f"cannot read the adapter: {e}")
+    except VoiceRefused as e:
+        return _refused(e)
+    except engine_errors.InvalidRequest as e:
+        return error_response(400, ErrorCode.INVALID_VALUE, str(e))
+    except engine_errors.EngineError as e:
+        return error_response(503, ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}")
+    return web.json_response({"lora": info}, status=201)
+
+
+async def list_loras(request: web.Request) -> web.Response:
+    """GET /v1/loras: the adapters this key may use."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        return web.json_response({"loras": await request.app[GATEWAY].voices.list_loras(caller)})
+    except VoiceRefused as e:
+        return _refused(e)
+
+
+async def remove_lora(request: web.Request) -> web.Response:
+    """DELETE /v1/loras/{name}: new requests for it are refused at once; answers 204 once those in flight finished
+    and the adapter is freed."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        await request.app[GATEWAY].voices.delete_lora(caller, request.match_info["name"])
+    except VoiceRefused as e:
+        return _refused(e)
+    except engine_errors.UnknownLoRA as e:
+        return error_response(404, ErrorCode.UNKNOWN_LORA, str(e))
+    except engine_errors.InvalidRequest as e:  # still named by a stored voice
+        return error_response(409, ErrorCode.INVALID_VALUE, str(e))
+    return web.Response(status=204)
+
+
+def register(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/tokens", create_token)
+    r.add_post("/v1/voices", add_voice)
+    r.add_get("/v1/voices", list_voices)
+    r.add_delete("/v1/voices/{voice_id}", remove_voice)
+    r.add_patch("/v1/voices/{voice_id}", share_voice)
+    r.add_post("/v1/loras", add_lora)
+    r.add_get("/v1/loras", list_loras)
+    r.add_delete("/v1/loras/{name}", remove_lora)
+    r.add_patch("/v1/loras/{name}", share_lora)
+
+
+
