@@ -1,0 +1,280 @@
+"""Text normalisation for speech: numbers, money, dates, times, units and symbols written out as words, the way the
+official VoxCPM `normalize=True` does it (`voxcpm/utils/text_normalize.py`): WeTextProcessing's English and Chinese
+TN grammars (the `wetext` package), `inflect` for digits the grammar leaves, and the official replacements.
+
+Modes (`generation.normalize`):
+- `on`: the official pipeline over each whole segment, as the official package runs it over its input.
+- `auto`: the official pipeline over the spans that need it: tokens with digits or symbols, with one word (English)
+  or three characters (Chinese) of context on each side; plain words pass untouched. Text without numbers or
+  symbols costs nothing, and plain text keeps clear of the grammar's side effects (quotes escaped with backslashes,
+  erhua removed).
+- `off`: the text as written.
+Phoneme braces (`{HH AH0 L OW1}`, `{ni3}`) pass untouched in every mode, and no segment boundary falls inside them.
+
+Streaming: `safe_cut(text, pos)` tells the segmenter where a cut leaves every unit whole ("$1,000.50", "3:45 PM",
+"March 5, 1990" are never split), so normalising a turn segment by segment gives the words of normalising it whole.
+The language of a segment is Chinese when it, or its turn before it, holds a Chinese character (the official code
+decides per input: Chinese as soon as the text holds one).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, Literal
+
+log = logging.getLogger("voxgate.normalize")
+
+MODES = ("auto", "on", "off")
+Lang = Literal["en", "zh"]
+
+_CHINESE = re.compile(r"[\u4e00-\u9fff]")
+_BRACES = re.compile(r"\{[^{}]*\}")  # phoneme input: never normalised, never split
+# what a token needs normalising for: digits, currency, units and math symbols, "@" / "&" / "#", and a dot inside
+# a word (domains, file names, "U.S.")
+_TRIGGER = re.compile(r"[0-9$€£¥₹₩%‰°&@#+=×÷<>/²³√≈]|[A-Za-z]\.[A-Za-z]")
+_TOKEN = re.compile(r"\S+")
+_OPENING = "\"'“‘([{（【《「"
+_CLOSING = "\"'”’)]}）】》」,;:!?，；：！？。"
+_ABBREVIATION = re.compile(r"(?:[A-Za-z]\.)+|[A-Z][a-z]{0,3}\.")  # "p.m.", "U.S.", "Dr.", "Ave.": the dot is theirs
+_EN_AFTER = 2  # English tokens of context after a token with a trigger ("at 123 Main Street": an address)
+_ZH_CONTEXT = 3  # Chinese characters of context on each side of a span with digits (units, 年/月/日, 第, 百分之)
+_ZH_STOPS = "，。！？；：、\n"
+
+
+def contains_chinese(text: str) -> bool:
+    """The official language test: any character in U+4E00..U+9FFF."""
+    return _CHINESE.search(text) is not None
+
+
+def check_mode(value: Any) -> str:
+    """`value` if it is a mode, else ValueError naming the choices."""
+    if value not in MODES:
+        raise ValueError(f"normalize: {value!r} must be one of {', '.join(MODES)}")
+    return value
+
+
+# --- the official pipeline ------------------------------------------------------------------------------------------
+
+class _Official:
+    """`voxcpm.utils.text_normalize.TextNormalizer.normalize` with its language given: the same libraries, the same
+    steps in the same order."""
+
+    def __init__(self) -> None:
+        import inflect
+        import regex
+        from wetext import Normalizer
+
+        self.zh = Normalizer(lang="zh", operator="tn", remove_erhua=True)
+        self.en = Normalizer(lang="en", operator="tn")
+        self.inflect = inflect.engine()
+        self.emoji = regex.compile(r"\p{Emoji_Presentation}|\p{Emoji}\uFE0F", flags=regex.UNICODE)
+
+    def clean(self, text: str) -> str:
+        """The official `clean_text`: markdown, emoji, newlines and tabs, curly double quotes."""
+        text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+        text = re.sub(r"`[^`]*`", "", text)
+        text = re.sub(r"!\[[^\]]*\]\([^\)]+\)", "", text)
+        text = re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", text)
+        text = re.sub(r"^(\s*)-\s+", r"\1", text, flags=re.MULTILINE)
+        text = re.sub(r"<[^>]+>", "", text)
+        text = re.sub(r"^#{1,6}\s*", "", text, flags=re.MULTILINE)
+        text = re.sub(r"\n\s*\n", "\n", text).strip()
+        text = self.emoji.sub("", text)
+        return text.replace("\n", " ").replace("\t", " ").replace("“", '"').replace("”", '"')
+
+    def grammar(self, text: str, lang: Lang) -> str:
+        """The TN grammar step and what the official code does right before and after it, for one language."""
+        if lang == "zh":
+            text = text.replace("=", "等于")
+            if re.search(r"([\d$%^*_+≥≤≠×÷?=])", text):
+                text = re.sub(r"(?<=[a-zA-Z0-9])-(?=\d)", " - ", text)  # "x-2" is x minus 2, not x negative 2
+            return self.zh.normalize(text)
+        return _spell_out_digits(self.en.normalize(text), self.inflect.number_to_words)
+
+    def finish_zh(self, text: str) -> str:
+        """The official steps after the Chinese grammar: blanks between non-ASCII characters, ², ³, √, ≈, <,
+        brackets and dashes."""
+        out = []
+        for i, c in enumerate(text):
+            if c != " " or (0 < i < len(text) - 1 and _ascii_word_char(text[i + 1]) and _ascii_word_char(text[i - 1])):
+                out.append(c)
+        text = "".join(out)
+        for old, new in (("²", "平方"), ("³", "立方"), ("√", "根号"), ("≈", "约等于"), ("<", "小于"), ("（", " "),
+                         ("）", " "), ("【", " "), ("】", " "), ("`", ""), ("——", " ")):
+            text = text.replace(old, new)
+        return text
+
+    def normalize(self, text: str, lang: Lang) -> str:
+        """The whole official pipeline."""
+        text = self.clean(text)
+        if not text.strip():
+            return text
+        text = self.grammar(text, lang)
+        return self.finish_zh(text) if lang == "zh" else text
+
+
+def _ascii_word_char(c: str) -> bool:
+    return c.isascii() and c != " "
+
+
+def _spell_out_digits(text: str, to_words: Callable[[str], str]) -> str:
+    """The official `spell_out_number`: every run of digits the grammar left becomes words."""
+    return re.sub(r"\d+", lambda m: to_words(m.group()), text) if any(c.isdigit() for c in text) else text
+
+
+@functools.cache
+def official() -> _Official:
+    """The loaded grammars (about 2 s the first time; `preload` does it ahead of the first turn)."""
+    return _Official()
+
+
+def preload() -> None:
+    """Load the grammars now (a server calls this at start, so no turn waits for it)."""
+    official()
+
+
+# --- spans, cuts, modes ---------------------------------------------------------------------------------------------
+
+def _brace_spans(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in _BRACES.finditer(text)]
+
+
+def _inside(spans: list[tuple[int, int]], pos: int) -> bool:
+    return any(start < pos < end for start, end in spans)
+
+
+def _en_windows(text: str) -> list[tuple[int, int]]:
+    """Spans to normalise in English text: each token with a trigger, with one token of context each side (never a
+    phoneme brace), merged where they overlap; opening and closing punctuation at a span's edges stays outside."""
+    braces = _brace_spans(text)
+    tokens = [m.span() for m in _TOKEN.finditer(text) if not _inside(braces, m.start()) and
+              not any(s <= m.start() < e for s, e in braces)]
+    hits = [i for i, (s, e) in enumerate(tokens) if _TRIGGER.search(text, s, e)]
+    windows: list[list[int]] = []
+    for i in hits:
+        lo, hi = max(0, i - 1), min(len(tokens) - 1, i + _EN_AFTER)
+        if windows and lo <= windows[-1][1]:
+            windows[-1][1] = hi
+        else:
+            windows.append([lo, hi])
+    spans = []
+    for lo, hi in windows:
+        start, end = tokens[lo][0], tokens[hi][1]
+        while start < end and text[start] in _OPENING:
+            start += 1
+        while end > start and (text[end - 1] in _CLOSING or (text[end - 1] == "." and not _abbreviation_end(text, end))):
+            end -= 1
+        if start < end:
+            spans.append((start, end))
+    return spans
+
+
+def _abbreviation_end(text: str, end: int) -> bool:
+    start = end
+    while start > 0 and not text[start - 1].isspace():
+        start -= 1
+    return _ABBREVIATION.fullmatch(text, start, end) is not None
+
+
+def _zh_windows(text: str) -> list[tuple[int, int]]:
+    """Spans to normalise in Chinese text: each run of non-Chinese characters with a trigger, with up to three
+    characters of context each side (not across clause punctuation or a phoneme brace), merged where they meet."""
+    braces = _brace_spans(text)
+    spans: list[list[int]] = []
+    for m in re.finditer(r"[^\u4e00-\u9fff" + _ZH_STOPS + r"]+", text):
+        if not _TRIGGER.search(m.group()) or _inside(braces, m.start()):
+            continue
+        start, end = m.start(), m.end()
+        for _ in range(_ZH_CONTEXT):
+            if start > 0 and text[start - 1] not in _ZH_STOPS and not _brace_end(braces, start):
+                start -= 1
+        for _ in range(_ZH_CONTEXT):
+            if end < len(text) and text[end] not in _ZH_STOPS and text[end] != "{":
+                end += 1
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(s, e) for s, e in spans if not any(bs < e and s < be for bs, be in braces)]
+
+
+def _brace_end(braces: list[tuple[int, int]], pos: int) -> bool:
+    return any(end == pos for _, end in braces)
+
+
+def normalize(text: str, mode: str = "auto", lang: Lang | None = None) -> str:
+    """The spoken form of one segment. `lang`: None decides from the text itself (as the official code does)."""
+    if mode == "off" or not text:
+        return text
+    if lang is None:
+        lang = "zh" if contains_chinese(text) else "en"
+    try:
+        if mode == "on":
+            return _around_braces(text, lambda piece: official().normalize(piece, lang))
+        return _normalize_auto(text, lang)
+    except Exception:  # the grammar failed on this text (the official code would raise): speak it as written
+        log.debug("normalisation failed; the text is spoken as written", exc_info=True)
+        return text
+
+
+def _around_braces(text: str, convert: Callable[[str], str]) -> str:
+    """`convert` over the text between phoneme braces; the braces and their spacing stay as they are."""
+    out, pos = [], 0
+    for start, end in [*_brace_spans(text), (len(text), len(text))]:
+        piece = text[pos:start]
+        if piece.strip():
+            lead, trail = piece[: len(piece) - len(piece.lstrip())], piece[len(piece.rstrip()):]
+            out.append(lead + convert(piece.strip()) + trail)
+        else:
+            out.append(piece)
+        out.append(text[start:end])
+        pos = end
+    return "".join(out)
+
+
+def _normalize_auto(text: str, lang: Lang) -> str:
+    if not _TRIGGER.search(text):
+        return official().finish_zh(text) if lang == "zh" else text
+    engine = official()
+    spans = _zh_windows(text) if lang == "zh" else _en_windows(text)
+    out, pos = [], 0
+    for start, end in spans:
+        out.append(text[pos:start])
+        out.append(_cached_grammar(text[start:end], lang))
+        pos = end
+    out.append(text[pos:])
+    joined = "".join(out)
+    return engine.finish_zh(joined) if lang == "zh" else joined
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_grammar(span: str, lang: Lang) -> str:
+    """Spans repeat (prices, times, versions): each one through the grammar once."""
+    return official().grammar(span, lang)
+
+
+def safe_cut(text: str, pos: int) -> bool:
+    """Whether a segment may end at `pos` of `text` (the text so far) with every unit whole: not inside a phoneme
+    brace, and, at whitespace, not next to a token with digits or symbols (English) or within three characters of one
+    (Chinese)."""
+    if _inside(_brace_spans(text), pos) or text.count("{", 0, pos) > text.count("}", 0, pos):
+        return False
+    before = text[:pos].rstrip()
+    after = text[pos:].lstrip()
+    lefts = before[-40:].split()[-_EN_AFTER:]  # the tokens whose context reaches past the cut, and the one after it
+    left = lefts[-1] if lefts else ""
+    right = after.split(None, 1)[0] if after else ""
+    if any(_TRIGGER.search(token) for token in lefts) or (right and _TRIGGER.search(right)):
+        return _ends_clause(left) and not (left[-1] == "," and right[:1].isdigit())
+    if contains_chinese(left[-1:]) or contains_chinese(right[:1]):
+        near = text[max(0, pos - _ZH_CONTEXT):pos + _ZH_CONTEXT]
+        return not _TRIGGER.search(near) or _ends_clause(before)
+    return True
+
+
+def _ends_clause(left: str) -> bool:
+    """A clause or sentence mark closes what came before it (but "3." may still become "3.5")."""
+    return bool(left) and left[-1] in ",;!?，；：！？。"
