@@ -32,9 +32,9 @@ Lang = Literal["en", "zh"]
 
 _CHINESE = re.compile(r"[\u4e00-\u9fff]")
 _BRACES = re.compile(r"\{[^{}]*\}")  # phoneme input: never normalised, never split
-# what a token needs normalising for: digits, currency, units and math symbols, "@" / "&" / "#", and a dot inside
-# a word (domains, file names, "U.S.")
-_TRIGGER = re.compile(r"[0-9$€£¥₹₩%‰°&@#+=×÷<>/²³√≈]|[A-Za-z]\.[A-Za-z]")
+# what a token needs normalising for: digits, currency, units and math symbols, "@" / "&" / "#", a dot inside
+# a word (domains, file names, "U.S."), an initial ("J. R. R. Tolkien", "p.m."), a Roman numeral ("World War II")
+_TRIGGER = re.compile(r"[0-9$€£¥₹₩%‰°&@#+=×÷<>/²³√≈]|[A-Za-z]\.[A-Za-z]|\b[A-Za-z]\.|\b[IVX]{2,4}\b")
 _TOKEN = re.compile(r"\S+")
 _OPENING = "\"'“‘([{（【《「"
 _CLOSING = "\"'”’)]}）】》」,;:!?，；：！？。"
@@ -139,22 +139,17 @@ def preload() -> None:
 # --- spans, cuts, modes ---------------------------------------------------------------------------------------------
 
 def _brace_spans(text: str) -> list[tuple[int, int]]:
-    return [m.span() for m in _BRACES.finditer(text)]
-
-
-def _inside(spans: list[tuple[int, int]], pos: int) -> bool:
-    return any(start < pos < end for start, end in spans)
+    return [m.span() for m in _BRACES.finditer(text)] if "{" in text else []
 
 
 def _en_windows(text: str) -> list[tuple[int, int]]:
-    """Spans to normalise in English text: each token with a trigger, with one token of context each side (never a
-    phoneme brace), merged where they overlap; opening and closing punctuation at a span's edges stays outside."""
-    braces = _brace_spans(text)
-    tokens = [m.span() for m in _TOKEN.finditer(text) if not _inside(braces, m.start()) and
-              not any(s <= m.start() < e for s, e in braces)]
-    hits = [i for i, (s, e) in enumerate(tokens) if _TRIGGER.search(text, s, e)]
+    """Spans to normalise in English text: each token with a trigger, with one token of context before and two after,
+    merged where they overlap; opening and closing punctuation at a span's edges stays outside."""
+    tokens = [m.span() for m in _TOKEN.finditer(text)]
     windows: list[list[int]] = []
-    for i in hits:
+    for i, (s, e) in enumerate(tokens):
+        if not _TRIGGER.search(text, s, e):
+            continue
         lo, hi = max(0, i - 1), min(len(tokens) - 1, i + _EN_AFTER)
         if windows and lo <= windows[-1][1]:
             windows[-1][1] = hi
@@ -165,7 +160,8 @@ def _en_windows(text: str) -> list[tuple[int, int]]:
         start, end = tokens[lo][0], tokens[hi][1]
         while start < end and text[start] in _OPENING:
             start += 1
-        while end > start and (text[end - 1] in _CLOSING or (text[end - 1] == "." and not _abbreviation_end(text, end))):
+        while end > start and (text[end - 1] in _CLOSING or
+                               (text[end - 1] == "." and not _abbreviation_end(text, end))):
             end -= 1
         if start < end:
             spans.append((start, end))
@@ -181,28 +177,22 @@ def _abbreviation_end(text: str, end: int) -> bool:
 
 def _zh_windows(text: str) -> list[tuple[int, int]]:
     """Spans to normalise in Chinese text: each run of non-Chinese characters with a trigger, with up to three
-    characters of context each side (not across clause punctuation or a phoneme brace), merged where they meet."""
-    braces = _brace_spans(text)
+    characters of context each side (not across clause punctuation), merged where they meet."""
     spans: list[list[int]] = []
     for m in re.finditer(r"[^\u4e00-\u9fff" + _ZH_STOPS + r"]+", text):
-        if not _TRIGGER.search(m.group()) or _inside(braces, m.start()):
+        if not _TRIGGER.search(m.group()):
             continue
         start, end = m.start(), m.end()
         for _ in range(_ZH_CONTEXT):
-            if start > 0 and text[start - 1] not in _ZH_STOPS and not _brace_end(braces, start):
+            if start > 0 and text[start - 1] not in _ZH_STOPS:
                 start -= 1
-        for _ in range(_ZH_CONTEXT):
-            if end < len(text) and text[end] not in _ZH_STOPS and text[end] != "{":
+            if end < len(text) and text[end] not in _ZH_STOPS:
                 end += 1
         if spans and start <= spans[-1][1]:
             spans[-1][1] = max(spans[-1][1], end)
         else:
             spans.append([start, end])
-    return [(s, e) for s, e in spans if not any(bs < e and s < be for bs, be in braces)]
-
-
-def _brace_end(braces: list[tuple[int, int]], pos: int) -> bool:
-    return any(end == pos for _, end in braces)
+    return [(start, end) for start, end in spans]
 
 
 def normalize(text: str, mode: str = "auto", lang: Lang | None = None) -> str:
@@ -211,13 +201,21 @@ def normalize(text: str, mode: str = "auto", lang: Lang | None = None) -> str:
         return text
     if lang is None:
         lang = "zh" if contains_chinese(text) else "en"
+    if mode == "on":
+        return _around_braces(text, lambda piece: _guarded(official().normalize, piece, lang))
+    return _around_braces(text, lambda piece: _normalize_auto(piece, lang))
+
+
+def _guarded(convert: Callable[[str, Lang], str], text: str, lang: Lang) -> str:
+    """`convert(text, lang)`; where the grammar fails on a text (the official code raises), its digits as words."""
     try:
-        if mode == "on":
-            return _around_braces(text, lambda piece: official().normalize(piece, lang))
-        return _normalize_auto(text, lang)
-    except Exception:  # the grammar failed on this text (the official code would raise): speak it as written
-        log.debug("normalisation failed; the text is spoken as written", exc_info=True)
-        return text
+        return convert(text, lang)
+    except Exception:
+        log.debug("the TN grammar failed on %r; spelling its digits out", text[:80], exc_info=True)
+        try:
+            return _spell_out_digits(text, official().inflect.number_to_words)
+        except Exception:  # a number inflect cannot say either: as written
+            return text
 
 
 def _around_braces(text: str, convert: Callable[[str], str]) -> str:
@@ -236,6 +234,7 @@ def _around_braces(text: str, convert: Callable[[str], str]) -> str:
 
 
 def _normalize_auto(text: str, lang: Lang) -> str:
+    text = text.replace("\n", " ").replace("\t", " ")  # as the official `clean_text`
     if not _TRIGGER.search(text):
         return official().finish_zh(text) if lang == "zh" else text
     engine = official()
@@ -253,28 +252,42 @@ def _normalize_auto(text: str, lang: Lang) -> str:
 @functools.lru_cache(maxsize=4096)
 def _cached_grammar(span: str, lang: Lang) -> str:
     """Spans repeat (prices, times, versions): each one through the grammar once."""
-    return official().grammar(span, lang)
+    return _guarded(official().grammar, span, lang)
 
 
-def safe_cut(text: str, pos: int) -> bool:
-    """Whether a segment may end at `pos` of `text` (the text so far) with every unit whole: not inside a phoneme
-    brace, and, at whitespace, not next to a token with digits or symbols (English) or within three characters of one
-    (Chinese)."""
-    if _inside(_brace_spans(text), pos) or text.count("{", 0, pos) > text.count("}", 0, pos):
+def inside_braces(text: str, pos: int) -> bool:
+    """`pos` lies inside a phoneme brace (open or closed) of `text`."""
+    return "{" in text and text.count("{", 0, pos) > text.count("}", 0, pos)
+
+
+def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> bool | None:
+    """Whether a segment may end at `pos` of `text` (the text so far) with every unit whole: True, False, or None
+    while the text still to come decides (the next word has not arrived whole). Never inside a phoneme brace; at a
+    clause or sentence mark, yes (but not "March 5," before "1990"); at a word boundary, not next to a token with
+    digits or symbols (English: the two tokens before, the one after) or within three characters of one (Chinese).
+    `word`: a cut at whitespace (False: after a clause or sentence mark); `at_end`: the text is all there is for now
+    (a cut on a timeout)."""
+    if inside_braces(text, pos):
         return False
-    before = text[:pos].rstrip()
-    after = text[pos:].lstrip()
-    lefts = before[-40:].split()[-_EN_AFTER:]  # the tokens whose context reaches past the cut, and the one after it
-    left = lefts[-1] if lefts else ""
-    right = after.split(None, 1)[0] if after else ""
-    if any(_TRIGGER.search(token) for token in lefts) or (right and _TRIGGER.search(right)):
-        return _ends_clause(left) and not (left[-1] == "," and right[:1].isdigit())
-    if contains_chinese(left[-1:]) or contains_chinese(right[:1]):
-        near = text[max(0, pos - _ZH_CONTEXT):pos + _ZH_CONTEXT]
-        return not _TRIGGER.search(near) or _ends_clause(before)
-    return True
+    before, after = text[:pos].rstrip(), text[pos:].lstrip()
+    if not word and before and before[-1] in _CLAUSE_ENDS:
+        if before[-1] == "," and before[-2:-1].isdigit():  # "March 5, 1990", "1, 2, 3"
+            return (False if at_end else None) if not after else not after[0].isdigit()
+        return True
+    if contains_chinese(before[-1:]) or contains_chinese(after[:1]):
+        if len(text) - pos < _ZH_CONTEXT and not at_end:
+            return None
+        return _TRIGGER.search(text[max(0, pos - _ZH_CONTEXT):pos + _ZH_CONTEXT]) is None
+    if any(_TRIGGER.search(token) for token in before[-40:].split()[-_EN_AFTER:]):
+        return False
+    if not after:  # a timeout: the next word is unknown; a month name waits for its day ("on March" + "5, 1990")
+        return _MONTH.fullmatch(before[-12:].split()[-1]) is None if at_end and before else None
+    right = _TOKEN.match(after)
+    assert right is not None  # `after` starts with a visible character
+    if _TRIGGER.search(right.group()):
+        return False
+    return True if right.end() < len(after) or at_end else None
 
 
-def _ends_clause(left: str) -> bool:
-    """A clause or sentence mark closes what came before it (but "3." may still become "3.5")."""
-    return bool(left) and left[-1] in ",;!?，；：！？。"
+_MONTH = re.compile(r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?")
+_CLAUSE_ENDS = ".,;!?，；：！？。…"

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from itertools import accumulate
 from typing import Any
 
+from gateway import normalize as spoken
+
 REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
 RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
 SYNTH_LEAD_MS = 500.0  # when audio is queued, time-based release waits until the queue is this close to running dry
@@ -63,9 +65,15 @@ class ChunkingConfig:
 
 @dataclass
 class Segment:
-    text: str
+    text: str  # as written (markdown stripped): what cancel reports quote
     index: int
     reason: str  # one of REASONS
+    spoken: str | None = None  # as spoken (numbers, symbols in words: gateway.normalize); None: the same as `text`
+
+    @property
+    def speech(self) -> str:
+        """The text the model speaks."""
+        return self.text if self.spoken is None else self.spoken
 
 
 # --- normalisation --------------------------------------------------------------------------------------------------
@@ -218,8 +226,18 @@ def _prefix_weights(text: str) -> list[int] | range:
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
 
 
-def _boundaries(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
-    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one."""
+def _boundaries(buf: str, line_start: bool, normalizing: bool = False) -> Iterator[tuple[int, str]]:
+    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one. Never inside
+    a phoneme brace; `normalizing`: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50")."""
+    for cut, kind in _candidates(buf, line_start):
+        ok = spoken.cut_state(buf, cut, kind == "word") if normalizing else not spoken.inside_braces(buf, cut)
+        if ok is None:
+            return
+        if ok:
+            yield cut, kind
+
+
+def _candidates(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
     for m in _CANDIDATE.finditer(buf):
         kind, start, end = m.lastgroup, m.start(), m.end()
         if kind in ("word", "cjk"):
@@ -282,9 +300,12 @@ def _depth(text: str) -> int:
 class Segmenter:
     """One turn's text -> segments. push/flush/end return segments ready now; poll() at next_deadline()."""
 
-    def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 normalize: str = "off"):
         self.config = config or ChunkingConfig()
         self._clock = clock
+        self._mode = spoken.check_mode(normalize)  # gateway.normalize: how segments become what is spoken
+        self._lang: spoken.Lang = "en"  # Chinese from the turn's first Chinese character on
         self._norm = _Normalizer()
         self._buf = ""  # normalised, unreleased text (no leading whitespace)
         self._line_start = True  # _buf starts a line (turn start, or the last cut was at a newline)
@@ -387,9 +408,27 @@ class Segmenter:
         self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
         self._buf = rest.lstrip()
         segment = Segment(text, len(self.segments), reason)
+        if self._mode != "off":
+            if self._lang == "en" and spoken.contains_chinese(text + self._buf):
+                self._lang = "zh"
+            said = self._speak(text)
+            segment.spoken = None if said == text else said
         self.segments.append(segment)
         self._since = self._clock() if self.pending_text else None
         return segment
+
+    def _speak(self, text: str) -> str:
+        """The spoken form of a segment, sentence by sentence (the official normaliser's unit: a grammar reads a
+        number differently with other sentences around it)."""
+        out, pos = [], 0
+        for cut in [*(cut for cut, kind in _candidates(text, False) if kind == "sentence"), len(text)]:
+            piece, pos = text[pos:cut], cut
+            body = piece.strip()
+            if body:
+                start = piece.index(body[0])
+                piece = piece[:start] + spoken.normalize(body, self._mode, self._lang) + piece[start + len(body):]
+            out.append(piece)
+        return "".join(out)
 
     def _cut(self) -> tuple[int, str] | None:
         """Where the next segment ends, by the text alone (no clock): the same cuts however the text was split."""
@@ -405,7 +444,7 @@ class Segmenter:
             threshold, kinds = cfg.min_chars, ("sentence", "clause")
         weights = _prefix_weights(buf)
         best: dict[str, int] = {}
-        for cut, kind in _boundaries(buf, self._line_start):
+        for cut, kind in _boundaries(buf, self._line_start, self._mode != "off"):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
@@ -427,8 +466,10 @@ class Segmenter:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
         buf, cfg = self._buf, self.config
         weights = _prefix_weights(buf)
-        cuts = [cut for cut, _ in _boundaries(buf, self._line_start)]
-        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])):
+        cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
+        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])) and (
+                spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
+                else not spoken.inside_braces(buf, len(buf))):
             cuts.append(len(buf))
         cuts = [c for c in cuts if cfg.min_chars <= weights[c] <= cfg.max_chars]
         return cuts[-1] if cuts else None
