@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -125,15 +126,26 @@ def _spell_out_digits(text: str, to_words: Callable[[str], str]) -> str:
     return re.sub(r"\d+", lambda m: to_words(m.group()), text) if any(c.isdigit() for c in text) else text
 
 
-@functools.cache
+_loaded: _Official | None = None
+_loading = threading.Lock()
+
+
 def official() -> _Official:
     """The loaded grammars (about 2 s the first time; `preload` does it ahead of the first turn)."""
-    return _Official()
+    global _loaded
+    if _loaded is None:
+        with _loading:
+            if _loaded is None:
+                _loaded = _Official()
+    return _loaded
 
 
 def preload() -> None:
     """Load the grammars now (a server calls this at start, so no turn waits for it)."""
-    official()
+    try:
+        official()
+    except Exception:  # no grammars: turns that need them say so (`normalize` falls back to the written text)
+        log.exception("text normalisation grammars failed to load")
 
 
 # --- spans, cuts, modes ---------------------------------------------------------------------------------------------
@@ -201,9 +213,15 @@ def normalize(text: str, mode: str = "auto", lang: Lang | None = None) -> str:
         return text
     if lang is None:
         lang = "zh" if contains_chinese(text) else "en"
-    if mode == "on":
-        return _around_braces(text, lambda piece: _guarded(official().normalize, piece, lang))
-    return _around_braces(text, lambda piece: _normalize_auto(piece, lang))
+    try:
+        if mode == "on":
+            said = _around_braces(text, lambda piece: _guarded(official().normalize, piece, lang))
+        else:
+            said = _around_braces(text, lambda piece: _normalize_auto(piece, lang))
+    except Exception:  # the grammars cannot load (logged by `preload`): the text as written
+        log.debug("text normalisation unavailable", exc_info=True)
+        return text
+    return said if said.strip() else text  # all of it was markup to the official cleaner: say it as written
 
 
 def _guarded(convert: Callable[[str, Lang], str], text: str, lang: Lang) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 from aiohttp import BodyPartReader, WSMsgType, web
 
 from engine import errors as engine_errors
+from gateway import normalize
 from gateway.auth import Auth, AuthError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
@@ -116,8 +117,14 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
 
         r.add_get("/", index)
         r.add_static("/", web_dir)  # last: it matches every other path
+    app.on_startup.append(_preload_normalizer)
     app.on_shutdown.append(_shutdown)
     return app
+
+
+async def _preload_normalizer(_: web.Application) -> None:
+    """The TN grammars load (~2 s) in a thread while the server starts, not in the first turn with a number."""
+    asyncio.get_running_loop().run_in_executor(None, normalize.preload)
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
