@@ -156,11 +156,13 @@ def test_cuts_wherever_a_pause_allows_still_say_the_same_words():
 @pytest.mark.parametrize("unit", ["$1,000.50", "3:45 PM", "2026-12-03", "3.5%", "March 5, 1990", "1,200 km",
                                   "{HH AH0 L OW1}", "{ni3}", "2026年12月3日"])
 def test_no_segment_boundary_splits_a_unit(unit):
-    text = f"Well then here it is {unit} and that is all for today"
-    for mode in ("auto", "on"):
-        for seed in range(6):
-            segments = _stream(_deltas(text, seed), mode, timeouts=True)
-            assert any(unit in s.text for s in segments), (mode, [s.text for s in segments])
+    """Without normalisation, the timer cuts most of these (braces aside) for one of these lead-ins."""
+    for lead in ("Well then here it is", "So the total we want", "Okay", "那么我们来看看吧这个是"):
+        text = f"{lead} {unit} and that is all for today"
+        for mode in ("auto", "on"):
+            for seed in range(6):
+                segments = _stream(_deltas(text, seed), mode, timeouts=True)
+                assert any(unit in s.text for s in segments), (mode, [s.text for s in segments])
 
 
 def test_braces_are_never_split_even_with_normalisation_off():
