@@ -2,19 +2,18 @@
 official VoxCPM `normalize=True` does it (`voxcpm/utils/text_normalize.py`): WeTextProcessing's English and Chinese
 TN grammars (the `wetext` package), `inflect` for digits the grammar leaves, and the official replacements.
 
-Modes (`generation.normalize`):
-- `on`: the official pipeline over each whole segment, as the official package runs it over its input.
-- `auto`: the official pipeline over the spans that need it: tokens with digits or symbols, with one word (English)
-  or three characters (Chinese) of context on each side; plain words pass untouched. Text without numbers or
+Modes (`generation.normalize`; the segmenter hands over one sentence at a time, the official normaliser's unit):
+- `on`: the official pipeline over the whole sentence.
+- `auto`: the official pipeline over the spans that need it: tokens with digits or symbols, with one token of context
+  before and two after (Chinese: three characters each side); plain words pass untouched. Text without numbers or
   symbols costs nothing, and plain text keeps clear of the grammar's side effects (quotes escaped with backslashes,
-  erhua removed).
+  "TV" read "Television", erhua removed).
 - `off`: the text as written.
 Phoneme braces (`{HH AH0 L OW1}`, `{ni3}`) pass untouched in every mode, and no segment boundary falls inside them.
 
-Streaming: `safe_cut(text, pos)` tells the segmenter where a cut leaves every unit whole ("$1,000.50", "3:45 PM",
-"March 5, 1990" are never split), so normalising a turn segment by segment gives the words of normalising it whole.
-The language of a segment is Chinese when it, or its turn before it, holds a Chinese character (the official code
-decides per input: Chinese as soon as the text holds one).
+Streaming: `cut_state(text, pos)` tells the segmenter where a cut leaves every unit whole ("$1,000.50", "3:45 PM",
+"March 5, 1990" are never split), so normalising a turn segment by segment says the words of normalising it whole.
+The language is the official test's (Chinese when the text holds a Chinese character), over the turn so far.
 """
 
 from __future__ import annotations
