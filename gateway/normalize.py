@@ -35,6 +35,7 @@ _BRACES = re.compile(r"\{[^{}]*\}")  # phoneme input: never normalised, never sp
 # what a token needs normalising for: digits, currency, units and math symbols, "@" / "&" / "#", a dot inside
 # a word (domains, file names, "U.S."), an initial ("J. R. R. Tolkien", "p.m."), a Roman numeral ("World War II")
 _TRIGGER = re.compile(r"[0-9$€£¥₹₩%‰°&@#+=×÷<>/²³√≈]|[A-Za-z]\.[A-Za-z]|\b[A-Za-z]\.|\b[IVX]{2,4}\b")
+_TRIGGER_START = re.compile(r"[0-9$€£¥₹₩%‰°&@#+=×÷<>/²³√≈]")
 _TOKEN = re.compile(r"\S+")
 _OPENING = "\"'“‘([{（【《「"
 _CLOSING = "\"'”’)]}）】》」,;:!?，；：！？。"
@@ -279,9 +280,9 @@ def inside_braces(text: str, pos: int) -> bool:
 
 def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> bool | None:
     """Whether a segment may end at `pos` of `text` (the text so far) with every unit whole: True, False, or None
-    while the text still to come decides (the next word has not arrived whole). Never inside a phoneme brace; at a
-    clause or sentence mark, yes (but not "March 5," before "1990"); at a word boundary, not next to a token with
-    digits or symbols (English: the two tokens before, the one after) or within three characters of one (Chinese).
+    while the text still to come decides. Never inside a phoneme brace; at a clause or sentence mark, yes (but not
+    "March 5," before "1990"); at a word boundary, not after a token with digits or symbols (English: either of the
+    two before), not before a word that starts with one, nor within three characters of one (Chinese).
     `word`: a cut at whitespace (False: after a clause or sentence mark); `at_end`: the text is all there is for now
     (a cut on a timeout)."""
     if inside_braces(text, pos):
@@ -299,11 +300,9 @@ def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> b
         return False
     if not after:  # a timeout: the next word is unknown; a month name waits for its day ("on March" + "5, 1990")
         return _MONTH.fullmatch(before[-12:].split()[-1]) is None if at_end and before else None
-    right = _TOKEN.match(after)
-    assert right is not None  # `after` starts with a visible character
-    if _TRIGGER.search(right.group()):
-        return False
-    return True if right.end() < len(after) or at_end else None
+    # the next word by its first character alone, so the cut is decided as soon as the segmenter's own rule allows
+    # (the next visible character has arrived): a number or symbol starting it keeps its left context
+    return _TRIGGER_START.match(after) is None
 
 
 _MONTH = re.compile(r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?")

@@ -144,6 +144,14 @@ def test_a_turn_streamed_delta_by_delta_says_the_words_of_the_whole_turn(mode):
             assert _words(" ".join(s.speech for s in segments)) == whole, text[:60]
 
 
+def test_cuts_do_not_depend_on_how_the_text_arrives():
+    """With normalisation on, the segmenter still cuts by the text alone: the same segments from any split."""
+    for k, text in enumerate(_turns()):
+        whole = [(s.text, s.speech) for s in _stream([text], "auto", timeouts=False)]
+        assert [(s.text, s.speech) for s in _stream(_deltas(text, k), "auto", timeouts=False)] == whole
+        assert [(s.text, s.speech) for s in _stream(list(text), "auto", timeouts=False)] == whole
+
+
 def test_cuts_wherever_a_pause_allows_still_say_the_same_words():
     """auto (the default) with the timer firing after every delta: segments end wherever the segmenter allows."""
     for k, text in enumerate(_turns()):
