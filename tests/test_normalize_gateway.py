@@ -70,10 +70,10 @@ async def test_a_bad_mode_is_an_invalid_value_and_the_session_goes_on(port):
 
 
 async def _post(port: int, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://127.0.0.1:{port}/v1/text-to-speech/voice/with-timestamps",
-                             params={"output_format": "pcm_24000"}, json=body, headers={"xi-api-key": KEY}) as r:
-            return r.status, await r.json()
+    url = f"http://127.0.0.1:{port}/v1/text-to-speech/voice/with-timestamps"
+    async with aiohttp.ClientSession() as http, http.post(url, params={"output_format": "pcm_24000"}, json=body,
+                                                          headers={"xi-api-key": KEY}) as r:
+        return r.status, await r.json()
 
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off", None])
@@ -115,3 +115,18 @@ async def test_elevenlabs_stream_input_bad_apply_text_normalization_closes_1008(
         assert m["error"] == "invalid_request" and "apply_text_normalization" in m["message"]
         await ws.wait_closed()
         assert ws.close_code == 1008
+
+
+@pytest.mark.parametrize("mode, status", [("on", 200), ("sometimes", 400)])
+async def test_openai_speech_takes_normalize_in_its_generation_extension(port, mode, status):
+    body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm",
+            "generation": {"seed": SEED, "normalize": mode}}
+    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+    async with aiohttp.ClientSession() as http, http.post(url, json=body,
+                                                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status == status
+        if status == 200:
+            assert len(await r.read()) > 0
+        else:
+            error = (await r.json())["error"]
+            assert error["param"] == "generation" and "auto, on, off" in error["message"]
