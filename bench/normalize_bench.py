@@ -8,7 +8,9 @@ lines, fed in 1-4 character deltas. For each mode it reports, over those segment
   cleared before each segment, so no number is ever served from an earlier one;
 - `first_segment_ms`: the same for each turn's first segment alone (the one on the TTFB path);
 - `push_us`: the segmenter's own cost per delta (cut checks included), normalisation off vs on;
-- the share of segments that needed the grammar at all.
+- the share of segments that needed the grammar at all;
+- `wall_of_numbers_ms`: one segment of 300 characters of prices and dates, the worst case the grammar budget
+  (gateway.normalize.GRAMMAR_BUDGET_CHARS) bounds.
 
     python bench/normalize_bench.py --json bench/results/normalize.json
 """
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gateway import normalize as spoken  # noqa: E402
-from gateway.segmenter import ChunkingConfig, Segmenter  # noqa: E402
+from gateway.segmenter import ChunkingConfig, Segmenter, speak  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 
@@ -90,7 +92,7 @@ def time_modes(segments: list[tuple[int, str, str]], repeats: int) -> dict[str, 
             for _ in range(repeats):
                 spoken._cached_grammar.cache_clear()
                 t0 = time.perf_counter()
-                said = spoken.normalize(text, mode, lang)
+                said = speak(text, mode, lang)
                 best = min(best, time.perf_counter() - t0)
             ms = best * 1000.0
             per_segment.append(ms)
@@ -101,6 +103,20 @@ def time_modes(segments: list[tuple[int, str, str]], repeats: int) -> dict[str, 
         report[mode] = {"normalize_ms": percentiles(per_segment), "first_segment_ms": percentiles(first),
                         "segments_changed": round(needed / len(segments), 3)}
     return report
+
+
+def time_wall(repeats: int) -> dict[str, float]:
+    wall = " ".join(f"${i},{i:03d}.{i % 100:02d} on 2026-12-{i % 28 + 1:02d}" for i in range(20))[:300]
+    out = {}
+    for mode in ("auto", "on"):
+        best = float("inf")
+        for _ in range(repeats):
+            spoken._cached_grammar.cache_clear()
+            t0 = time.perf_counter()
+            speak(wall, mode, "en")
+            best = min(best, time.perf_counter() - t0)
+        out[mode] = round(best * 1000.0, 2)
+    return out
 
 
 def time_push(texts: list[str]) -> dict[str, float]:
@@ -140,7 +156,8 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "cores_used": 1,
                           "platform": platform.platform(), "python": platform.python_version()},
               "grammar_load_s": round(load_s, 2), "turns": len(texts), "segments": len(segments),
-              "modes": time_modes(segments, args.repeats), "push_us_per_delta": time_push(texts)}
+              "modes": time_modes(segments, args.repeats), "push_us_per_delta": time_push(texts),
+              "wall_of_numbers_ms": time_wall(args.repeats)}
     print(f"{len(segments)} segments from {len(texts)} turns; grammars loaded in {load_s:.2f} s")
     print(f"{'mode':6} {'changed':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
           f" {'1st p50':>8} {'1st p90':>8}")
@@ -149,6 +166,7 @@ def main() -> None:
         print(f"{mode:6} {r['segments_changed']:>8} {s['p50']:>8} {s['p90']:>8} {s['p99']:>8} {s['max']:>8} "
               f"{s['mean']:>8} {f['p50']:>8} {f['p90']:>8}")
     print(f"segmenter push per delta (us): {report['push_us_per_delta']}")
+    print(f"one 300-character segment of prices and dates (ms): {report['wall_of_numbers_ms']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

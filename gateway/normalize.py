@@ -43,6 +43,7 @@ _ABBREVIATION = re.compile(r"(?:[A-Za-z]\.)+|[A-Z][a-z]{0,3}\.")  # "p.m.", "U.S
 _EN_AFTER = 2  # English tokens of context after a token with a trigger ("at 123 Main Street": an address)
 _ZH_CONTEXT = 3  # Chinese characters of context on each side of a span with digits (units, 年/月/日, 第, 百分之)
 _ZH_STOPS = "，。！？；：、\n"
+GRAMMAR_BUDGET_CHARS = 160  # per segment: at most ~7 ms of grammar for text, ~45 ms for a wall of numbers
 
 
 def contains_chinese(text: str) -> bool:
@@ -207,17 +208,35 @@ def _zh_windows(text: str) -> list[tuple[int, int]]:
     return [(start, end) for start, end in spans]
 
 
-def normalize(text: str, mode: str = "auto", lang: Lang | None = None) -> str:
-    """The spoken form of one segment. `lang`: None decides from the text itself (as the official code does)."""
+class Budget:
+    """How much text one segment may put through the grammar. The grammar holds the GIL (a thread would not spare
+    the event loop) and costs ~40 us a character, up to ~300 us in dense numbers; past the budget, digits are
+    spelled out run by run (`inflect`, microseconds), so no text, however long or dense, stalls the other sessions."""
+
+    def __init__(self, chars: int = GRAMMAR_BUDGET_CHARS):
+        self.left = chars
+
+    def take(self, chars: int) -> bool:
+        if chars > self.left:
+            return False
+        self.left -= chars
+        return True
+
+
+def normalize(text: str, mode: str = "auto", lang: Lang | None = None, budget: Budget | None = None) -> str:
+    """The spoken form of one sentence. `lang`: None decides from the text itself (as the official code does);
+    `budget`: shared by the sentences of one segment."""
     if mode == "off" or not text:
         return text
     if lang is None:
         lang = "zh" if contains_chinese(text) else "en"
+    budget = budget or Budget()
     try:
         if mode == "on":
-            said = _around_braces(text, lambda piece: _guarded(official().normalize, piece, lang))
+            said = _around_braces(text, lambda piece: _guarded(official().normalize, piece, lang)
+                                  if budget.take(len(piece)) else _normalize_auto(piece, lang, budget))
         else:
-            said = _around_braces(text, lambda piece: _normalize_auto(piece, lang))
+            said = _around_braces(text, lambda piece: _normalize_auto(piece, lang, budget))
     except Exception:  # the grammars cannot load (logged by `preload`): the text as written
         log.debug("text normalisation unavailable", exc_info=True)
         return text
@@ -251,7 +270,7 @@ def _around_braces(text: str, convert: Callable[[str], str]) -> str:
     return "".join(out)
 
 
-def _normalize_auto(text: str, lang: Lang) -> str:
+def _normalize_auto(text: str, lang: Lang, budget: Budget) -> str:
     text = text.replace("\n", " ").replace("\t", " ")  # as the official `clean_text`
     if not _TRIGGER.search(text):
         return official().finish_zh(text) if lang == "zh" else text
@@ -260,11 +279,19 @@ def _normalize_auto(text: str, lang: Lang) -> str:
     out, pos = [], 0
     for start, end in spans:
         out.append(text[pos:start])
-        out.append(_cached_grammar(text[start:end], lang))
+        span = text[start:end]
+        if budget.take(end - start):
+            out.append(_cached_grammar(span, lang))
+        else:
+            out.append(_guarded(_spell_out_only, span, lang))
         pos = end
     out.append(text[pos:])
     joined = "".join(out)
     return engine.finish_zh(joined) if lang == "zh" else joined
+
+
+def _spell_out_only(text: str, lang: Lang) -> str:
+    return _spell_out_digits(text, official().inflect.number_to_words)
 
 
 @functools.lru_cache(maxsize=4096)

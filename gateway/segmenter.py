@@ -68,12 +68,17 @@ class Segment:
     text: str  # as written (markdown stripped): what cancel reports quote
     index: int
     reason: str  # one of REASONS
-    spoken: str | None = None  # as spoken (numbers, symbols in words: gateway.normalize); None: the same as `text`
+    mode: str = "off"  # gateway.normalize mode that `speak` applies
+    lang: spoken.Lang = "en"  # the language it is read in
+    spoken: str | None = None  # what `speak` made of it
 
-    @property
-    def speech(self) -> str:
-        """The text the model speaks."""
-        return self.text if self.spoken is None else self.spoken
+    def speak(self) -> str:
+        """The text the model speaks: numbers and symbols in words, sentence by sentence (gateway.normalize). Made
+        once, when the segment goes to the engine: a burst of released segments costs its normalisation one segment
+        at a time, paced by synthesis, not all at once in the handler that released them."""
+        if self.spoken is None:
+            self.spoken = self.text if self.mode == "off" else speak(self.text, self.mode, self.lang)
+        return self.spoken
 
 
 # --- normalisation --------------------------------------------------------------------------------------------------
@@ -295,6 +300,20 @@ def _depth(text: str) -> int:
     return depth
 
 
+def speak(text: str, mode: str, lang: spoken.Lang) -> str:
+    """`text` normalised sentence by sentence (the official normaliser's unit: its grammar reads a number differently
+    with other sentences around it)."""
+    out, pos, budget = [], 0, spoken.Budget()
+    for cut in [*(cut for cut, kind in _candidates(text, False) if kind == "sentence"), len(text)]:
+        piece, pos = text[pos:cut], cut
+        body = piece.strip()
+        if body:
+            start = piece.index(body[0])
+            piece = piece[:start] + spoken.normalize(body, mode, lang, budget) + piece[start + len(body):]
+        out.append(piece)
+    return "".join(out)
+
+
 # --- the segmenter --------------------------------------------------------------------------------------------------
 
 class Segmenter:
@@ -407,28 +426,12 @@ class Segmenter:
         text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
         self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
         self._buf = rest.lstrip()
-        segment = Segment(text, len(self.segments), reason)
-        if self._mode != "off":
-            if self._lang == "en" and spoken.contains_chinese(text + self._buf):
-                self._lang = "zh"
-            said = self._speak(text)
-            segment.spoken = None if said == text else said
+        if self._mode != "off" and self._lang == "en" and spoken.contains_chinese(text + self._buf):
+            self._lang = "zh"
+        segment = Segment(text, len(self.segments), reason, self._mode, self._lang)
         self.segments.append(segment)
         self._since = self._clock() if self.pending_text else None
         return segment
-
-    def _speak(self, text: str) -> str:
-        """The spoken form of a segment, sentence by sentence (the official normaliser's unit: a grammar reads a
-        number differently with other sentences around it)."""
-        out, pos = [], 0
-        for cut in [*(cut for cut, kind in _candidates(text, False) if kind == "sentence"), len(text)]:
-            piece, pos = text[pos:cut], cut
-            body = piece.strip()
-            if body:
-                start = piece.index(body[0])
-                piece = piece[:start] + spoken.normalize(body, self._mode, self._lang) + piece[start + len(body):]
-            out.append(piece)
-        return "".join(out)
 
     def _cut(self) -> tuple[int, str] | None:
         """Where the next segment ends, by the text alone (no clock): the same cuts however the text was split."""

@@ -453,7 +453,7 @@ class Session:
             kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
         lead_ms = turn.buffered_ms(now)
         try:
-            stream = self.engine.generate(seg.speech, **kwargs)
+            stream = self.engine.generate(seg.speak(), **kwargs)
         except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
             return _Started(seg, None, now, lead_ms, error=e)
         return _Started(seg, stream, now, lead_ms)
@@ -507,7 +507,7 @@ class Session:
                 latents = await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
                 if gen.continuation and latents:
-                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speech)  # [T, P, D]
+                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
             self._background(self._abort_turn(turn, e))
@@ -654,7 +654,7 @@ class Session:
                 await self._send_packets(turn, item)
             elif isinstance(item, _SegmentMark):
                 turn.segment_released_at = item.released_at
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.speech,
+                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.speak(),
                                                   round(item.pts_ms, 1)))
             elif isinstance(item, _FlushMark):
                 await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))

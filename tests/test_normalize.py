@@ -118,7 +118,7 @@ def _whole(text: str, mode: str) -> str:
     segments = segmenter.push(text) + segmenter.end()
     written = " ".join(s.text for s in segments)
     assert written == strip_markdown(text).strip() or len(segments) > 1
-    return " ".join(s.speech for s in segments)
+    return " ".join(s.speak() for s in segments)
 
 
 def _words(text: str) -> list[str]:
@@ -141,15 +141,15 @@ def test_a_turn_streamed_delta_by_delta_says_the_words_of_the_whole_turn(mode):
         whole = _words(_whole(text, mode))
         for seed in (k, k + 1000):
             segments = _stream(_deltas(text, seed), mode, timeouts=False)
-            assert _words(" ".join(s.speech for s in segments)) == whole, text[:60]
+            assert _words(" ".join(s.speak() for s in segments)) == whole, text[:60]
 
 
 def test_cuts_do_not_depend_on_how_the_text_arrives():
     """With normalisation on, the segmenter still cuts by the text alone: the same segments from any split."""
     for k, text in enumerate(_turns()):
-        whole = [(s.text, s.speech) for s in _stream([text], "auto", timeouts=False)]
-        assert [(s.text, s.speech) for s in _stream(_deltas(text, k), "auto", timeouts=False)] == whole
-        assert [(s.text, s.speech) for s in _stream(list(text), "auto", timeouts=False)] == whole
+        whole = [(s.text, s.speak()) for s in _stream([text], "auto", timeouts=False)]
+        assert [(s.text, s.speak()) for s in _stream(_deltas(text, k), "auto", timeouts=False)] == whole
+        assert [(s.text, s.speak()) for s in _stream(list(text), "auto", timeouts=False)] == whole
 
 
 def test_cuts_wherever_a_pause_allows_still_say_the_same_words():
@@ -158,7 +158,7 @@ def test_cuts_wherever_a_pause_allows_still_say_the_same_words():
         whole = _words(_whole(text, "auto"))
         segments = _stream(_deltas(text, k), "auto", timeouts=True)
         assert len(segments) > text.count("\n") + 1  # the timer did cut inside sentences
-        assert _words(" ".join(s.speech for s in segments)) == whole, text[:60]
+        assert _words(" ".join(s.speak() for s in segments)) == whole, text[:60]
 
 
 @pytest.mark.parametrize("unit", ["$1,000.50", "3:45 PM", "2026-12-03", "3.5%", "March 5, 1990", "1,200 km",
@@ -178,7 +178,7 @@ def test_braces_are_never_split_even_with_normalisation_off():
     for seed in range(6):
         segments = _stream(_deltas(text, seed), "off", timeouts=True)
         assert any("{HH AH0 L OW1 W ER1 L D}" in s.text for s in segments)
-        assert all(s.spoken is None for s in segments)
+        assert all(s.speak() == s.text for s in segments)
 
 
 def test_a_chinese_turn_speaks_its_english_clauses_the_chinese_way():
@@ -186,5 +186,24 @@ def test_a_chinese_turn_speaks_its_english_clauses_the_chinese_way():
     digits and Latin letters in a Chinese turn is read in Chinese."""
     segmenter = Segmenter(ChunkingConfig(min_chars=1, first_chars=4), clock=FakeClock(), normalize="auto")
     segments = segmenter.push("价格是多少？ The price is 3.5%, ") + segmenter.push("好的。") + segmenter.end()
-    said = " ".join(s.speech for s in segments)
+    said = " ".join(s.speak() for s in segments)
     assert "百分之三点五" in said and not re.search(r"\d", said)
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_wall_of_numbers_puts_a_bounded_amount_of_text_through_the_grammar(mode, monkeypatch):
+    """The grammar holds the GIL: past a budget per segment, digits are spelled out without it, so one client's
+    text cannot stall the event loop for the others."""
+    engine = spoken.official()
+    fed: list[int] = []
+    for name in ("grammar", "normalize"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda text, lang, real=real: fed.append(len(text)) or real(text, lang))
+    spoken._cached_grammar.cache_clear()
+    wall = " ".join(f"${i},{i:03d}.{i % 100:02d} on 2026-12-{i % 28 + 1:02d}" for i in range(200))
+    segmenter = Segmenter(ChunkingConfig(max_chars=8000, min_chars=2000, first_chars=2000), clock=FakeClock(),
+                          normalize=mode)
+    segments = segmenter.push(wall) + segmenter.end()
+    said = " ".join(s.speak() for s in segments)
+    assert len(segments) <= 2 and not re.search(r"\d", said)
+    assert sum(fed) <= spoken.GRAMMAR_BUDGET_CHARS * len(segments)
