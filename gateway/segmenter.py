@@ -8,6 +8,9 @@ Text arrives from an LLM in arbitrary pieces (mid-word, mid-number, mid-markup).
 - a boundary is final only once the next non-space character has arrived, so "3." + "14" never splits, and
   abbreviations, initials, decimals, URLs, quotes ("Stop." she said) and numbered lists are not sentence ends.
 Nothing is ever lost or duplicated: the segments, in order, are exactly the normalised text (see `normalize`).
+With a text normalisation mode (gateway.normalize), no cut splits what its grammar reads as one unit ("3:45 PM",
+"March 5, 1990") and `Segment.speak()` gives the text as spoken (numbers and symbols in words); phoneme braces
+(`{HH AH0 L OW1}`) are never split in any mode.
 """
 
 from __future__ import annotations
