@@ -123,8 +123,22 @@ def _ascii_word_char(c: str) -> bool:
 
 
 def _spell_out_digits(text: str, to_words: Callable[[str], str]) -> str:
-    """The official `spell_out_number`: every run of digits the grammar left becomes words."""
-    return re.sub(r"\d+", lambda m: to_words(m.group()), text) if any(c.isdigit() for c in text) else text
+    """The official `spell_out_number`: every run of digits (`str.isdigit`, so "²" too) the grammar left becomes
+    words."""
+    if not any(c.isdigit() for c in text):
+        return text
+    out, start = [], None
+    for i, c in enumerate(text):
+        if c.isdigit():
+            start = i if start is None else start
+            continue
+        if start is not None:
+            out.append(to_words(text[start:i]))
+            start = None
+        out.append(c)
+    if start is not None:
+        out.append(to_words(text[start:]))
+    return "".join(out)
 
 
 _loaded: _Official | None = None
