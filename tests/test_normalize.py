@@ -207,3 +207,13 @@ def test_a_wall_of_numbers_puts_a_bounded_amount_of_text_through_the_grammar(mod
     said = " ".join(s.speak() for s in segments)
     assert len(segments) <= 2 and not re.search(r"\d", said)
     assert sum(fed) <= spoken.GRAMMAR_BUDGET_CHARS * len(segments)
+
+
+def test_voxgate_say_takes_the_setting(capsys):
+    from gateway.cli import _parser
+
+    assert _parser().parse_args(["say", "It costs $5.", "-o", "x.wav"]).normalize == "auto"
+    assert _parser().parse_args(["say", "x", "-o", "x.wav", "--normalize", "off"]).normalize == "off"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["say", "x", "-o", "x.wav", "--normalize", "always"])
+    assert "invalid choice" in capsys.readouterr().err
