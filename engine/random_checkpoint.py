@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers import AddedToken, decoders, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 from torch import Tensor, nn
@@ -115,8 +115,11 @@ def tokenizer_json(vocab_size: int) -> dict[str, Any]:
         vocab[f"<|unused_{len(vocab)}|>"] = len(vocab)
 
     tok = _HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    # The layout `LlamaTokenizerFast` builds itself: no normalizer, Metaspace prepending "▁" to the first piece.
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme="first", split=False)
+    # The release layout (MiniCPM's legacy Llama conversion): a normalizer that prepends "▁" and turns every space into
+    # "▁", no pre-tokenizer. Text that begins with a space therefore starts "▁▁" (transformers 4.x and `tokenizers`
+    # run the file as written; transformers 5.x's LlamaTokenizer swaps in its own Metaspace and loses one).
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), normalizers.Replace(" ", SPACE_MARK)])
+    tok.pre_tokenizer = None
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens([AddedToken(SPECIAL_TOKENS[i], special=True, normalized=False) for i in (0, 1, 2)])
@@ -127,7 +130,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
     """Writes `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`."""
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json(vocab_size), ensure_ascii=False))
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "legacy": False,
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "legacy": True,
               "model_max_length": 1000000000000000019884624838656, "clean_up_tokenization_spaces": False, **special}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))

@@ -3,6 +3,11 @@
 The official code runs `LlamaTokenizerFast` over the release `tokenizer.json` (no BOS/EOS) and then splits every
 multi-character CJK vocabulary entry into single characters (`mask_multichar_chinese_tokens`). The `tokenizers`
 library alone reproduces this, so `transformers` is not needed at run time.
+
+The file is run as written, as transformers 4.x's LlamaTokenizerFast runs it (the tokens the model was trained on):
+the release's normalizer prepends "▁" and turns each space into "▁", so text that begins with whitespace starts with
+two. transformers 5.x's LlamaTokenizer replaces the file's normalizer with its own Metaspace pre-tokenizer and gives
+one "▁" fewer there (tests/test_text.py pins both).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway import normalize as spoken
 from gateway.config_file import ConfigFileError, with_config_file
 from gateway.leases import DEFAULT_LEASE_TTL_S
 from gateway.store.local import DEFAULT_DATA_DIR
@@ -130,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--api-key", help="API key for --server")
     say.add_argument("--seed", type=int, default=None)
     say.add_argument("--cfg", type=float, default=2.0)
+    say.add_argument("--normalize", choices=spoken.MODES, default="auto",
+                     help="numbers, money, dates and units spoken as words (docs/PROTOCOL.md, generation.normalize)")
     common(say)
     say.set_defaults(run=_say)
     return ap
@@ -302,7 +305,7 @@ async def _say_local(args: argparse.Namespace, text: str) -> tuple[np.ndarray, i
         t0 = time.perf_counter()
         ttfb = 0.0
         try:
-            async for chunk in engine.generate(text, **kwargs):
+            async for chunk in engine.generate(spoken.normalize(text, args.normalize), **kwargs):
                 if not chunks:
                     ttfb = time.perf_counter() - t0
                 chunks.append(chunk.audio)
@@ -342,7 +345,8 @@ async def _say_remote(args: argparse.Namespace, text: str) -> tuple[np.ndarray, 
     async with client:
         try:
             started = await client.start(voice=voice, output={"format": "pcm_s16le", "sample_rate": rate},
-                                         generation={"cfg_value": args.cfg, "seed": args.seed})
+                                         generation={"cfg_value": args.cfg, "seed": args.seed,
+                                                     "normalize": args.normalize})
             t0 = time.perf_counter()
             utt = await client.speak(text, "say", timeout=600)
         except ServerError as e:

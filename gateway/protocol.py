@@ -16,6 +16,7 @@ from gateway.audio import (  # noqa: F401 (re-exported)
     pack_frames,
     unpack_frame_header,
 )
+from gateway.normalize import MODES as NORMALIZE_MODES
 
 PROTOCOL_VERSION = 1
 
@@ -97,6 +98,7 @@ class GenerationSettings:
     max_length: int | None = None
     continuation: bool = True  # prompt each segment with the previous segment's tail, so a turn sounds like one
     continuation_patches: int = 12
+    normalize: str = "auto"  # numbers, money, dates, units as words: gateway.normalize (auto / on / off)
 
     def merged(self, update: dict[str, Any]) -> GenerationSettings:
         return GenerationSettings(**{**asdict(self), **update})
@@ -111,6 +113,7 @@ _GENERATION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "max_length": ((int, type(None)), lambda v: v is None or 1 <= v <= 8192, "null or an integer in [1, 8192]"),
     "continuation": ((bool,), lambda v: True, "a boolean"),
     "continuation_patches": ((int,), lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
+    "normalize": ((str,), lambda v: v in NORMALIZE_MODES, f"one of {', '.join(NORMALIZE_MODES)}"),
 }
 
 

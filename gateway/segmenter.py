@@ -8,6 +8,9 @@ Text arrives from an LLM in arbitrary pieces (mid-word, mid-number, mid-markup).
 - a boundary is final only once the next non-space character has arrived, so "3." + "14" never splits, and
   abbreviations, initials, decimals, URLs, quotes ("Stop." she said) and numbered lists are not sentence ends.
 Nothing is ever lost or duplicated: the segments, in order, are exactly the normalised text (see `normalize`).
+With a text normalisation mode (gateway.normalize), no cut splits what its grammar reads as one unit ("3:45 PM",
+"March 5, 1990") and `Segment.speak()` gives the text as spoken (numbers and symbols in words); phoneme braces
+(`{HH AH0 L OW1}`) are never split in any mode.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from itertools import accumulate
 from typing import Any
+
+from gateway import normalize as spoken
 
 REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
 RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
@@ -63,9 +68,20 @@ class ChunkingConfig:
 
 @dataclass
 class Segment:
-    text: str
+    text: str  # as written (markdown stripped): what cancel reports quote
     index: int
     reason: str  # one of REASONS
+    mode: str = "off"  # gateway.normalize mode that `speak` applies
+    lang: spoken.Lang = "en"  # the language it is read in
+    spoken: str | None = None  # what `speak` made of it
+
+    def speak(self) -> str:
+        """The text the model speaks: numbers and symbols in words, sentence by sentence (gateway.normalize). Made
+        once, when the segment goes to the engine: a burst of released segments costs its normalisation one segment
+        at a time, paced by synthesis, not all at once in the handler that released them."""
+        if self.spoken is None:
+            self.spoken = self.text if self.mode == "off" else speak(self.text, self.mode, self.lang)
+        return self.spoken
 
 
 # --- normalisation --------------------------------------------------------------------------------------------------
@@ -218,8 +234,18 @@ def _prefix_weights(text: str) -> list[int] | range:
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
 
 
-def _boundaries(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
-    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one."""
+def _boundaries(buf: str, line_start: bool, normalizing: bool = False) -> Iterator[tuple[int, str]]:
+    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one. Never inside
+    a phoneme brace; `normalizing`: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50")."""
+    for cut, kind in _candidates(buf, line_start):
+        ok = spoken.cut_state(buf, cut, kind == "word") if normalizing else not spoken.inside_braces(buf, cut)
+        if ok is None:
+            return
+        if ok:
+            yield cut, kind
+
+
+def _candidates(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
     for m in _CANDIDATE.finditer(buf):
         kind, start, end = m.lastgroup, m.start(), m.end()
         if kind in ("word", "cjk"):
@@ -277,14 +303,31 @@ def _depth(text: str) -> int:
     return depth
 
 
+def speak(text: str, mode: str, lang: spoken.Lang) -> str:
+    """`text` normalised sentence by sentence (the official normaliser's unit: its grammar reads a number differently
+    with other sentences around it)."""
+    out, pos, budget = [], 0, spoken.Budget()
+    for cut in [*(cut for cut, kind in _candidates(text, False) if kind == "sentence"), len(text)]:
+        piece, pos = text[pos:cut], cut
+        body = piece.strip()
+        if body:
+            start = piece.index(body[0])
+            piece = piece[:start] + spoken.normalize(body, mode, lang, budget) + piece[start + len(body):]
+        out.append(piece)
+    return "".join(out)
+
+
 # --- the segmenter --------------------------------------------------------------------------------------------------
 
 class Segmenter:
     """One turn's text -> segments. push/flush/end return segments ready now; poll() at next_deadline()."""
 
-    def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 normalize: str = "off"):
         self.config = config or ChunkingConfig()
         self._clock = clock
+        self._mode = spoken.check_mode(normalize)  # gateway.normalize: how segments become what is spoken
+        self._lang: spoken.Lang = "en"  # Chinese from the turn's first Chinese character on
         self._norm = _Normalizer()
         self._buf = ""  # normalised, unreleased text (no leading whitespace)
         self._line_start = True  # _buf starts a line (turn start, or the last cut was at a newline)
@@ -386,7 +429,9 @@ class Segmenter:
         text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
         self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
         self._buf = rest.lstrip()
-        segment = Segment(text, len(self.segments), reason)
+        if self._mode != "off" and self._lang == "en" and spoken.contains_chinese(text + self._buf):
+            self._lang = "zh"
+        segment = Segment(text, len(self.segments), reason, self._mode, self._lang)
         self.segments.append(segment)
         self._since = self._clock() if self.pending_text else None
         return segment
@@ -405,7 +450,7 @@ class Segmenter:
             threshold, kinds = cfg.min_chars, ("sentence", "clause")
         weights = _prefix_weights(buf)
         best: dict[str, int] = {}
-        for cut, kind in _boundaries(buf, self._line_start):
+        for cut, kind in _boundaries(buf, self._line_start, self._mode != "off"):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
@@ -427,8 +472,10 @@ class Segmenter:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
         buf, cfg = self._buf, self.config
         weights = _prefix_weights(buf)
-        cuts = [cut for cut, _ in _boundaries(buf, self._line_start)]
-        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])):
+        cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
+        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])) and (
+                spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
+                else not spoken.inside_braces(buf, len(buf))):
             cuts.append(len(buf))
         cuts = [c for c in cuts if cfg.min_chars <= weights[c] <= cfg.max_chars]
         return cuts[-1] if cuts else None

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from gateway import normalize
 from gateway.auth import Auth, AuthError
 from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
@@ -160,8 +161,14 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
         await store.close()
 
     app.cleanup_ctx.append(background)
+    app.on_startup.append(_preload_normalizer)
     app.on_shutdown.append(drain)
     return app
+
+
+async def _preload_normalizer(_: web.Application) -> None:
+    """The TN grammars load (~2 s) in a thread while the server starts, not in the first turn with a number."""
+    asyncio.get_running_loop().run_in_executor(None, normalize.preload)
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,

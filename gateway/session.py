@@ -426,7 +426,7 @@ class Session:
         index, self.next_index = self.next_index, (self.next_index + 1) & 0xFFFF
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
-                    segmenter=Segmenter(self.chunking, self.clock), max_lead_ms=lead,
+                    segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize), max_lead_ms=lead,
                     frames=asyncio.Queue(self.config.pipeline_chunks),
                     offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
         self.finished.pop(context_id, None)
@@ -464,7 +464,7 @@ class Session:
             kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
         lead_ms = turn.buffered_ms(now)
         try:
-            stream = self.engine.generate(seg.text, **kwargs)
+            stream = self.engine.generate(seg.speak(), **kwargs)
         except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
             return _Started(seg, None, now, lead_ms, error=e)
         return _Started(seg, stream, now, lead_ms)
@@ -518,7 +518,7 @@ class Session:
                 latents = await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
                 if gen.continuation and latents:
-                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.text)  # [T, P, D]
+                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
             self._background(self._abort_turn(turn, e))
@@ -665,7 +665,7 @@ class Session:
                 await self._send_packets(turn, item)
             elif isinstance(item, _SegmentMark):
                 turn.segment_released_at = item.released_at
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.text,
+                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.speak(),
                                                   round(item.pts_ms, 1)))
             elif isinstance(item, _FlushMark):
                 await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))

@@ -10,8 +10,9 @@ Native -> client: audio frames -> {"audio": base64, "isFinal": false, "normalize
 "contextId"}; each segment's character alignment, once its span is known, in a message of its own ("audio": null;
 estimated: VoxCPM gives none); context.done / context.cancelled -> {"isFinal": true, "contextId"}; error ->
 {"message", "error", "code"} and a close with that code (1008 for the client's mistakes and auth, 1011 for server
-faults). `voice_settings` (stability, similarity, style, speed) have no VoxCPM equivalent and are accepted and
-ignored; a `voice_id` that is not a stored voice speaks with the default voice.
+faults). `apply_text_normalization` (the query; HTTP: the body) -> generation.normalize. `voice_settings` (stability,
+similarity, style, speed) have no VoxCPM equivalent and are accepted and ignored; a `voice_id` that is not a stored
+voice speaks with the default voice.
 
 HTTP (below): `POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`, one request one text (compat.oneshot)."""
 
@@ -41,6 +42,7 @@ from gateway.compat import (
     share_span,
 )
 from gateway.compat.oneshot import NativeError, OneTurn
+from gateway.normalize import MODES as NORMALIZE_MODES
 from gateway.protocol import ErrorCode
 from gateway.voices import VoiceRefused
 
@@ -130,6 +132,7 @@ class Bridge(SocketBridge):
         super().__init__(request, ws)
         self.multi, self.voice_id = multi, voice_id
         self.wire = WireFormat({}, None)  # the query's output_format, once parsed
+        self.normalize = "auto"  # the query's apply_text_normalization
         self.contexts: dict[str, _Context] = {}
         self.by_index: dict[int, str] = {}
 
@@ -178,8 +181,8 @@ class Bridge(SocketBridge):
             self.request.query.get("inactivity_timeout")), max_contexts=MAX_CONTEXTS if self.multi else 1)
         assert self.key is not None
         voice = await _voice(self.gw, self.voice_id, self.key)
-        await self.start_session(limits, voice=voice,
-                                 output=self.wire.native, chunking=chunking)
+        await self.start_session(limits, voice=voice, output=self.wire.native, chunking=chunking,
+                                 generation={"normalize": self.normalize})
 
     async def _dispatch(self, m: dict[str, Any]) -> None:
         if m.get("close_socket"):
@@ -339,6 +342,7 @@ async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
     try:
         bridge.wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
         _inactivity(request.query.get("inactivity_timeout"))
+        bridge.normalize = _text_normalization(request.query.get("apply_text_normalization"))
         header_key = request.headers.get("xi-api-key")
         if header_key is not None or not gw.auth.enabled:  # else: xi_api_key in the first message
             bridge.key = await bridge._authenticate({"xi_api_key": header_key})
@@ -362,12 +366,12 @@ CONTENT_TYPES = {"mp3": "audio/mpeg", "ogg_opus": "audio/ogg", "pcm_s16le": "aud
 async def text_to_speech(request: web.Request) -> web.StreamResponse:
     """POST /v1/text-to-speech/{voice_id}, `.../stream`, `.../with-timestamps`, `.../stream/with-timestamps`."""
     try:
-        key, text, voice, seed, output = await _speech_request(request)
+        key, text, voice, generation, output = await _speech_request(request)
     except ElevenLabsError as e:
         return e.response()
     async with OneTurn.open(request, key) as turn:
         try:
-            first = await turn.speak(text, voice=voice, sample_rate=output.sample_rate, generation={"seed": seed})
+            first = await turn.speak(text, voice=voice, sample_rate=output.sample_rate, generation=generation)
             if not request.path.endswith("/with-timestamps"):
                 return await turn.respond(request, first, Transcoder(output),
                                           {"Content-Type": CONTENT_TYPES[output.format]})
@@ -395,8 +399,8 @@ async def text_to_speech(request: web.Request) -> web.StreamResponse:
                                   trailer=lambda done: alignment_line(len(turn.segments) - 1, done["audio_ms"]))
 
 
-async def _speech_request(request: web.Request) -> tuple[str, str, str | None, int | None, OutputFormat]:
-    """(key, text, voice, seed, what the body carries) of a request; ElevenLabsError with its HTTP status."""
+async def _speech_request(request: web.Request) -> tuple[str, str, str | None, dict[str, Any], OutputFormat]:
+    """(key, text, voice, generation settings, output) of a request; ElevenLabsError with its HTTP status."""
     gw = gateway_of(request)
     try:
         key = check_api_key(gw, request.headers.get("xi-api-key"))
@@ -420,8 +424,19 @@ async def _speech_request(request: web.Request) -> tuple[str, str, str | None, i
                               f"{gw.config.limits.max_buffered_chars}", status=400)
     if seed is not None and (type(seed) is not int or not 0 <= seed <= 4294967295):
         raise ElevenLabsError("invalid_request", "seed must be an integer from 0 to 4294967295", status=422)
+    generation = {"seed": seed, "normalize": _text_normalization(body.get("apply_text_normalization"), status=422)}
     voice = await _voice(gw, request.match_info["voice_id"], key)
-    return key, text, voice, seed, wire.container or OutputFormat.from_dict(wire.native)
+    return key, text, voice, generation, wire.container or OutputFormat.from_dict(wire.native)
+
+
+def _text_normalization(value: Any, status: int = 400) -> str:
+    """`apply_text_normalization` (auto / on / off; absent: auto) -> the native `generation.normalize`."""
+    if value is None:
+        return "auto"
+    if value not in NORMALIZE_MODES:
+        raise ElevenLabsError("invalid_request", f"apply_text_normalization must be one of "
+                              f"{', '.join(NORMALIZE_MODES)}", status=status)
+    return value
 
 
 async def _voice(gw: Gateway, voice_id: str, key: str) -> str | None:
