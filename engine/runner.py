@@ -3,12 +3,15 @@
 The runner owns everything that lives on the device: the model, both paged KV caches (base and residual LM share
 block tables), and one VAE stream state with a row per request slot. The paths:
 
-- decode-only steps at the default timesteps go through static buffers (`engine.cuda_graphs`): on CUDA one graph
-  replay per step, no host sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
+- decode-only steps go through static buffers (`engine.cuda_graphs`): on CUDA one graph replay per step, no host
+  sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
 - steps with prefill chunks run both LMs over the flat batch (a third graph set, keyed by tokens x sequences, when
   the step is small enough for launches to dominate; eagerly otherwise), then the emitting rows go through the
-  second graph set, "sample + stop + VAE", over the same buffers;
-- steps with rows at other timesteps run wholly eagerly.
+  second graph set, "sample + stop + VAE", over the same buffers.
+
+Each row samples at its own settings on every path: its cfg_value and its Euler schedule (`timesteps`, up to the
+served maximum `max_timesteps`) are rows of the static buffers, so a request's settings never change a step's
+shape or path (`engine.model.euler`: a row with fewer diffusion steps rides along with dt = 0).
 
 `launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
 CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.
@@ -53,6 +56,7 @@ from engine.cuda_graphs import (
 )
 from engine.model import fp8
 from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, make_attention_backend
+from engine.model.euler import RowSteps
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
@@ -181,6 +185,11 @@ class Runner:
         self.vae_dtype = next(self.vae.decoder.parameters()).dtype
         self.block_size = cfg.block_size
         self.timesteps = cfg.inference_timesteps
+        self.max_timesteps = cfg.max_timesteps or cfg.inference_timesteps
+        # every served timesteps value's Euler evaluations: each step runs `schedules.width` of them, each row on its
+        # own schedule over one time-embedding table, made here (before any capture) and never reallocated
+        self.schedules = self.model.feat_decoder.schedules(range(1, self.max_timesteps + 1))
+        self.step_table = self.schedules.table(self.model.feat_decoder.estimator, self.device)
         self.max_num_seqs = cfg.max_num_seqs
         cuda = self.device.type == "cuda"
         if cuda:
@@ -196,10 +205,11 @@ class Runner:
         self.max_positions = self.config.lm.max_position_embeddings
         p, d = self.config.patch_size, self.config.feat_dim
         width = -(-self.max_positions // self.block_size)
-        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, self.device)
+        evals = self.schedules.width
+        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, self.device)
         # Two pinned host mirrors on CUDA, one per launch in turn: a step launched ahead (`launch(after=...)`) is
         # staged while the previous one's inputs may still be on their way to the device.
-        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True)
+        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, torch.device("cpu"), pin=True)
                    for _ in range(2)] if cuda else [self.inputs]
         self.stagings = [HostStaging.of(m, cfg.max_num_seqs, pin=cuda) for m in mirrors]
         self.host_turn = 0
@@ -423,7 +433,8 @@ class Runner:
                 self.model.set_lora_indices(seqs=torch.zeros(rows, dtype=torch.long, device=dev))
             sampled = self.model.sample_patches(h, h, torch.zeros(rows, p, d, device=dev, dtype=self.dtype),
                                                 torch.randn(rows, d, p, device=dev, dtype=self.dtype),
-                                                self.timesteps, torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
+                                                self._uniform_steps(rows),
+                                                torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
             self.model.stop_flags(h)
             with self._on_vae_lane(join=True):
                 slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
@@ -522,10 +533,6 @@ class Runner:
             pending.kind = "graph" if decode_graphs is not None else "decode"
             pending.sampled = result.patches
             return pending
-        if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
-            if after is not None:
-                raise ValueError("a step sampling at other timesteps runs eagerly, never ahead")
-            return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
         emit = [k for k, s in enumerate(seqs) if s.emit]
         rows = n = 0
         if emit:  # the sampling inputs first: the LM graph may reuse the memory `after` sampled into
@@ -554,8 +561,8 @@ class Runner:
 
     def launchable_ahead(self, request) -> bool:
         """Whether a step launched ahead (`launch(after=...)`) may admit `request`: its prompt goes through the
-        flat buffers (where the continuing rows' patches are fed on the device) and it samples like the graphs."""
-        return self.eager_flat is not None and request.spec.params.timesteps == self.timesteps
+        flat buffers (where the continuing rows' patches are fed on the device)."""
+        return self.eager_flat is not None
 
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's outputs (and note its timing in `last_step`)."""
@@ -593,7 +600,7 @@ class Runner:
         width = self.staging.buffers.block_tables.shape[1]
         return bool(seqs) and len(seqs) <= self.max_num_seqs and all(
             s.num_tokens == 1 and s.emit and s.request.generated and len(s.request.block_table) <= width
-            and s.request.spec.params.timesteps == self.timesteps for s in seqs)
+            for s in seqs)
 
     def _max_seqlen_k(self, n: int) -> int:
         # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
@@ -616,6 +623,7 @@ class Runner:
             if params.temperature != 1.0:
                 noise.mul_(params.temperature)
             h["cfg"][j] = params.cfg_value
+            h["steps_index"][j], h["steps_dt"][j] = self.schedules.row(params.timesteps)
             h["vae_slots"][j] = req.vae_slot
             host.lora_rows[j] = req.lora_slot
         n = len(reqs)
@@ -700,6 +708,7 @@ class Runner:
         for name in ("patches", "noise", "positions"):
             h[name][first:rows] = 0
         h["cfg"][first:rows] = 1.0
+        h["steps_index"][first:rows], h["steps_dt"][first:rows] = self.schedules.row(self.timesteps)
         h["slots"][first:rows] = self.scratch_block * self.block_size
         h["seq_lens"][first:rows] = 1
         h["block_tables"][first:rows, 0] = self.scratch_block
@@ -730,8 +739,9 @@ class Runner:
         self.model.set_lora_indices(seqs=self.lora_rows[:rows])
         lm_h = self.lm_h[:rows] if lm_h is None else lm_h
         res_h = self.res_h[:rows] if res_h is None else res_h
+        steps = RowSteps(self.step_table, b.steps_index[:rows], b.steps_dt[:rows])
         sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
-                                            b.noise[:rows].to(self.dtype), self.timesteps, b.cfg[:rows].to(self.dtype))
+                                            b.noise[:rows].to(self.dtype), steps, b.cfg[:rows].to(self.dtype))
         stops = self.model.stop_flags(lm_h)
         if self.vae_stream is not None:
             return DecodeResult(sampled, stops, None)
@@ -972,8 +982,15 @@ class Runner:
             audio_rows=audio_rows)
         return lm_h, res_h
 
+    def _uniform_steps(self, rows: int) -> RowSteps:
+        """`rows` rows at the default timesteps over the served table (eager: the warm-up)."""
+        index, dt = self.schedules.row(self.timesteps)
+        return RowSteps(self.step_table, self._device_index(np.tile(index, (rows, 1))),
+                        torch.from_numpy(np.tile(dt, (rows, 1))).to(self.device))
+
     def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
-        """The whole step eagerly (rows may sample at different timesteps)."""
+        """The whole step eagerly, rows grouped by their timesteps, each group solved on its own (the reference that
+        the GPU tests compare the graphed steps with; serving steps never take it)."""
         lm_h, res_h = self._forward_lms(seqs)
         dev = self.device
         out = StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs))

@@ -1,0 +1,127 @@
+"""The CFM solver's Euler schedules, per row: one batch samples every row at its own `timesteps`.
+
+A row's solve is `evaluations(timesteps)` LocDiT evaluations, each with its own time embedding and Euler step dt
+(the first steps of the official schedule have velocity 0 under CFG-Zero*, so they leave x as it is and cost
+nothing). `EulerSchedules` lays the evaluations of every served `timesteps` value out as the rows of one time
+embedding table; a batch then runs W evaluations (the most any served value needs), and row r's i-th evaluation
+reads embedding `index[r, i]` and steps by `dt[r, i]`. A row with fewer evaluations steps by dt = 0 in the rest:
+x - 0 * v is x, so its patch is exactly its own solve's, and its batch-mates' work is unchanged (the table lookup
+replaces the broadcast of one embedding; the per-row dt replaces a scalar).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.model.layers import fused
+
+
+@cache
+def euler_schedule(timesteps: int) -> tuple[tuple[float, float], ...]:
+    """(t, dt) of every Euler step from t=1 to 0 on the official sway schedule `u + cos(pi u / 2) - 1 + u`,
+    accumulated in fp32 exactly as the official solver steps it (t <- t - dt)."""
+    span = torch.linspace(1, 0, timesteps + 1, dtype=torch.float32)
+    span = span + (torch.cos(torch.pi / 2 * span) - 1 + span)
+    t, dt = span[0], span[0] - span[1]
+    steps = []
+    for step in range(1, timesteps + 1):
+        steps.append((t.item(), dt.item()))
+        t = t - dt
+        if step < timesteps:
+            dt = t - span[step + 1]
+    return tuple(steps)
+
+
+def zero_velocity_steps(timesteps: int) -> int:
+    """CFG-Zero*: the first steps use velocity 0 (n=10 -> 1 step, so 9 LocDiT evaluations)."""
+    return max(1, int((timesteps + 1) * 0.04))
+
+
+def evaluations(timesteps: int) -> int:
+    """LocDiT evaluations of one solve at `timesteps` (0 at timesteps 1: the patch is the noise)."""
+    return timesteps - zero_velocity_steps(timesteps)
+
+
+def cfg_zero_euler(x: Tensor, v: Tensor, cfg_value: Tensor, dt: Tensor) -> Tensor:
+    """x - dt * CFG-Zero*(v): x [B, P, D] fp32, v [2B, P, D] (conditional rows, then unconditional), cfg_value and
+    dt [B] fp32. Per item s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s). CUDA: one Triton kernel, in
+    place."""
+    if fused(x):
+        from engine.kernels import cfg_zero_euler_
+
+        return cfg_zero_euler_(x, v, cfg_value, dt)
+    v = v.float()
+    b = x.shape[0]
+    v_cond, v_uncond = v[:b], v[b:]
+    scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
+    v = v_uncond * scale + cfg_value.view(b, 1, 1) * (v_cond - v_uncond * scale)
+    return x - dt.view(b, 1, 1) * v
+
+
+@dataclass
+class RowSteps:
+    """Each row's Euler steps for one solve: evaluation i of row r embeds time `table[index[r, i]]` and steps x by
+    `dt[r, i]` (0: the row's solve has ended, x stays)."""
+
+    table: Tensor  # [N, H] time embeddings, in the LocDiT weights' dtype
+    index: Tensor  # [B, W] int64
+    dt: Tensor  # [B, W] fp32
+
+    def rows(self, n: int) -> RowSteps:
+        return RowSteps(self.table, self.index[:n], self.dt[:n])
+
+
+class EulerSchedules:
+    """The Euler evaluations of a set of `timesteps` values, as host rows (`row`) over one time table.
+
+    `table(dit, device)` embeds them once; it is made eagerly (a CUDA graph cannot capture its host->device copy)
+    and never reallocated, so graphs captured over it stay valid."""
+
+    def __init__(self, values: Iterable[int], mean_mode: bool):
+        self.values = tuple(sorted(set(values)))
+        if not self.values or self.values[0] < 1:
+            raise ValueError(f"timesteps values must be >= 1 (got {self.values})")
+        self.width = max(evaluations(n) for n in self.values)
+        t: list[float] = []
+        dt_embed: list[float] = []  # the delta-time MLP's input: dt in mean mode, else 0 (as the official solver)
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for n in self.values:
+            steps = euler_schedule(n)[zero_velocity_steps(n):]
+            start = len(t)
+            t += [s for s, _ in steps]
+            dt_embed += [d if mean_mode else 0.0 for _, d in steps]
+            index = np.full(self.width, max(start + len(steps) - 1, 0), dtype=np.int64)
+            index[:len(steps)] = np.arange(start, start + len(steps))
+            dt = np.zeros(self.width, dtype=np.float32)
+            dt[:len(steps)] = [d for _, d in steps]
+            self._rows[n] = (index, dt)
+        self._t, self._dt_embed = t, dt_embed
+        self._tables: dict[torch.device, Tensor] = {}
+
+    def row(self, timesteps: int) -> tuple[np.ndarray, np.ndarray]:
+        """(index [W], dt [W]) of a row sampling at `timesteps` (KeyError: not one of `values`)."""
+        return self._rows[timesteps]
+
+    def table(self, dit: torch.nn.Module, device: torch.device) -> Tensor:
+        """[N, H] time embeddings of every evaluation, made on the first (eager) call for `device`."""
+        if device not in self._tables:
+            hidden = dit.in_proj.out_features
+            with torch.inference_mode(False), torch.no_grad():
+                if self._t:
+                    t = torch.tensor(self._t, device=device)
+                    self._tables[device] = dit.time_embedding(t, torch.tensor(self._dt_embed, device=device))
+                else:  # every value solves with 0 evaluations (timesteps 1)
+                    self._tables[device] = torch.zeros(0, hidden, device=device, dtype=dit.in_proj.weight.dtype)
+        return self._tables[device]
+
+    def uniform(self, dit: torch.nn.Module, timesteps: int, batch: int, device: torch.device) -> RowSteps:
+        """Every one of `batch` rows at `timesteps` (eager callers: it copies the row to the device)."""
+        index, dt = self.row(timesteps)
+        return RowSteps(self.table(dit, device), torch.from_numpy(index).to(device).expand(batch, -1),
+                        torch.from_numpy(dt).to(device).expand(batch, -1))
