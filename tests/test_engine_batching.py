@@ -129,6 +129,26 @@ async def test_steps_launched_ahead_keep_every_stream_exact_even_when_it_stops(e
     assert reasons[0] == "length" and "stop" in reasons[1:]  # the stop head ended some mid-stream
 
 
+async def test_rows_at_their_own_timesteps_and_cfg_share_steps_and_each_equals_its_run_alone(engine, synth):
+    """A request's settings are its own: rows at every served timesteps value (those with fewer diffusion steps ride
+    along in the same step with dt = 0) and at cfg 1, 0 and 3.5 run in the same steps, and each row's audio equals
+    its single-request run at its own settings."""
+    text = "Every stream keeps its own settings."
+    cases = [dict(seed=31, timesteps=STEPS, cfg_value=2.0), dict(seed=32, timesteps=1, cfg_value=1.0),
+             dict(seed=33, timesteps=2, cfg_value=0.0), dict(seed=34, timesteps=3, cfg_value=3.5),
+             dict(seed=35, timesteps=STEPS, cfg_value=1.0), dict(seed=36, timesteps=2, cfg_value=2.0)]
+    results = await asyncio.gather(*(collect(engine.generate(text, max_length=6, min_length=6, **c))
+                                     for c in cases))
+    steps = [{c.step for c in chunks} for _, chunks in results]
+    assert set.intersection(*steps)  # some steps sampled all six rows at their six settings together
+    for case, (audio, _) in zip(cases, results, strict=True):
+        alone = np.concatenate(list(synth.stream(text, max_len=6, min_len=6, **case)))
+        assert audio.shape == alone.shape
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+    outputs = [audio for audio, _ in results]
+    assert not np.allclose(outputs[0], outputs[4], atol=ATOL)  # cfg 1 is its own setting, not the batch's
+
+
 async def test_preempted_requests_resume_with_identical_audio(engine, synth):
     text = "Please call me back tomorrow at three o'clock; the meeting was moved to the second floor."
     before = engine.stats().preemptions
