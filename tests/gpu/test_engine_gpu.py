@@ -95,9 +95,16 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = previous
 
 
-def check_graphed_steps(runner: Runner, sched: Scheduler, loaded, batch: int) -> None:
+MIXED_TIMESTEPS = (4, 1, 6, 2, 5, 3)  # around the default 4, up to the served 6 (`max_timesteps`)
+MIXED_CFG = (2.0, 1.0, 0.0, 3.0)
+
+
+def check_graphed_steps(runner: Runner, sched: Scheduler, loaded, batch: int, mixed: bool = False) -> None:
+    """`mixed`: each row at its own timesteps and cfg (MIXED_*), in the same decode graph and sample graph; the
+    eager reference solves each timesteps group on its own."""
     for i in range(batch):
-        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=10 + 3 * i, cfg_value=1.5 + 0.25 * (i % 3)))
+        timesteps, cfg = (MIXED_TIMESTEPS[i % 6], MIXED_CFG[i % 4]) if mixed else (4, 1.5 + 0.25 * (i % 3))
+        sched.add(make_spec(i, loaded.config, timesteps=timesteps, prompt_len=10 + 3 * i, cfg_value=cfg))
     for _ in range(3):
         advance(runner, sched)
     seqs = sched.schedule()
@@ -117,6 +124,21 @@ def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
     assert runner.graphs is not None and runner.sample_graphs is not None
     check_graphed_steps(runner, sched, loaded, batch)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [8, 5])
+def test_graphed_steps_at_mixed_settings_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
+    """A request's settings never change the step's path: rows at timesteps 1-6 (default 4, served up to 6) and cfg
+    0, 1, 2, 3 replay the same decode and sample graphs as a uniform batch, each row equal to its eager solve."""
+    loaded = load_model(tiny_v2_dir, cuda, "float32")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6)
+    assert runner.schedules.width == 5  # timesteps 6: 5 LocDiT evaluations in every graph
+    replays = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda rows: replays.append(rows) or replay(rows)
+    check_graphed_steps(runner, sched, loaded, batch, mixed=True)
+    assert replays  # the decode step of mixed settings replayed its graph
 
 
 @gpu
@@ -177,11 +199,12 @@ def test_fp8_locdit_graphed_decode_step_equals_its_eager_step(cuda, tiny_v2_dir,
     graphed_vs_eager(runner, seqs)
 
 
-def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir, mixed):
     loaded = load_model(tiny_v2_dir, "cpu")
-    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6 if mixed else None)
     runner.buckets = [8, 16]  # CPU runs the exact batch by default; force the CUDA bucketing (5 -> 8 rows)
-    check_graphed_steps(runner, sched, loaded, 5)
+    check_graphed_steps(runner, sched, loaded, 5, mixed=mixed)
 
 
 @gpu
