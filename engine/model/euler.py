@@ -103,6 +103,7 @@ class EulerSchedules:
             self._rows[n] = (index, dt)
         self._t, self._dt_embed = t, dt_embed
         self._tables: dict[torch.device, Tensor] = {}
+        self._device_rows: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
 
     def row(self, timesteps: int) -> tuple[np.ndarray, np.ndarray]:
         """(index [W], dt [W]) of a row sampling at `timesteps` (KeyError: not one of `values`)."""
@@ -121,7 +122,11 @@ class EulerSchedules:
         return self._tables[device]
 
     def uniform(self, dit: torch.nn.Module, timesteps: int, batch: int, device: torch.device) -> RowSteps:
-        """Every one of `batch` rows at `timesteps` (eager callers: it copies the row to the device)."""
-        index, dt = self.row(timesteps)
-        return RowSteps(self.table(dit, device), torch.from_numpy(index).to(device).expand(batch, -1),
-                        torch.from_numpy(dt).to(device).expand(batch, -1))
+        """Every one of `batch` rows at `timesteps`: its row copied to `device` on the first (eager) call, then
+        broadcast (so a later call, e.g. under CUDA graph capture, copies nothing)."""
+        key = (timesteps, device)
+        if key not in self._device_rows:
+            with torch.inference_mode(False), torch.no_grad():
+                self._device_rows[key] = tuple(torch.from_numpy(a).to(device) for a in self.row(timesteps))
+        index, dt = self._device_rows[key]
+        return RowSteps(self.table(dit, device), index.expand(batch, -1), dt.expand(batch, -1))
