@@ -623,10 +623,13 @@ class Runner:
             if params.temperature != 1.0:
                 noise.mul_(params.temperature)
             h["cfg"][j] = params.cfg_value
-            h["steps_index"][j], h["steps_dt"][j] = self.schedules.row(params.timesteps)
             h["vae_slots"][j] = req.vae_slot
             host.lora_rows[j] = req.lora_slot
         n = len(reqs)
+        # each row's Euler schedule, one fancy index for all (the guard admits served values only)
+        timesteps = np.fromiter((r.spec.params.timesteps for r in reqs), dtype=np.int64, count=n)
+        h["steps_index"][:n] = self.schedules.index_by_value[timesteps]
+        h["steps_dt"][:n] = self.schedules.dt_by_value[timesteps]
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
         return rows

@@ -90,24 +90,28 @@ class EulerSchedules:
         self.width = max(evaluations(n) for n in self.values)
         t: list[float] = []
         dt_embed: list[float] = []  # the delta-time MLP's input: dt in mean mode, else 0 (as the official solver)
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # row v of each: value v's schedule (rows of values not served stay unused), so a step's rows are one
+        # fancy index (`rows`)
+        self.index_by_value = np.zeros((self.values[-1] + 1, self.width), dtype=np.int64)
+        self.dt_by_value = np.zeros((self.values[-1] + 1, self.width), dtype=np.float32)
         for n in self.values:
             steps = euler_schedule(n)[zero_velocity_steps(n):]
             start = len(t)
             t += [s for s, _ in steps]
             dt_embed += [d if mean_mode else 0.0 for _, d in steps]
-            index = np.full(self.width, max(start + len(steps) - 1, 0), dtype=np.int64)
+            index = self.index_by_value[n]
+            index[:] = max(start + len(steps) - 1, 0)
             index[:len(steps)] = np.arange(start, start + len(steps))
-            dt = np.zeros(self.width, dtype=np.float32)
-            dt[:len(steps)] = [d for _, d in steps]
-            self._rows[n] = (index, dt)
+            self.dt_by_value[n, :len(steps)] = [d for _, d in steps]
         self._t, self._dt_embed = t, dt_embed
         self._tables: dict[torch.device, Tensor] = {}
         self._device_rows: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
 
     def row(self, timesteps: int) -> tuple[np.ndarray, np.ndarray]:
         """(index [W], dt [W]) of a row sampling at `timesteps` (KeyError: not one of `values`)."""
-        return self._rows[timesteps]
+        if timesteps not in self.values:
+            raise KeyError(f"timesteps {timesteps} is not among the served {self.values}")
+        return self.index_by_value[timesteps], self.dt_by_value[timesteps]
 
     def table(self, dit: torch.nn.Module, device: torch.device) -> Tensor:
         """[N, H] time embeddings of every evaluation, made on the first (eager) call for `device`."""
