@@ -291,6 +291,29 @@ def assert_same_streams(runs: list[list], reference: list[list]) -> None:
 
 
 @gpu
+async def test_streams_at_mixed_settings_equal_each_stream_alone(cuda, tiny_v2_dir, monkeypatch):
+    """The serving engine (decode graphs, steps launched ahead, the VAE lane) with streams at timesteps 1-6 (default
+    4, served up to 6) and cfg 0-3 sharing steps: each stream equals its run alone on the same engine (bf16, within
+    the batch-invariance tolerance), and no step left the graphs for their sake."""
+    text = "Every stream keeps its own settings."
+    cases = [dict(seed=40 + i, timesteps=MIXED_TIMESTEPS[i % 6], cfg_value=MIXED_CFG[i % 4]) for i in range(12)]
+
+    async def streams(engine: Engine) -> list[list]:
+        async def one(case: dict) -> list:
+            return [c async for c in engine.generate(text, max_length=8, min_length=8, **case)]
+
+        together = await asyncio.gather(*(one(case) for case in cases))
+        alone = [await one(case) for case in cases]
+        return [together, alone]
+
+    (together, alone), ahead = await serve_tiny(tiny_v2_dir, monkeypatch, {}, streams, "ahead_steps",
+                                                max_timesteps=6)
+    assert ahead > 0  # steady steps of mixed settings were launched ahead, as uniform ones are
+    assert len({c.step for chunks in together for c in chunks}) < sum(len(chunks) for chunks in together)
+    assert_same_streams(together, alone)
+
+
+@gpu
 async def test_steps_launched_ahead_equal_one_step_at_a_time(cuda, tiny_v2_dir, monkeypatch):
     """Async scheduling (each steady decode step launched before the previous one is collected, its patches fed on
     the device) gives the streams of one step at a time: same lengths, same stops, same audio."""
