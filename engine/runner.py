@@ -96,7 +96,7 @@ class PendingStep:
     result: DecodeResult | None = None  # CPU outputs, or pinned host copies on CUDA
     event: torch.cuda.Event | None = None
     emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
-    kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
+    kind: str = "mixed"  # graph (decode replay), decode (CPU decode body), mixed (flat LMs + sample body/graphs)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
     sampled: torch.Tensor | None = None  # its patches where it made them (on the device), row j = seq emit[j]
     audio_event: torch.cuda.Event | None = None  # the VAE lane: its audio is in `result` once this fired
@@ -433,7 +433,8 @@ class Runner:
                 self.model.set_lora_indices(seqs=torch.zeros(rows, dtype=torch.long, device=dev))
             sampled = self.model.sample_patches(h, h, torch.zeros(rows, p, d, device=dev, dtype=self.dtype),
                                                 torch.randn(rows, d, p, device=dev, dtype=self.dtype),
-                                                self._uniform_steps(rows),
+                                                self.schedules.uniform(self.model.feat_decoder.estimator,
+                                                                       self.timesteps, rows, dev),
                                                 torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
             self.model.stop_flags(h)
             with self._on_vae_lane(join=True):
@@ -984,12 +985,6 @@ class Runner:
             torch.tensor(positions, device=dev), meta, caches=self.caches, last_index=last_index,
             audio_rows=audio_rows)
         return lm_h, res_h
-
-    def _uniform_steps(self, rows: int) -> RowSteps:
-        """`rows` rows at the default timesteps over the served table (eager: the warm-up)."""
-        index, dt = self.schedules.row(self.timesteps)
-        return RowSteps(self.step_table, self._device_index(np.tile(index, (rows, 1))),
-                        torch.from_numpy(np.tile(dt, (rows, 1))).to(self.device))
 
     def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """The whole step eagerly, rows grouped by their timesteps, each group solved on its own (the reference that
