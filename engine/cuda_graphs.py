@@ -74,6 +74,9 @@ class DecodeBuffers:
     vae_slots: Tensor  # [M] i64: the stream's row of the VAE state
     steps_index: Tensor  # [M, E] i64: each Euler evaluation's time-table row (`engine.model.euler.RowSteps`)
     steps_dt: Tensor  # [M, E] f32: each evaluation's Euler step (0 past the row's own evaluations)
+    # the tail (`Runner._tail_body`): the rows that finish their evaluations there, and where each writes back
+    tail_src: Tensor  # [M] i64
+    tail_dst: Tensor  # [M] i64: = tail_src; M (a scratch row) for padding
 
     @classmethod
     def allocate(cls, rows: int, patch_size: int, feat_dim: int, table_width: int, evaluations: int,
@@ -85,7 +88,8 @@ class DecodeBuffers:
                    empty(rows, feat_dim, patch_size, dtype=torch.float32), empty(rows, dtype=torch.float32),
                    empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int32),
                    empty(rows, table_width, dtype=torch.int32), empty(rows, dtype=torch.int64),
-                   empty(rows, evaluations, dtype=torch.int64), empty(rows, evaluations, dtype=torch.float32))
+                   empty(rows, evaluations, dtype=torch.int64), empty(rows, evaluations, dtype=torch.float32),
+                   empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int64))
 
     def tensors(self) -> list[Tensor]:
         return [getattr(self, f.name) for f in fields(self)]

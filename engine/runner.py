@@ -56,7 +56,7 @@ from engine.cuda_graphs import (
 )
 from engine.model import fp8
 from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, make_attention_backend
-from engine.model.euler import RowSteps
+from engine.model.euler import RowSteps, evaluations
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
@@ -236,6 +236,18 @@ class Runner:
         self._vae_read: torch.cuda.Event | None = None
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
+        # Rows at more diffusion steps than the default: the step runs the default's evaluations for every row and
+        # such rows finish theirs in a gathered tail (`_tail_body`), so they cost their batch-mates only that small
+        # tail. Its patches go through `sample_out` (one scratch row past the bucket for the tail's padding). Where
+        # the VAE decodes inside the step's graph (no VAE lane), or with LoRA slots, every step runs them all.
+        self.graph_evals = self.schedules.width
+        if self.max_timesteps > self.timesteps and not self.lora and (
+                self.vae_stream is not None or not (cuda and cfg.cuda_graphs)):
+            self.graph_evals = evaluations(self.timesteps)
+        self.sample_out = torch.zeros(cfg.max_num_seqs + 1, p, d, device=self.device) \
+            if self.graph_evals < self.schedules.width else None
+        self.tail_bucket = 0  # the staged step's tail rows (bucket), 0: none
+        self.tail_graphs: StepGraphs | None = None
 
         self.memory: dict[str, float] = {}
         if cfg.num_kv_blocks:
@@ -277,6 +289,8 @@ class Runner:
                         self.model.lora.bypass = False
                     if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
                         self.model.lora.merged.capture()
+                if self.sample_out is not None:
+                    self.tail_graphs = StepGraphs(self._tail_body, self.buckets or [], self._pad_tail, pool)
                 if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
                     # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
                     # `StepGraphs`; sharing one made steps launched ahead sample wrong patches now and then, s11d-s13)
@@ -333,7 +347,7 @@ class Runner:
         # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
         # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
-        graphs = GRAPH_POOL_FACTOR * (decode * (2 if self.lora else 1) + vae)
+        graphs = GRAPH_POOL_FACTOR * (decode * (1 + self.lora + (self.sample_out is not None)) + vae)
         if cfg.cuda_graphs:  # the large LM graphs' intermediates: the mixed peak scaled to their largest bucket
             graphs += mixed * min(1.0, LARGE_LM_GRAPH_TOKENS / eager_flat_key(cfg.max_num_batched_tokens, 0)[0])
         eager = max(mixed, decode, vae)
@@ -527,9 +541,9 @@ class Runner:
                 ks = sorted(fed)
                 self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
-                result = self._lane_audio(rows, decode_graphs.replay(rows))
+                result = self._lane_audio(rows, self._replay_tail(decode_graphs.replay(rows)))
             else:
-                result = self._decode_body(rows, self._max_seqlen_k(n))
+                result = self._decode_body(rows, self._max_seqlen_k(n), self.tail_bucket)
             pending = self._download(seqs, result, n, None)
             pending.kind = "graph" if decode_graphs is not None else "decode"
             pending.sampled = result.patches
@@ -553,8 +567,8 @@ class Runner:
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = self._lane_audio(rows, sample_graphs.replay(rows)) if sample_graphs is not None \
-            else self._sample_body(rows)
+        result = self._lane_audio(rows, self._replay_tail(sample_graphs.replay(rows))) if sample_graphs is not None \
+            else self._sample_body(rows, tail=self.tail_bucket)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
@@ -631,6 +645,11 @@ class Runner:
         timesteps = np.fromiter((r.spec.params.timesteps for r in reqs), dtype=np.int64, count=n)
         h["steps_index"][:n] = self.schedules.index_by_value[timesteps]
         h["steps_dt"][:n] = self.schedules.dt_by_value[timesteps]
+        self.tail_bucket = 0
+        if self.sample_out is not None:
+            tail = np.flatnonzero(self.schedules.evaluations_by_value[timesteps] > self.graph_evals)
+            if len(tail):
+                self.tail_bucket = self._stage_tail(tail)
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
         return rows
@@ -724,8 +743,9 @@ class Runner:
         self._stage_padding(rows)
         self._upload(rows)
 
-    def _decode_body(self, rows: int, max_seqlen_k: int) -> DecodeResult:
-        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture)."""
+    def _decode_body(self, rows: int, max_seqlen_k: int, tail: int = 0) -> DecodeResult:
+        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture); `tail`:
+        eagerly, the tail's bucket (`_sample_body`)."""
         b = self.inputs
         self.model.set_lora_indices(tokens=self.lora_rows[:rows])
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens[:rows + 1], seq_lens=b.seq_lens[:rows],
@@ -733,23 +753,73 @@ class Runner:
                                  max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
         lm_h, res_h = self.model.forward_lms(self.zeros[:rows], b.patches[:rows].to(self.dtype), self.ones[:rows],
                                              b.positions[:rows], meta, self.caches, last_index=self.row_index[:rows])
-        return self._sample_body(rows, lm_h, res_h)
+        return self._sample_body(rows, lm_h, res_h, tail)
 
-    def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None
-                     ) -> DecodeResult:
-        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones).
-        With the VAE lane, no VAE (audio None): `_lane_audio` queues it on its own stream."""
+    def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None,
+                     tail: int = 0) -> DecodeResult:
+        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones),
+        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `_lane_audio` queues
+        it on its own stream. `tail` (eager callers; graphs replay the tail after this): finish the tail's rows
+        (`_tail_body`) before the VAE decodes them."""
         b = self.inputs
         self.model.set_lora_indices(seqs=self.lora_rows[:rows])
+        if self.sample_out is not None and lm_h is not None:  # the tail reads the LM states from the static rows
+            self.lm_h[:rows].copy_(lm_h)
+            self.res_h[:rows].copy_(res_h)
         lm_h = self.lm_h[:rows] if lm_h is None else lm_h
         res_h = self.res_h[:rows] if res_h is None else res_h
-        steps = RowSteps(self.step_table, b.steps_index[:rows], b.steps_dt[:rows])
+        evals = self.graph_evals
+        steps = RowSteps(self.step_table, b.steps_index[:rows, :evals], b.steps_dt[:rows, :evals])
         sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
                                             b.noise[:rows].to(self.dtype), steps, b.cfg[:rows].to(self.dtype))
         stops = self.model.stop_flags(lm_h)
+        if self.sample_out is not None:
+            self.sample_out[:rows].copy_(sampled)
+            sampled = self.sample_out[:rows]
+            if tail:
+                self._tail_body(tail)
         if self.vae_stream is not None:
             return DecodeResult(sampled, stops, None)
         return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+
+    # ---- the tail: rows at more diffusion steps than the default -------------------------------------------------
+    def _stage_tail(self, rows: np.ndarray) -> int:
+        """Host rows of the tail's gather (`rows`, the step's rows past the graphs' evaluations) padded to their
+        bucket, the padding reading row 0 and writing the scratch row; returns the bucket."""
+        h, k = self.staging.arrays, len(rows)
+        bucket = bucket_for(k, self.buckets) if self.buckets else k
+        h["tail_src"][:k] = h["tail_dst"][:k] = rows
+        h["tail_src"][k:bucket] = 0
+        h["tail_dst"][k:bucket] = self.max_num_seqs
+        return bucket
+
+    def _tail_body(self, k: int) -> None:
+        """The evaluations past the graphs' own of the `k` rows staged by `_stage_tail`, continued from their state
+        in `sample_out` and written back there (what the tail graphs capture)."""
+        b, evals = self.inputs, self.graph_evals
+        src = b.tail_src[:k]
+        steps = RowSteps(self.step_table, b.steps_index.index_select(0, src)[:, evals:],
+                         b.steps_dt.index_select(0, src)[:, evals:])
+        x = self.model.continue_patches(self.lm_h.index_select(0, src), self.res_h.index_select(0, src),
+                                        b.patches.index_select(0, src).to(self.dtype),
+                                        self.sample_out.index_select(0, src), steps, b.cfg.index_select(0, src))
+        self.sample_out.index_copy_(0, b.tail_dst[:k], x)
+
+    def _replay_tail(self, result: DecodeResult) -> DecodeResult:
+        """The staged step's tail after its graph (its patches are `sample_out`'s rows, finished in place)."""
+        if self.tail_bucket:
+            assert self.tail_graphs is not None
+            self.tail_graphs.replay(self.tail_bucket)
+        return result
+
+    def _pad_tail(self, k: int) -> None:
+        """Stage and upload `k` tail rows of padding (graph capture)."""
+        self.staging.writable()
+        self._stage_padding(k)
+        h = self.staging.arrays
+        h["tail_src"][:k] = 0
+        h["tail_dst"][:k] = self.max_num_seqs
+        self._upload(k)
 
     # ---- the VAE lane -------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -94,6 +94,7 @@ class EulerSchedules:
         # fancy index (`rows`)
         self.index_by_value = np.zeros((self.values[-1] + 1, self.width), dtype=np.int64)
         self.dt_by_value = np.zeros((self.values[-1] + 1, self.width), dtype=np.float32)
+        self.evaluations_by_value = np.array([evaluations(n) for n in range(self.values[-1] + 1)], dtype=np.int64)
         for n in self.values:
             steps = euler_schedule(n)[zero_velocity_steps(n):]
             start = len(t)

@@ -136,11 +136,17 @@ class VoxCPMModel(nn.Module):
         elif timesteps.index.shape[0] != b or timesteps.dt.shape != timesteps.index.shape:
             raise ValueError(f"sample_patches: for {b} sequences need RowSteps index and dt [{b}, W] (got "
                              f"{tuple(timesteps.index.shape)}, {tuple(timesteps.dt.shape)})")
+        return self.continue_patches(lm_h, res_h, cond, noise.transpose(1, 2), timesteps, cfg_value)
+
+    def continue_patches(self, lm_h: Tensor, res_h: Tensor, cond: Tensor, x: Tensor, steps: RowSteps,
+                         cfg_value: Tensor) -> Tensor:
+        """`sample_patches` from the solver state x [B, P, D] (the noise, or what earlier evaluations of the same
+        solve left) through the evaluations `steps` lists: a solve split in two parts gives the patches of one."""
         if self.lora is not None:
             self.lora.begin_sampling()
         lm_mu, res_mu = self.lm_to_dit_proj(lm_h), self.res_to_dit_proj(res_h)
         mu = torch.stack((lm_mu, res_mu), dim=1) if self.is_v2 else (lm_mu + res_mu)[:, None]
-        return self.feat_decoder.solve(noise.transpose(1, 2), mu, cond, timesteps, cfg_value)
+        return self.feat_decoder.solve(x, mu, cond, steps, cfg_value)
 
     def stop_flags(self, lm_h: Tensor) -> Tensor:
         """bool [B]: the stop head's argmax is 1."""

@@ -130,15 +130,17 @@ def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
 @pytest.mark.parametrize("batch", [8, 5])
 def test_graphed_steps_at_mixed_settings_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
     """A request's settings never change the step's path: rows at timesteps 1-6 (default 4, served up to 6) and cfg
-    0, 1, 2, 3 replay the same decode and sample graphs as a uniform batch, each row equal to its eager solve."""
+    0, 1, 2, 3 replay the same decode and sample graphs as a uniform batch (the default's 3 evaluations), rows at 5
+    and 6 finish theirs in a tail graph; each row equals its eager solve."""
     loaded = load_model(tiny_v2_dir, cuda, "float32")
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6)
-    assert runner.schedules.width == 5  # timesteps 6: 5 LocDiT evaluations in every graph
-    replays = []
-    replay = runner.graphs.replay
+    assert runner.graph_evals == 3 and runner.schedules.width == 5 and runner.tail_graphs is not None
+    replays, tails = [], []
+    replay, tail = runner.graphs.replay, runner.tail_graphs.replay
     runner.graphs.replay = lambda rows: replays.append(rows) or replay(rows)
+    runner.tail_graphs.replay = lambda rows: tails.append(rows) or tail(rows)
     check_graphed_steps(runner, sched, loaded, batch, mixed=True)
-    assert replays  # the decode step of mixed settings replayed its graph
+    assert replays and tails  # the decode step of mixed settings replayed its graph, then the tail's
 
 
 @gpu
@@ -204,7 +206,11 @@ def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir, mixed):
     loaded = load_model(tiny_v2_dir, "cpu")
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6 if mixed else None)
     runner.buckets = [8, 16]  # CPU runs the exact batch by default; force the CUDA bucketing (5 -> 8 rows)
+    tails = []
+    tail = runner._tail_body
+    runner._tail_body = lambda rows: tails.append(rows) or tail(rows)
     check_graphed_steps(runner, sched, loaded, 5, mixed=mixed)
+    assert tails == ([8] * len(tails) if mixed else []) and (tails or not mixed)  # 2 tail rows + 6 of padding
 
 
 @gpu
