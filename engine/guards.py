@@ -28,8 +28,9 @@ class SamplingRanges:
     """The per-request sampling settings a server takes, defined once: the engine's guard (`sampling_params`) and
     the gateway's protocol check both read it, so both refuse the same values with the same words.
 
-    `max_timesteps` is what the runner's graphs serve: every value in [1, max_timesteps] samples at graph speed and
-    costs its batch-mates nothing (`engine.model.euler`); the operator sets it (default: the default timesteps)."""
+    `max_timesteps` is what the runner's graphs serve (the operator sets it; default: the default timesteps): every
+    value up to the default rides along in the step at no cost to its batch-mates; one above it adds its extra
+    evaluations, for its own rows only, after the step (`engine.runner`, the tail)."""
 
     max_timesteps: int = MAX_TIMESTEPS
     cfg_value: tuple[float, float] = (0.0, 10.0)

@@ -11,7 +11,9 @@ block tables), and one VAE stream state with a row per request slot. The paths:
 
 Each row samples at its own settings on every path: its cfg_value and its Euler schedule (`timesteps`, up to the
 served maximum `max_timesteps`) are rows of the static buffers, so a request's settings never change a step's
-shape or path (`engine.model.euler`: a row with fewer diffusion steps rides along with dt = 0).
+shape or path. The step runs the default timesteps' evaluations: a row with fewer rides along with dt = 0
+(`engine.model.euler`); a row with more finishes its own in the tail, a graph per row bucket over just those rows,
+replayed after the step's graph and before the VAE lane decodes (`_tail_body`).
 
 `launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
 CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.

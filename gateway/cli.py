@@ -67,9 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--max-num-seqs", type=int, default=None, help="concurrent requests per worker")
         p.add_argument("--timesteps", type=int, default=None, help="diffusion steps per patch (default 10)")
         p.add_argument("--max-timesteps", type=int, default=None,
-                       help="the most diffusion steps a request may ask for (default: --timesteps); requests at any "
-                            "value up to it share graphed steps at no cost to others, but every step runs this "
-                            "many LocDiT evaluations, so raising it slows every stream")
+                       help="the most diffusion steps a request may ask for (default: --timesteps). Fewer than "
+                            "--timesteps cost nothing; a request above it adds a short tail (its extra LocDiT "
+                            "evaluations, for its own rows only) to the steps it is in")
         p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="the audio decoder's precision: bfloat16 is faster at scale, with ~2.7%% relative audio "
                             "error (default float32, as the official code)")

@@ -3,10 +3,11 @@
 A row's solve is `evaluations(timesteps)` LocDiT evaluations, each with its own time embedding and Euler step dt
 (the first steps of the official schedule have velocity 0 under CFG-Zero*, so they leave x as it is and cost
 nothing). `EulerSchedules` lays the evaluations of every served `timesteps` value out as the rows of one time
-embedding table; a batch then runs W evaluations (the most any served value needs), and row r's i-th evaluation
-reads embedding `index[r, i]` and steps by `dt[r, i]`. A row with fewer evaluations steps by dt = 0 in the rest:
-x - 0 * v is x, so its patch is exactly its own solve's, and its batch-mates' work is unchanged (the table lookup
-replaces the broadcast of one embedding; the per-row dt replaces a scalar).
+embedding table; a batch runs W evaluations, and row r's i-th evaluation reads embedding `index[r, i]` and steps by
+`dt[r, i]`. A row with fewer evaluations steps by dt = 0 in the rest: x - 0 * v is x, so its patch is exactly its
+own solve's, and its batch-mates' work is unchanged (the table lookup replaces the broadcast of one embedding; the
+per-row dt replaces a scalar). A row with more continues from its state (`VoxCPMModel.continue_patches`) through
+its remaining columns.
 """
 
 from __future__ import annotations
