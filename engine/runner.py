@@ -529,6 +529,7 @@ class Runner:
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
+        self.tail_bucket = 0  # `_stage_rows` stages this step's tail, if it has one
         # the seqs that continue `after` (still on the device): seq k's input patch is row fed[k] of its samples
         fed = self._fed_rows(seqs, after) if after is not None else {}
         if self._decode_only(seqs):
