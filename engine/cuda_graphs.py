@@ -74,7 +74,7 @@ class DecodeBuffers:
     vae_slots: Tensor  # [M] i64: the stream's row of the VAE state
     steps_index: Tensor  # [M, E] i64: each Euler evaluation's time-table row (`engine.model.euler.RowSteps`)
     steps_dt: Tensor  # [M, E] f32: each evaluation's Euler step (0 past the row's own evaluations)
-    # the tail (`Runner._tail_body`): the rows that finish their evaluations there, and where each writes back
+    # the step's tail (`engine.step_tail`): the rows that finish their evaluations there, where each writes back
     tail_src: Tensor  # [M] i64
     tail_dst: Tensor  # [M] i64: = tail_src; M (a scratch row) for padding
 

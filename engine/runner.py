@@ -12,8 +12,8 @@ block tables), and one VAE stream state with a row per request slot. The paths:
 Each row samples at its own settings on every path: its cfg_value and its Euler schedule (`timesteps`, up to the
 served maximum `max_timesteps`) are rows of the static buffers, so a request's settings never change a step's
 shape or path. The step runs the default timesteps' evaluations: a row with fewer rides along with dt = 0
-(`engine.model.euler`); a row with more finishes its own in the tail, a graph per row bucket over just those rows,
-replayed after the step's graph and before the VAE lane decodes (`_tail_body`).
+(`engine.model.euler`); a row with more finishes its own in the step's tail (`engine.step_tail`), a graph per row
+bucket over just those rows, replayed after the step's graph and before the VAE lane decodes.
 
 `launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
 CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.
@@ -63,6 +63,7 @@ from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
 from engine.scheduler import ScheduledSeq
+from engine.step_tail import StepTail
 
 if TYPE_CHECKING:
     from engine.checkpoint import LoadedModel
@@ -238,18 +239,15 @@ class Runner:
         self._vae_read: torch.cuda.Event | None = None
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
-        # Rows at more diffusion steps than the default: the step runs the default's evaluations for every row and
-        # such rows finish theirs in a gathered tail (`_tail_body`), so they cost their batch-mates only that small
-        # tail. Its patches go through `sample_out` (one scratch row past the bucket for the tail's padding). Where
-        # the VAE decodes inside the step's graph (no VAE lane), or with LoRA slots, every step runs them all.
+        # Rows at more diffusion steps than the default: the step's graphs run the default's evaluations for every
+        # row and such rows finish theirs in the step's tail (`engine.step_tail`), which needs the VAE lane (or no
+        # graphs) and no LoRA slots; otherwise every step runs the most evaluations served.
         self.graph_evals = self.schedules.width
+        self.tail: StepTail | None = None
         if self.max_timesteps > self.timesteps and not self.lora and (
                 self.vae_stream is not None or not (cuda and cfg.cuda_graphs)):
             self.graph_evals = evaluations(self.timesteps)
-        self.sample_out = torch.zeros(cfg.max_num_seqs + 1, p, d, device=self.device) \
-            if self.graph_evals < self.schedules.width else None
-        self.tail_bucket = 0  # the staged step's tail rows (bucket), 0: none
-        self.tail_graphs: StepGraphs | None = None
+            self.tail = StepTail(self)
 
         self.memory: dict[str, float] = {}
         if cfg.num_kv_blocks:
@@ -291,8 +289,8 @@ class Runner:
                         self.model.lora.bypass = False
                     if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
                         self.model.lora.merged.capture()
-                if self.sample_out is not None:
-                    self.tail_graphs = StepGraphs(self._tail_body, self.buckets or [], self._pad_tail, pool)
+                if self.tail is not None:
+                    self.tail.capture(pool)
                 if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
                     # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
                     # `StepGraphs`; sharing one made steps launched ahead sample wrong patches now and then, s11d-s13)
@@ -349,7 +347,7 @@ class Runner:
         # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
         # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
-        graphs = GRAPH_POOL_FACTOR * (decode * (1 + self.lora + (self.sample_out is not None)) + vae)
+        graphs = GRAPH_POOL_FACTOR * (decode * (1 + self.lora + (self.tail is not None)) + vae)
         if cfg.cuda_graphs:  # the large LM graphs' intermediates: the mixed peak scaled to their largest bucket
             graphs += mixed * min(1.0, LARGE_LM_GRAPH_TOKENS / eager_flat_key(cfg.max_num_batched_tokens, 0)[0])
         eager = max(mixed, decode, vae)
@@ -529,7 +527,8 @@ class Runner:
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
-        self.tail_bucket = 0  # `_stage_rows` stages this step's tail, if it has one
+        if self.tail is not None:
+            self.tail.bucket = 0  # `_stage_rows` stages this step's tail, if it has one
         # the seqs that continue `after` (still on the device): seq k's input patch is row fed[k] of its samples
         fed = self._fed_rows(seqs, after) if after is not None else {}
         if self._decode_only(seqs):
@@ -546,7 +545,7 @@ class Runner:
             if decode_graphs is not None:
                 result = self._lane_audio(rows, self._replay_tail(decode_graphs.replay(rows)))
             else:
-                result = self._decode_body(rows, self._max_seqlen_k(n), self.tail_bucket)
+                result = self._decode_body(rows, self._max_seqlen_k(n), eager_tail=True)
             pending = self._download(seqs, result, n, None)
             pending.kind = "graph" if decode_graphs is not None else "decode"
             pending.sampled = result.patches
@@ -571,7 +570,7 @@ class Runner:
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
         result = self._lane_audio(rows, self._replay_tail(sample_graphs.replay(rows))) if sample_graphs is not None \
-            else self._sample_body(rows, tail=self.tail_bucket)
+            else self._sample_body(rows, eager_tail=True)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
@@ -648,11 +647,8 @@ class Runner:
         timesteps = np.fromiter((r.spec.params.timesteps for r in reqs), dtype=np.int64, count=n)
         h["steps_index"][:n] = self.schedules.index_by_value[timesteps]
         h["steps_dt"][:n] = self.schedules.dt_by_value[timesteps]
-        self.tail_bucket = 0
-        if self.sample_out is not None:
-            tail = np.flatnonzero(self.schedules.evaluations_by_value[timesteps] > self.graph_evals)
-            if len(tail):
-                self.tail_bucket = self._stage_tail(tail)
+        if self.tail is not None:
+            self.tail.stage(timesteps)
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
         return rows
@@ -746,9 +742,9 @@ class Runner:
         self._stage_padding(rows)
         self._upload(rows)
 
-    def _decode_body(self, rows: int, max_seqlen_k: int, tail: int = 0) -> DecodeResult:
-        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture); `tail`:
-        eagerly, the tail's bucket (`_sample_body`)."""
+    def _decode_body(self, rows: int, max_seqlen_k: int, eager_tail: bool = False) -> DecodeResult:
+        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture);
+        `eager_tail`: see `_sample_body`."""
         b = self.inputs
         self.model.set_lora_indices(tokens=self.lora_rows[:rows])
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens[:rows + 1], seq_lens=b.seq_lens[:rows],
@@ -756,19 +752,17 @@ class Runner:
                                  max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
         lm_h, res_h = self.model.forward_lms(self.zeros[:rows], b.patches[:rows].to(self.dtype), self.ones[:rows],
                                              b.positions[:rows], meta, self.caches, last_index=self.row_index[:rows])
-        return self._sample_body(rows, lm_h, res_h, tail)
+        return self._sample_body(rows, lm_h, res_h, eager_tail)
 
     def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None,
-                     tail: int = 0) -> DecodeResult:
+                     eager_tail: bool = False) -> DecodeResult:
         """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones),
         the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `_lane_audio` queues
-        it on its own stream. `tail` (eager callers; graphs replay the tail after this): finish the tail's rows
-        (`_tail_body`) before the VAE decodes them."""
+        it on its own stream. `eager_tail` (eager callers; graphs replay the tail after this): run the staged step's
+        tail (`engine.step_tail`) before the VAE decodes its rows."""
         b = self.inputs
         self.model.set_lora_indices(seqs=self.lora_rows[:rows])
-        if self.sample_out is not None and lm_h is not None:  # the tail reads the LM states from the static rows
-            self.lm_h[:rows].copy_(lm_h)
-            self.res_h[:rows].copy_(res_h)
+        given = (lm_h, res_h)
         lm_h = self.lm_h[:rows] if lm_h is None else lm_h
         res_h = self.res_h[:rows] if res_h is None else res_h
         evals = self.graph_evals
@@ -776,53 +770,19 @@ class Runner:
         sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
                                             b.noise[:rows].to(self.dtype), steps, b.cfg[:rows].to(self.dtype))
         stops = self.model.stop_flags(lm_h)
-        if self.sample_out is not None:
-            self.sample_out[:rows].copy_(sampled)
-            sampled = self.sample_out[:rows]
-            if tail:
-                self._tail_body(tail)
+        if self.tail is not None:
+            sampled = self.tail.keep(rows, sampled, *given)
+            if eager_tail and self.tail.bucket:
+                self.tail.body(self.tail.bucket)
         if self.vae_stream is not None:
             return DecodeResult(sampled, stops, None)
         return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
 
-    # ---- the tail: rows at more diffusion steps than the default -------------------------------------------------
-    def _stage_tail(self, rows: np.ndarray) -> int:
-        """Host rows of the tail's gather (`rows`, the step's rows past the graphs' evaluations) padded to their
-        bucket, the padding reading row 0 and writing the scratch row; returns the bucket."""
-        h, k = self.staging.arrays, len(rows)
-        bucket = bucket_for(k, self.buckets) if self.buckets else k
-        h["tail_src"][:k] = h["tail_dst"][:k] = rows
-        h["tail_src"][k:bucket] = 0
-        h["tail_dst"][k:bucket] = self.max_num_seqs
-        return bucket
-
-    def _tail_body(self, k: int) -> None:
-        """The evaluations past the graphs' own of the `k` rows staged by `_stage_tail`, continued from their state
-        in `sample_out` and written back there (what the tail graphs capture)."""
-        b, evals = self.inputs, self.graph_evals
-        src = b.tail_src[:k]
-        steps = RowSteps(self.step_table, b.steps_index.index_select(0, src)[:, evals:],
-                         b.steps_dt.index_select(0, src)[:, evals:])
-        x = self.model.continue_patches(self.lm_h.index_select(0, src), self.res_h.index_select(0, src),
-                                        b.patches.index_select(0, src).to(self.dtype),
-                                        self.sample_out.index_select(0, src), steps, b.cfg.index_select(0, src))
-        self.sample_out.index_copy_(0, b.tail_dst[:k], x)
-
     def _replay_tail(self, result: DecodeResult) -> DecodeResult:
-        """The staged step's tail after its graph (its patches are `sample_out`'s rows, finished in place)."""
-        if self.tail_bucket:
-            assert self.tail_graphs is not None
-            self.tail_graphs.replay(self.tail_bucket)
+        """`result` (a graph's) once the staged step's tail, if any, has finished its rows in place."""
+        if self.tail is not None:
+            self.tail.replay()
         return result
-
-    def _pad_tail(self, k: int) -> None:
-        """Stage and upload `k` tail rows of padding (graph capture)."""
-        self.staging.writable()
-        self._stage_padding(k)
-        h = self.staging.arrays
-        h["tail_src"][:k] = 0
-        h["tail_dst"][:k] = self.max_num_seqs
-        self._upload(k)
 
     # ---- the VAE lane -------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -134,11 +134,11 @@ def test_graphed_steps_at_mixed_settings_equal_eager_steps(cuda, tiny_v2_dir, no
     and 6 finish theirs in a tail graph; each row equals its eager solve."""
     loaded = load_model(tiny_v2_dir, cuda, "float32")
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6)
-    assert runner.graph_evals == 3 and runner.schedules.width == 5 and runner.tail_graphs is not None
+    assert runner.graph_evals == 3 and runner.schedules.width == 5 and runner.tail.graphs is not None
     replays, tails = [], []
-    replay, tail = runner.graphs.replay, runner.tail_graphs.replay
+    replay, tail = runner.graphs.replay, runner.tail.graphs.replay
     runner.graphs.replay = lambda rows: replays.append(rows) or replay(rows)
-    runner.tail_graphs.replay = lambda rows: tails.append(rows) or tail(rows)
+    runner.tail.graphs.replay = lambda rows: tails.append(rows) or tail(rows)
     check_graphed_steps(runner, sched, loaded, batch, mixed=True)
     assert replays and tails  # the decode step of mixed settings replayed its graph, then the tail's
 
@@ -207,10 +207,11 @@ def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir, mixed):
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6 if mixed else None)
     runner.buckets = [8, 16]  # CPU runs the exact batch by default; force the CUDA bucketing (5 -> 8 rows)
     tails = []
-    tail = runner._tail_body
-    runner._tail_body = lambda rows: tails.append(rows) or tail(rows)
+    if mixed:
+        tail = runner.tail.body
+        runner.tail.body = lambda rows: tails.append(rows) or tail(rows)
     check_graphed_steps(runner, sched, loaded, 5, mixed=mixed)
-    assert tails == ([8] * len(tails) if mixed else []) and (tails or not mixed)  # 2 tail rows + 6 of padding
+    assert tails == [8] * len(tails) and bool(tails) == mixed  # 2 rows at 5 and 6 timesteps + 6 of padding
 
 
 @gpu
