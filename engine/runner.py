@@ -190,9 +190,11 @@ class Runner:
         self.timesteps = cfg.inference_timesteps
         self.max_timesteps = cfg.max_timesteps or cfg.inference_timesteps
         # every served timesteps value's Euler evaluations: each step runs `schedules.width` of them, each row on its
-        # own schedule over one time-embedding table, made here (before any capture) and never reallocated
+        # own schedule over one time-embedding table, made here (before any capture) and never reallocated (no LoRA,
+        # FP8 or fusion touches the time MLPs' weights)
         self.schedules = self.model.feat_decoder.schedules(range(1, self.max_timesteps + 1))
-        self.step_table = self.schedules.table(self.model.feat_decoder.estimator, self.device)
+        with torch.no_grad():
+            self.step_table = self.schedules.table(self.model.feat_decoder.estimator, self.device)
         self.max_num_seqs = cfg.max_num_seqs
         cuda = self.device.type == "cuda"
         if cuda:

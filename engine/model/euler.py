@@ -81,8 +81,9 @@ class RowSteps:
 class EulerSchedules:
     """The Euler evaluations of a set of `timesteps` values, as host rows (`row`) over one time table.
 
-    `table(dit, device)` embeds them once; it is made eagerly (a CUDA graph cannot capture its host->device copy)
-    and never reallocated, so graphs captured over it stay valid."""
+    `table(dit, device)` embeds them with the LocDiT's current weights; the runner makes its table once, before it
+    captures graphs over it. The times go to the device on the first (eager) call: a CUDA graph cannot capture a
+    host->device copy."""
 
     def __init__(self, values: Iterable[int], mean_mode: bool):
         self.values = tuple(sorted(set(values)))
@@ -106,7 +107,7 @@ class EulerSchedules:
             index[:len(steps)] = np.arange(start, start + len(steps))
             self.dt_by_value[n, :len(steps)] = [d for _, d in steps]
         self._t, self._dt_embed = t, dt_embed
-        self._tables: dict[torch.device, Tensor] = {}
+        self._times: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._device_rows: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
 
     def row(self, timesteps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,16 +117,12 @@ class EulerSchedules:
         return self.index_by_value[timesteps], self.dt_by_value[timesteps]
 
     def table(self, dit: torch.nn.Module, device: torch.device) -> Tensor:
-        """[N, H] time embeddings of every evaluation, made on the first (eager) call for `device`."""
-        if device not in self._tables:
-            hidden = dit.in_proj.out_features
+        """[N, H] time embeddings of every evaluation (of the weights as they are now: not cached)."""
+        if device not in self._times:
             with torch.inference_mode(False), torch.no_grad():
-                if self._t:
-                    t = torch.tensor(self._t, device=device)
-                    self._tables[device] = dit.time_embedding(t, torch.tensor(self._dt_embed, device=device))
-                else:  # every value solves with 0 evaluations (timesteps 1)
-                    self._tables[device] = torch.zeros(0, hidden, device=device, dtype=dit.in_proj.weight.dtype)
-        return self._tables[device]
+                self._times[device] = (torch.tensor(self._t, device=device),
+                                       torch.tensor(self._dt_embed, device=device))
+        return dit.time_embedding(*self._times[device])
 
     def uniform(self, dit: torch.nn.Module, timesteps: int, batch: int, device: torch.device) -> RowSteps:
         """Every one of `batch` rows at `timesteps`: its row copied to `device` on the first (eager) call, then
