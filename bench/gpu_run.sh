@@ -99,8 +99,8 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --out "$OUT/capacity_$dt.json" 2>"$OUT/capacity_$dt.log" >/dev/null
         done ;;
     mixed_settings)  # issue 27: 64 streams, one of them (then a quarter) at other timesteps and cfg, against the
-        # uniform batch on the same engine (before and after); MIXED_MAX=10,12: once per served maximum (a run at 12
-        # shows what serving more diffusion steps costs every stream: each graph runs that many evaluations)
+        # uniform batch on the same engine (before and after); MIXED_MAX=10,12: once per served maximum (at 12 the
+        # other streams ask for 12 and 5: the streams at 12 finish their 2 extra evaluations in the step's tail)
         for mx in $(echo "${MIXED_MAX:-10}" | tr ',' ' '); do
             others=${MIXED_OTHER_TIMESTEPS:-5,1}; [ "$mx" != 10 ] && others=${MIXED_OTHER_TIMESTEPS:-$mx,5}
             stage 120 240 "mixed settings, served timesteps up to $mx" $BENCH --concurrency 64 --requests-factor 2 \
