@@ -1,8 +1,9 @@
 """Decode steps as whole-step CUDA graphs, one per batch bucket; small mixed steps' LM part as graphs too.
 
 A decode-only step (one position per sequence) always runs the same kernels: both LMs over B tokens, every CFG
-Euler evaluation of the LocDiT (as many as the most diffusion steps served; each row on its own schedule, read from
-the buffers: `engine.model.euler`), the stop head, and the streaming VAE on the B streams' rows.
+Euler evaluation of the LocDiT (the default timesteps' evaluations, each row on its own schedule read from the
+buffers: `engine.model.euler`; rows at more steps finish in the step's tail, `engine.step_tail`), the stop head,
+and the streaming VAE on the B streams' rows.
 Replaying it as one graph removes ~1000+ kernel launches per step. Every input lives in a static device buffer
 (`DecodeBuffers`), filled from a pinned host mirror by asynchronous copies; a bucket of B' >= B rows runs the B real
 sequences plus padding rows that write only to a scratch KV block and a scratch VAE row, so they are harmless.
