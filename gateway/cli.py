@@ -175,7 +175,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.timesteps:
         kwargs["inference_timesteps"] = args.timesteps
-    if args.max_timesteps:
+    if args.max_timesteps is not None:  # 0 or below the default: the engine's clear error, not ignored
         kwargs["max_timesteps"] = args.max_timesteps
     if args.vae_dtype != "float32":
         kwargs["vae_dtype"] = args.vae_dtype
