@@ -11,6 +11,12 @@ chunks of one request. Fixed length needs a checkpoint whose stop head never fir
     python bench/engine_bench.py --model DIR --concurrency 1,64 --extra closed:64,poisson:20   # same engine
     python bench/engine_bench.py --model DIR --concurrency 1 --extra closed:400 --ramp 6 --duration 20  # capacity
     python bench/engine_bench.py --model DIR --profile   # CUDA: per-module GPU times of a decode step
+    python bench/engine_bench.py --model DIR --concurrency 64 --extra mixed-one:64,mixed-quarter:64,batch:64
+
+Mixed settings (`mixed-one:C`, `mixed-quarter:C`): like the batch mode, with one stream in C (or one in four) at
+other diffusion steps and cfg (`--other-timesteps`, `--other-cfg`, taken in turn); each level reports its
+default-settings streams' RTF and TTFB p90 apart (`default_streams`), and `mixed_vs_uniform` sets them beside the
+batch level of the same concurrency run on the same engine.
 """
 
 from __future__ import annotations
@@ -66,18 +72,65 @@ def prompt_text(model: str, positions: int | None) -> tuple[str, int]:
     return text, len(tokenizer.encode(text)) + 1
 
 
-async def one_request(engine: Engine, patches: int, seed: int, timesteps: int) -> dict:
+async def one_request(engine: Engine, patches: int, seed: int, timesteps: int, cfg_value: float = 2.0,
+                      default: bool = True) -> dict:
+    """One fixed-length request; `default`: at the run's default settings (the mixed modes report those apart)."""
     start, start_wall = time.perf_counter(), time.time()
     times, samples = [], 0
     lora = LORAS[seed % len(LORAS)] if LORAS else None
     async for chunk in engine.generate(PROMPT[0], seed=seed, max_length=patches, min_length=patches,
-                                       timesteps=timesteps, lora=lora):
+                                       timesteps=timesteps, cfg_value=cfg_value, lora=lora):
         times.append(time.perf_counter())
         samples += chunk.audio.shape[0]
     audio_s = samples / engine.model_info().sample_rate
     ttfb = times[0] - start
     return {"ttfb": ttfb, "rtf": (times[-1] - start - ttfb) / audio_s if audio_s else float("nan"),
-            "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times), "start_wall": start_wall}
+            "gaps": np.diff(times).tolist(), "audio_s": audio_s, "patches": len(times), "start_wall": start_wall,
+            "default": default, "timesteps": timesteps, "cfg_value": cfg_value}
+
+
+MIXED_MODES = {"mixed-one": None, "mixed-quarter": 4}  # one stream in C (the level's concurrency), one in four
+
+
+def request_settings(args: argparse.Namespace, mode: str, index: int, concurrency: int) -> dict:
+    """The `index`-th request's settings: the defaults, or in a mixed mode every C-th (or 4th) at the next of
+    --other-timesteps and --other-cfg in turn."""
+    every = (MIXED_MODES[mode] or concurrency) if mode in MIXED_MODES else 0
+    if not every or index % every:
+        return {"timesteps": args.timesteps, "cfg_value": 2.0, "default": True}
+    k = index // every
+    return {"timesteps": args.other_timesteps[k % len(args.other_timesteps)],
+            "cfg_value": args.other_cfg[k % len(args.other_cfg)], "default": False}
+
+
+def streams_summary(results: list[dict]) -> dict | None:
+    """RTF and TTFB of a subset of a level's requests."""
+    if not results:
+        return None
+    ttfb = [r["ttfb"] * 1000 for r in results]
+    return {"requests": len(results), "rtf_mean": float(np.mean([r["rtf"] for r in results])),
+            "ttfb_ms_p50": percentile(ttfb, 50), "ttfb_ms_p90": percentile(ttfb, 90),
+            "settings": sorted({(r["timesteps"], r["cfg_value"]) for r in results})}
+
+
+def mixed_vs_uniform(levels: list[dict]) -> list[dict]:
+    """Each mixed level's default-settings streams beside the batch levels (uniform settings) of its concurrency on
+    the same engine: the ratios the isolation claim rests on (1.0: the other streams' settings cost them nothing)."""
+    out = []
+    for lv in levels:
+        if lv["mode"] not in MIXED_MODES or not lv.get("default_streams"):
+            continue
+        uniform = [u for u in levels if u["mode"] == "batch" and u["concurrency"] == lv["concurrency"]]
+        if not uniform:
+            continue
+        rtf = float(np.mean([u["rtf_mean"] for u in uniform]))
+        ttfb = float(np.mean([u["ttfb_ms"]["p90"] for u in uniform]))
+        d = lv["default_streams"]
+        out.append({"mode": lv["mode"], "concurrency": lv["concurrency"], "uniform_runs": len(uniform),
+                    "uniform_rtf_mean": rtf, "uniform_ttfb_ms_p90": ttfb, "default_rtf_mean": d["rtf_mean"],
+                    "default_ttfb_ms_p90": d["ttfb_ms_p90"], "rtf_ratio": d["rtf_mean"] / rtf,
+                    "ttfb_p90_ratio": d["ttfb_ms_p90"] / ttfb, "other": lv.get("other_streams")})
+    return out
 
 
 def step_snapshot(engine: Engine) -> list[dict]:
@@ -159,15 +212,16 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
                 results.append(await one_request(engine, args.patches, next(seeds), args.timesteps))
 
         await asyncio.gather(*(user(i) for i in range(concurrency)))
-    else:
+    else:  # batch, and the mixed-settings modes
         n = args.requests or min(args.max_requests, args.requests_factor * concurrency)
         sem = asyncio.Semaphore(concurrency)
 
-        async def limited():
+        async def limited(index: int):
             async with sem:
-                results.append(await one_request(engine, args.patches, next(seeds), args.timesteps))
+                results.append(await one_request(engine, args.patches, next(seeds),
+                                                 **request_settings(args, mode, index, concurrency)))
 
-        await asyncio.gather(*(limited() for _ in range(n)))
+        await asyncio.gather(*(limited(i) for i in range(n)))
     progress.cancel()
     elapsed = time.perf_counter() - t0
     ttfb = [r["ttfb"] * 1000 for r in results]
@@ -195,6 +249,8 @@ async def run_level(engine: Engine, args: argparse.Namespace, level: float, mode
         "ttfb_ms": {"p50": percentile(ttfb, 50), "p90": percentile(ttfb, 90), "p99": percentile(ttfb, 99)},
         "rtf_mean": float(np.mean([r["rtf"] for r in results])),
         "gap_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
+        "default_streams": streams_summary([r for r in results if r["default"]]),
+        "other_streams": streams_summary([r for r in results if not r["default"]]),
         "steps_per_s": (engine.stats().steps - steps0) / elapsed,
         "audio_s_per_s": sum(r["audio_s"] for r in results) / elapsed,
         "steps": (steps := step_summary(snap0, step_snapshot(engine))),
@@ -230,7 +286,7 @@ async def main(args: argparse.Namespace) -> dict:
     PROMPT[0], positions = prompt_text(model, args.prompt_positions)
     print(f"prompt: {positions} prefill positions ({len(PROMPT[0].split())} words)", file=sys.stderr)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_waiting=args.max_num_seqs * 4,
-                    inference_timesteps=args.timesteps, dtype=args.dtype,
+                    inference_timesteps=args.timesteps, max_timesteps=args.max_timesteps, dtype=args.dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_loras=(args.max_loras or args.lora) if args.lora else 0, max_lora_rank=args.lora_rank,
                     vae_dtype=args.vae_dtype, split_decodes_above=args.split_decodes_above or None,
@@ -256,11 +312,13 @@ async def main(args: argparse.Namespace) -> dict:
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "model": model, "model_info": vars(engine.model_info()), "patches": args.patches,
                 "prompt_positions": positions,
-                "timesteps": args.timesteps, "max_num_seqs": args.max_num_seqs, "loras": args.lora,
+                "timesteps": args.timesteps, "max_timesteps": args.max_timesteps or args.timesteps,
+                "other_timesteps": args.other_timesteps, "other_cfg": args.other_cfg,
+                "max_num_seqs": args.max_num_seqs, "loras": args.lora,
                 "lora_rank": args.lora_rank if args.lora else None, "merge_lora": not args.no_merge_lora,
                 "vae_dtype": args.vae_dtype, "fp8_prefill": args.fp8_prefill, "fp8_dit": args.fp8_dit,
                 "split_decodes_above": args.split_decodes_above or None, "levels": levels,
-                "complete": done}
+                "mixed_vs_uniform": mixed_vs_uniform(levels), "complete": done}
 
     try:
         mode = "poisson" if args.poisson else "closed" if args.closed_loop else "batch"
@@ -333,6 +391,13 @@ def table(result: dict) -> str:
                         f"{sd['window_s'][1]} s, {sd['requests']}): streams running {sd['running_mean']:.0f} on "
                         f"average, RTF {sd['rtf_mean']:.3f}, TTFB p90 {sd['ttfb_ms_p90']:.0f} ms, gap p99 "
                         f"{sd['gap_ms_p99']:.0f} ms")
+    for m in result.get("mixed_vs_uniform", []):
+        other = m["other"] or {}
+        rows.append(f"{m['mode']} {m['concurrency']}: default-settings streams RTF {m['default_rtf_mean']:.3f} "
+                    f"(uniform {m['uniform_rtf_mean']:.3f}, x{m['rtf_ratio']:.3f}), TTFB p90 "
+                    f"{m['default_ttfb_ms_p90']:.0f} ms (uniform {m['uniform_ttfb_ms_p90']:.0f}, "
+                    f"x{m['ttfb_p90_ratio']:.3f}); {other.get('requests', 0)} other streams at "
+                    f"{other.get('settings')}: RTF {other.get('rtf_mean', float('nan')):.3f}")
     return "\n".join(rows)
 
 def gpu_ms(fn, replays: int = 10, graphed: bool = False) -> float:
@@ -836,7 +901,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests-factor", type=int, default=1)
     p.add_argument("--max-requests", type=int, default=1024)
     p.add_argument("--extra", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="more levels on the same engine after the sweep: closed:C (C users), poisson:R (R req/s)")
+                   help="more levels on the same engine after the sweep: closed:C (C users), poisson:R (R req/s), "
+                        "batch:C, mixed-one:C and mixed-quarter:C (one stream in C, or in 4, at other settings)")
     p.add_argument("--profile", action="store_true", help="CUDA only: per-module GPU times of a decode step")
     p.add_argument("--profile-mixed", action="store_true", help="with --profile: only the host's side of mixed steps "
                    "(a burst's prefill step under cProfile, and its GPU idle gaps)")
@@ -847,6 +913,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--poisson", type=float, default=0.0, help="open loop: RATE requests/s (uses --requests)")
     p.add_argument("--context", type=int, default=160, help="--profile: KV positions per sequence")
     p.add_argument("--timesteps", type=int, default=10)
+    p.add_argument("--max-timesteps", type=int, default=None, help="the most diffusion steps served (the engine's "
+                   "max_timesteps; default --timesteps)")
+    p.add_argument("--other-timesteps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 5],
+                   help="mixed modes: the other streams' timesteps, taken in turn (default 1,5; at most the served)")
+    p.add_argument("--other-cfg", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 3.0],
+                   help="mixed modes: the other streams' cfg_value, taken in turn (default 1,3)")
     p.add_argument("--lora", type=int, default=0, help="register N random LoRA adapters; requests spread across them")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")

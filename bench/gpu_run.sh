@@ -13,7 +13,8 @@
 #   LORA_LOG=DEBUG (each step of the lora stage in lora.log), LORA_ARGS=--timeline (lora),
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
-#   stages: bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
+#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -96,6 +97,16 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
                 --extra "${CAPACITY_LEVELS:-closed:400,closed:480}" --ramp "${CAPACITY_RAMP:-6}" \
                 --duration "${CAPACITY_DURATION:-20}" --max-num-seqs 512 \
                 --out "$OUT/capacity_$dt.json" 2>"$OUT/capacity_$dt.log" >/dev/null
+        done ;;
+    mixed_settings)  # issue 27: 64 streams, one of them (then a quarter) at other timesteps and cfg, against the
+        # uniform batch on the same engine (before and after); MIXED_MAX=10,12: once per served maximum (at 12 the
+        # other streams ask for 12 and 5: the streams at 12 finish their 2 extra evaluations in the step's tail)
+        for mx in $(echo "${MIXED_MAX:-10}" | tr ',' ' '); do
+            others=${MIXED_OTHER_TIMESTEPS:-5,1}; [ "$mx" != 10 ] && others=${MIXED_OTHER_TIMESTEPS:-$mx,5}
+            stage 120 240 "mixed settings, served timesteps up to $mx" $BENCH --concurrency 64 --requests-factor 2 \
+                --max-num-seqs 256 --max-timesteps "$mx" --other-timesteps "$others" --other-cfg 1.0,3.0 \
+                --extra mixed-one:64,mixed-quarter:64,batch:64 \
+                --out "$OUT/mixed_settings_max$mx.json" 2>"$OUT/mixed_settings_max$mx.log" | tail -3 | tee -a "$OUT/smoke.log"
         done ;;
     profile)
         stage 40 120 "per-module profile" $PY bench/engine_bench.py --model $V2 --profile \

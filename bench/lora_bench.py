@@ -60,7 +60,7 @@ from gateway_proc import git_commit  # noqa: E402  (bench/ is on the path: this 
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.model import lora_triton  # noqa: E402
-from engine.model.local import euler_schedule, zero_velocity_steps  # noqa: E402
+from engine.model.euler import euler_schedule, zero_velocity_steps  # noqa: E402
 from engine.model_configs import voxcpm2  # noqa: E402
 
 ADAPTERS = 32

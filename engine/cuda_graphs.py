@@ -1,7 +1,9 @@
 """Decode steps as whole-step CUDA graphs, one per batch bucket; small mixed steps' LM part as graphs too.
 
-A decode-only step (one position per sequence, all at the default timesteps) always runs the same kernels: both
-LMs over B tokens, every CFG Euler step of the LocDiT, the stop head, and the streaming VAE on the B streams' rows.
+A decode-only step (one position per sequence) always runs the same kernels: both LMs over B tokens, every CFG
+Euler evaluation of the LocDiT (the default timesteps' evaluations, each row on its own schedule read from the
+buffers: `engine.model.euler`; rows at more steps finish in the step's tail, `engine.step_tail`), the stop head,
+and the streaming VAE on the B streams' rows.
 Replaying it as one graph removes ~1000+ kernel launches per step. Every input lives in a static device buffer
 (`DecodeBuffers`), filled from a pinned host mirror by asynchronous copies; a bucket of B' >= B rows runs the B real
 sequences plus padding rows that write only to a scratch KV block and a scratch VAE row, so they are harmless.
@@ -71,17 +73,24 @@ class DecodeBuffers:
     seq_lens: Tensor  # [M] i32: KV length after the step
     block_tables: Tensor  # [M, W] i32
     vae_slots: Tensor  # [M] i64: the stream's row of the VAE state
+    steps_index: Tensor  # [M, E] i64: each Euler evaluation's time-table row (`engine.model.euler.RowSteps`)
+    steps_dt: Tensor  # [M, E] f32: each evaluation's Euler step (0 past the row's own evaluations)
+    # the step's tail (`engine.step_tail`): the rows that finish their evaluations there, where each writes back
+    tail_src: Tensor  # [M] i64
+    tail_dst: Tensor  # [M] i64: = tail_src; M (a scratch row) for padding
 
     @classmethod
-    def allocate(cls, rows: int, patch_size: int, feat_dim: int, table_width: int, device: torch.device,
-                 pin: bool = False) -> DecodeBuffers:
+    def allocate(cls, rows: int, patch_size: int, feat_dim: int, table_width: int, evaluations: int,
+                 device: torch.device, pin: bool = False) -> DecodeBuffers:
         def empty(*shape: int, dtype: torch.dtype) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
         return cls(empty(rows, patch_size, feat_dim, dtype=torch.float32),
                    empty(rows, feat_dim, patch_size, dtype=torch.float32), empty(rows, dtype=torch.float32),
                    empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int32),
-                   empty(rows, table_width, dtype=torch.int32), empty(rows, dtype=torch.int64))
+                   empty(rows, table_width, dtype=torch.int32), empty(rows, dtype=torch.int64),
+                   empty(rows, evaluations, dtype=torch.int64), empty(rows, evaluations, dtype=torch.float32),
+                   empty(rows, dtype=torch.int64), empty(rows, dtype=torch.int64))
 
     def tensors(self) -> list[Tensor]:
         return [getattr(self, f.name) for f in fields(self)]

@@ -9,6 +9,7 @@ import itertools
 import math
 import random
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,42 @@ from engine.errors import EmptyText, InvalidAudio, InvalidParameter
 from engine.request import SamplingParams
 from engine.text import normalize_text
 
-MAX_TIMESTEPS = 100
-MAX_CFG = 20.0
-MAX_TEMPERATURE = 5.0
+MAX_TIMESTEPS = 100  # the most an operator may serve (`max_timesteps`); a request may ask for what is served
+
+
+@dataclass(frozen=True)
+class SamplingRanges:
+    """The per-request sampling settings a server takes, defined once: the engine's guard (`sampling_params`) and
+    the gateway's protocol check both read it, so both refuse the same values with the same words.
+
+    `max_timesteps` is what the runner's graphs serve (the operator sets it; default: the default timesteps): every
+    value up to the default rides along in the step at no cost to its batch-mates; one above it adds its extra
+    evaluations, for its own rows only, after the step (`engine.runner`, the tail)."""
+
+    max_timesteps: int = MAX_TIMESTEPS
+    cfg_value: tuple[float, float] = (0.0, 10.0)
+    temperature: tuple[float, float] = (0.0, 2.0)
+
+    def describe(self, name: str) -> str:
+        """The valid values of setting `name`, in words."""
+        if name == "timesteps":
+            return f"an integer in [1, {self.max_timesteps}] (the diffusion steps this server serves)"
+        lo, hi = getattr(self, name)
+        return f"a finite number in [{lo:g}, {hi:g}]"
+
+    def valid(self, name: str, value: Any) -> bool:
+        """Whether `value` is a valid setting `name` (timesteps, cfg_value or temperature)."""
+        if isinstance(value, bool):
+            return False
+        if name == "timesteps":
+            return isinstance(value, int) and 1 <= value <= self.max_timesteps
+        lo, hi = getattr(self, name)
+        return isinstance(value, (int, float)) and lo <= value <= hi  # NaN compares False
+
+    def check(self, name: str, value: Any) -> None:
+        """`value` is valid for `name`, else InvalidParameter naming the valid values."""
+        if not self.valid(name, value):
+            raise InvalidParameter(f"{name} must be {self.describe(name)} (got {value!r})")
 
 
 def check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
@@ -38,12 +72,15 @@ def check_float(name: str, value: Any, lo: float, hi: float) -> None:
 
 
 def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, inference_timesteps: int,
-                      max_loras: int, max_lora_rank: int, gpu_memory_utilization: float) -> None:
+                      max_timesteps: int | None, max_loras: int, max_lora_rank: int,
+                      gpu_memory_utilization: float) -> None:
     """The `Engine` sizes that need no model config."""
     check_int("max_num_seqs", max_num_seqs, 1)
     check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     check_int("block_size", block_size, 1)
     check_int("inference_timesteps", inference_timesteps, 1, MAX_TIMESTEPS)
+    if max_timesteps is not None:
+        check_int("max_timesteps", max_timesteps, inference_timesteps, MAX_TIMESTEPS)
     check_int("max_loras", max_loras, 0, 4096)
     check_int("max_lora_rank", max_lora_rank, 1, 1024)
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -51,16 +88,15 @@ def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_s
 
 
 def sampling_params(*, text: Any, cfg_value: Any, temperature: Any, timesteps: Any, min_length: Any,
-                    max_length: Any, priority: Any, seed: Any) -> SamplingParams:
-    """The text to speak is a non-empty string and the sampling parameters are in range; `seed=None` draws one.
+                    max_length: Any, priority: Any, seed: Any, ranges: SamplingRanges) -> SamplingParams:
+    """The text to speak is a non-empty string and the sampling parameters are in `ranges`; `seed=None` draws one.
     `max_length` is 0 when not given: the spec builder caps it."""
     if not isinstance(text, str):
         raise InvalidParameter(f"text must be a string (got {type(text).__name__})")
     if not text.strip():  # what `prompt_layout` refuses after normalizing, without normalizing twice per request
         raise EmptyText("text is empty")
-    check_float("cfg_value", cfg_value, 0.0, MAX_CFG)
-    check_float("temperature", temperature, 0.0, MAX_TEMPERATURE)
-    check_int("timesteps", timesteps, 1, MAX_TIMESTEPS)
+    for name, value in (("cfg_value", cfg_value), ("temperature", temperature), ("timesteps", timesteps)):
+        ranges.check(name, value)
     check_int("min_length", min_length, 0)
     if max_length is not None:
         check_int("max_length", max_length, 1)

@@ -208,7 +208,7 @@ def _rows(x: Tensor) -> Tensor:
 
 
 @triton.jit(do_not_specialize=["batch", "numel"])  # the batch varies step to step
-def _cfg_zero_euler_kernel(x_ptr, v_ptr, cfg_ptr, batch, numel, dt, BLOCK: tl.constexpr):
+def _cfg_zero_euler_kernel(x_ptr, v_ptr, cfg_ptr, dt_ptr, batch, numel, BLOCK: tl.constexpr):
     item = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < numel
@@ -217,22 +217,28 @@ def _cfg_zero_euler_kernel(x_ptr, v_ptr, cfg_ptr, batch, numel, dt, BLOCK: tl.co
     scale = tl.sum(v_cond * v_uncond, 0) / (tl.sum(v_uncond * v_uncond, 0) + 1e-8)
     cfg = tl.load(cfg_ptr + item).to(tl.float32)
     v = v_uncond * scale + cfg * (v_cond - v_uncond * scale)
+    dt = tl.load(dt_ptr + item)
     x = tl.load(x_ptr + item * numel + offsets, mask=mask, other=0.0)
     tl.store(x_ptr + item * numel + offsets, x - dt * v, mask=mask)
 
 
-def cfg_zero_euler_(x: Tensor, v: Tensor, cfg_value: Tensor, dt: float) -> Tensor:
+def cfg_zero_euler_(x: Tensor, v: Tensor, cfg_value: Tensor, dt: Tensor | float) -> Tensor:
     """In place x -= dt * CFG-Zero*(v): x [B, ...] fp32 contiguous; v [2B, ...] (conditional rows first, then
-    unconditional); cfg_value [B]. Guidance per item: s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s)."""
+    unconditional); cfg_value [B]; dt [B] fp32, each item's Euler step (or one float for all). Guidance per item:
+    s = <vc, vu> / (|vu|^2 + 1e-8), v = vu s + w (vc - vu s)."""
     b = x.shape[0]
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError("cfg_zero_euler_ updates a contiguous fp32 state x in place")
     if v.shape != (2 * b, *x.shape[1:]) or cfg_value.numel() != b:
         raise ValueError(f"cfg_zero_euler_ needs v [2B, ...] and cfg_value [B] for x {tuple(x.shape)} "
                          f"(got v {tuple(v.shape)}, cfg_value {tuple(cfg_value.shape)})")
+    if not isinstance(dt, Tensor):
+        dt = torch.full((b,), dt, device=x.device)
+    if dt.numel() != b or dt.dtype != torch.float32:
+        raise ValueError(f"cfg_zero_euler_ needs dt [B] fp32 for x {tuple(x.shape)} (got {tuple(dt.shape)} {dt.dtype})")
     numel = x[0].numel()
     if x.numel():
-        _cfg_zero_euler_kernel[(b,)](x, v.contiguous(), cfg_value.contiguous(), b, numel, dt,
+        _cfg_zero_euler_kernel[(b,)](x, v.contiguous(), cfg_value.contiguous(), dt.contiguous(), b, numel,
                                      BLOCK=triton.next_power_of_2(numel), num_warps=4)
     return x
 

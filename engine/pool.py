@@ -83,8 +83,8 @@ class Engine:
     def __init__(self, model: str | None = None, *, devices: list[int | str] | None = None,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 32768, max_prefill_tokens_while_speaking: int = 8192,
-                 gpu_memory_utilization: float = 0.9,
-                 inference_timesteps: int = 10, dtype: str | None = None, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, inference_timesteps: int = 10,
+                 max_timesteps: int | None = None, dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
                  split_decodes_above: int | None = SPLIT_DECODES_ABOVE, merge_lora: bool = True,
@@ -104,7 +104,8 @@ class Engine:
         if vae_dtype not in VAE_DTYPES:
             raise InvalidParameter(f"vae_dtype: {vae_dtype!r} is not one of {', '.join(VAE_DTYPES)}")
         guards.check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 block_size=block_size, inference_timesteps=inference_timesteps, max_loras=max_loras,
+                                 block_size=block_size, inference_timesteps=inference_timesteps,
+                                 max_timesteps=max_timesteps, max_loras=max_loras,
                                  max_lora_rank=max_lora_rank, gpu_memory_utilization=gpu_memory_utilization)
         self.path: Path = resolve_model_dir(model)
         self.name = model
@@ -123,6 +124,8 @@ class Engine:
         groups = _device_groups(devices, tensor_parallel_size)
         disable_nvls()  # inherited by every worker and tensor-parallel rank started from here
         self.default_timesteps = inference_timesteps
+        # what a request may ask for (the gateway checks its protocol's settings against the same object)
+        self.sampling_ranges = guards.SamplingRanges(max_timesteps=max_timesteps or inference_timesteps)
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
         self._worker_configs = [WorkerConfig(
@@ -130,7 +133,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_tokens_while_speaking=max_prefill_tokens_while_speaking, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            inference_timesteps=inference_timesteps, sit_out_ms=sit_out_ms, threads=worker_threads,
+            inference_timesteps=inference_timesteps, max_timesteps=max_timesteps, sit_out_ms=sit_out_ms,
+            threads=worker_threads,
             tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank,
             vae_dtype=vae_dtype, split_decodes_above=split_decodes_above, merge_lora=merge_lora,
             fp8_prefill=fp8_prefill, fp8_dit=fp8_dit)
@@ -280,7 +284,7 @@ class Engine:
         params = guards.sampling_params(
             text=text, cfg_value=cfg_value, temperature=temperature,
             timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
-            max_length=max_length, priority=priority, seed=seed)
+            max_length=max_length, priority=priority, seed=seed, ranges=self.sampling_ranges)
         request_id = guards.request_id_or_new(request_id, self._streams)
         v = None
         if voice is not None:

@@ -3,12 +3,17 @@
 The runner owns everything that lives on the device: the model, both paged KV caches (base and residual LM share
 block tables), and one VAE stream state with a row per request slot. The paths:
 
-- decode-only steps at the default timesteps go through static buffers (`engine.cuda_graphs`): on CUDA one graph
-  replay per step, no host sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
+- decode-only steps go through static buffers (`engine.cuda_graphs`): on CUDA one graph replay per step, no host
+  sync but the one on the outputs; on CPU the same body runs eagerly at the exact batch;
 - steps with prefill chunks run both LMs over the flat batch (a third graph set, keyed by tokens x sequences, when
   the step is small enough for launches to dominate; eagerly otherwise), then the emitting rows go through the
-  second graph set, "sample + stop + VAE", over the same buffers;
-- steps with rows at other timesteps run wholly eagerly.
+  second graph set, "sample + stop + VAE", over the same buffers.
+
+Each row samples at its own settings on every path: its cfg_value and its Euler schedule (`timesteps`, up to the
+served maximum `max_timesteps`) are rows of the static buffers, so a request's settings never change a step's
+shape or path. The step runs the default timesteps' evaluations: a row with fewer rides along with dt = 0
+(`engine.model.euler`); a row with more finishes its own in the step's tail (`engine.step_tail`), a graph per row
+bucket over just those rows, replayed after the step's graph and before the VAE lane decodes.
 
 `launch` starts a step and returns at once on the graph path (outputs come back D2H into pinned memory, behind a
 CUDA event); `collect` waits for them. The worker publishes the previous step's audio in between.
@@ -53,10 +58,12 @@ from engine.cuda_graphs import (
 )
 from engine.model import fp8
 from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, make_attention_backend
+from engine.model.euler import RowSteps, evaluations
 from engine.model.layers import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
 from engine.scheduler import ScheduledSeq
+from engine.step_tail import StepTail
 
 if TYPE_CHECKING:
     from engine.checkpoint import LoadedModel
@@ -92,7 +99,7 @@ class PendingStep:
     result: DecodeResult | None = None  # CPU outputs, or pinned host copies on CUDA
     event: torch.cuda.Event | None = None
     emit: list[int] | None = None  # the seq of each result row (None: row j is seq j)
-    kind: str = "eager"  # graph (decode replay), decode (CPU decode body), mixed (eager LMs + sample graphs), eager
+    kind: str = "mixed"  # graph (decode replay), decode (CPU decode body), mixed (flat LMs + sample body/graphs)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: brackets the step's device work
     sampled: torch.Tensor | None = None  # its patches where it made them (on the device), row j = seq emit[j]
     audio_event: torch.cuda.Event | None = None  # the VAE lane: its audio is in `result` once this fired
@@ -181,6 +188,13 @@ class Runner:
         self.vae_dtype = next(self.vae.decoder.parameters()).dtype
         self.block_size = cfg.block_size
         self.timesteps = cfg.inference_timesteps
+        self.max_timesteps = cfg.max_timesteps or cfg.inference_timesteps
+        # every served timesteps value's Euler evaluations: each step runs `schedules.width` of them, each row on its
+        # own schedule over one time-embedding table, made here (before any capture) and never reallocated (no LoRA,
+        # FP8 or fusion touches the time MLPs' weights)
+        self.schedules = self.model.feat_decoder.schedules(range(1, self.max_timesteps + 1))
+        with torch.no_grad():
+            self.step_table = self.schedules.table(self.model.feat_decoder.estimator, self.device)
         self.max_num_seqs = cfg.max_num_seqs
         cuda = self.device.type == "cuda"
         if cuda:
@@ -196,10 +210,11 @@ class Runner:
         self.max_positions = self.config.lm.max_position_embeddings
         p, d = self.config.patch_size, self.config.feat_dim
         width = -(-self.max_positions // self.block_size)
-        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, self.device)
+        evals = self.schedules.width
+        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, self.device)
         # Two pinned host mirrors on CUDA, one per launch in turn: a step launched ahead (`launch(after=...)`) is
         # staged while the previous one's inputs may still be on their way to the device.
-        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, torch.device("cpu"), pin=True)
+        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, torch.device("cpu"), pin=True)
                    for _ in range(2)] if cuda else [self.inputs]
         self.stagings = [HostStaging.of(m, cfg.max_num_seqs, pin=cuda) for m in mirrors]
         self.host_turn = 0
@@ -226,6 +241,15 @@ class Runner:
         self._vae_read: torch.cuda.Event | None = None
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
+        # Rows at more diffusion steps than the default: the step's graphs run the default's evaluations for every
+        # row and such rows finish theirs in the step's tail (`engine.step_tail`), which needs the VAE lane (or no
+        # graphs) and no LoRA slots; otherwise every step runs the most evaluations served.
+        self.graph_evals = self.schedules.width
+        self.tail: StepTail | None = None
+        if self.max_timesteps > self.timesteps and not self.lora and (
+                self.vae_stream is not None or not (cuda and cfg.cuda_graphs)):
+            self.graph_evals = evaluations(self.timesteps)
+            self.tail = StepTail(self)
 
         self.memory: dict[str, float] = {}
         if cfg.num_kv_blocks:
@@ -267,6 +291,8 @@ class Runner:
                         self.model.lora.bypass = False
                     if self.model.lora.merged is not None:  # an adapter switch: one replay, not ~200 launches
                         self.model.lora.merged.capture()
+                if self.tail is not None:
+                    self.tail.capture(pool)
                 if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
                     # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
                     # `StepGraphs`; sharing one made steps launched ahead sample wrong patches now and then, s11d-s13)
@@ -323,7 +349,7 @@ class Runner:
         # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
         # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
         # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
-        graphs = GRAPH_POOL_FACTOR * (decode * (2 if self.lora else 1) + vae)
+        graphs = GRAPH_POOL_FACTOR * (decode * (1 + self.lora + (self.tail is not None)) + vae)
         if cfg.cuda_graphs:  # the large LM graphs' intermediates: the mixed peak scaled to their largest bucket
             graphs += mixed * min(1.0, LARGE_LM_GRAPH_TOKENS / eager_flat_key(cfg.max_num_batched_tokens, 0)[0])
         eager = max(mixed, decode, vae)
@@ -423,7 +449,9 @@ class Runner:
                 self.model.set_lora_indices(seqs=torch.zeros(rows, dtype=torch.long, device=dev))
             sampled = self.model.sample_patches(h, h, torch.zeros(rows, p, d, device=dev, dtype=self.dtype),
                                                 torch.randn(rows, d, p, device=dev, dtype=self.dtype),
-                                                self.timesteps, torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
+                                                self.schedules.uniform(self.model.feat_decoder.estimator,
+                                                                       self.timesteps, rows, dev),
+                                                torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
             self.model.stop_flags(h)
             with self._on_vae_lane(join=True):
                 slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
@@ -501,6 +529,8 @@ class Runner:
 
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
+        if self.tail is not None:
+            self.tail.bucket = 0  # `_stage_rows` stages this step's tail, if it has one
         # the seqs that continue `after` (still on the device): seq k's input patch is row fed[k] of its samples
         fed = self._fed_rows(seqs, after) if after is not None else {}
         if self._decode_only(seqs):
@@ -515,17 +545,13 @@ class Runner:
                 ks = sorted(fed)
                 self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
-                result = self._lane_audio(rows, decode_graphs.replay(rows))
+                result = self._lane_audio(rows, self._replay_tail(decode_graphs.replay(rows)))
             else:
-                result = self._decode_body(rows, self._max_seqlen_k(n))
+                result = self._decode_body(rows, self._max_seqlen_k(n), eager_tail=True)
             pending = self._download(seqs, result, n, None)
             pending.kind = "graph" if decode_graphs is not None else "decode"
             pending.sampled = result.patches
             return pending
-        if any(s.emit and s.request.spec.params.timesteps != self.timesteps for s in seqs):
-            if after is not None:
-                raise ValueError("a step sampling at other timesteps runs eagerly, never ahead")
-            return PendingStep(seqs, done=self._eager_step(seqs), kind="eager")
         emit = [k for k, s in enumerate(seqs) if s.emit]
         rows = n = 0
         if emit:  # the sampling inputs first: the LM graph may reuse the memory `after` sampled into
@@ -545,8 +571,8 @@ class Runner:
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = self._lane_audio(rows, sample_graphs.replay(rows)) if sample_graphs is not None \
-            else self._sample_body(rows)
+        result = self._lane_audio(rows, self._replay_tail(sample_graphs.replay(rows))) if sample_graphs is not None \
+            else self._sample_body(rows, eager_tail=True)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
@@ -554,8 +580,8 @@ class Runner:
 
     def launchable_ahead(self, request) -> bool:
         """Whether a step launched ahead (`launch(after=...)`) may admit `request`: its prompt goes through the
-        flat buffers (where the continuing rows' patches are fed on the device) and it samples like the graphs."""
-        return self.eager_flat is not None and request.spec.params.timesteps == self.timesteps
+        flat buffers (where the continuing rows' patches are fed on the device)."""
+        return self.eager_flat is not None
 
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's outputs (and note its timing in `last_step`)."""
@@ -593,7 +619,7 @@ class Runner:
         width = self.staging.buffers.block_tables.shape[1]
         return bool(seqs) and len(seqs) <= self.max_num_seqs and all(
             s.num_tokens == 1 and s.emit and s.request.generated and len(s.request.block_table) <= width
-            and s.request.spec.params.timesteps == self.timesteps for s in seqs)
+            for s in seqs)
 
     def _max_seqlen_k(self, n: int) -> int:
         # CUDA: a fixed bound, so one graph serves every length; CPU (TorchAttention pads to it): the real one
@@ -619,6 +645,12 @@ class Runner:
             h["vae_slots"][j] = req.vae_slot
             host.lora_rows[j] = req.lora_slot
         n = len(reqs)
+        # each row's Euler schedule, one fancy index for all (the guard admits served values only)
+        timesteps = np.fromiter((r.spec.params.timesteps for r in reqs), dtype=np.int64, count=n)
+        h["steps_index"][:n] = self.schedules.index_by_value[timesteps]
+        h["steps_dt"][:n] = self.schedules.dt_by_value[timesteps]
+        if self.tail is not None:
+            self.tail.stage(timesteps)
         rows = bucket_for(n, self.buckets) if self.buckets else n
         self._stage_padding(rows, first=n)
         return rows
@@ -700,6 +732,7 @@ class Runner:
         for name in ("patches", "noise", "positions"):
             h[name][first:rows] = 0
         h["cfg"][first:rows] = 1.0
+        h["steps_index"][first:rows], h["steps_dt"][first:rows] = self.schedules.row(self.timesteps)
         h["slots"][first:rows] = self.scratch_block * self.block_size
         h["seq_lens"][first:rows] = 1
         h["block_tables"][first:rows, 0] = self.scratch_block
@@ -711,8 +744,9 @@ class Runner:
         self._stage_padding(rows)
         self._upload(rows)
 
-    def _decode_body(self, rows: int, max_seqlen_k: int) -> DecodeResult:
-        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture)."""
+    def _decode_body(self, rows: int, max_seqlen_k: int, eager_tail: bool = False) -> DecodeResult:
+        """The whole decode step over the first `rows` rows of the static buffers (what the graphs capture);
+        `eager_tail`: see `_sample_body`."""
         b = self.inputs
         self.model.set_lora_indices(tokens=self.lora_rows[:rows])
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens[:rows + 1], seq_lens=b.seq_lens[:rows],
@@ -720,22 +754,37 @@ class Runner:
                                  max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
         lm_h, res_h = self.model.forward_lms(self.zeros[:rows], b.patches[:rows].to(self.dtype), self.ones[:rows],
                                              b.positions[:rows], meta, self.caches, last_index=self.row_index[:rows])
-        return self._sample_body(rows, lm_h, res_h)
+        return self._sample_body(rows, lm_h, res_h, eager_tail)
 
-    def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None
-                     ) -> DecodeResult:
-        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones).
-        With the VAE lane, no VAE (audio None): `_lane_audio` queues it on its own stream."""
+    def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None,
+                     eager_tail: bool = False) -> DecodeResult:
+        """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones),
+        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `_lane_audio` queues
+        it on its own stream. `eager_tail` (eager callers; graphs replay the tail after this): run the staged step's
+        tail (`engine.step_tail`) before the VAE decodes its rows."""
         b = self.inputs
         self.model.set_lora_indices(seqs=self.lora_rows[:rows])
+        given = (lm_h, res_h)
         lm_h = self.lm_h[:rows] if lm_h is None else lm_h
         res_h = self.res_h[:rows] if res_h is None else res_h
+        evals = self.graph_evals
+        steps = RowSteps(self.step_table, b.steps_index[:rows, :evals], b.steps_dt[:rows, :evals])
         sampled = self.model.sample_patches(lm_h, res_h, b.patches[:rows].to(self.dtype),
-                                            b.noise[:rows].to(self.dtype), self.timesteps, b.cfg[:rows].to(self.dtype))
+                                            b.noise[:rows].to(self.dtype), steps, b.cfg[:rows].to(self.dtype))
         stops = self.model.stop_flags(lm_h)
+        if self.tail is not None:
+            sampled = self.tail.keep(rows, sampled, *given)
+            if eager_tail and self.tail.bucket:
+                self.tail.body(self.tail.bucket)
         if self.vae_stream is not None:
             return DecodeResult(sampled, stops, None)
         return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+
+    def _replay_tail(self, result: DecodeResult) -> DecodeResult:
+        """`result` (a graph's) once the staged step's tail, if any, has finished its rows in place."""
+        if self.tail is not None:
+            self.tail.replay()
+        return result
 
     # ---- the VAE lane -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -973,7 +1022,8 @@ class Runner:
         return lm_h, res_h
 
     def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
-        """The whole step eagerly (rows may sample at different timesteps)."""
+        """The whole step eagerly, rows grouped by their timesteps, each group solved on its own (the reference that
+        the GPU tests compare the graphed steps with; serving steps never take it)."""
         lm_h, res_h = self._forward_lms(seqs)
         dev = self.device
         out = StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs))

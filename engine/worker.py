@@ -58,6 +58,9 @@ class WorkerConfig:
     num_kv_blocks: int | None  # fixed pool size (CPU default); None: size from gpu_memory_utilization
     gpu_memory_utilization: float
     inference_timesteps: int
+    # the most diffusion steps a request may ask for (None: the default); rows above the default finish their extra
+    # evaluations in a tail of just those rows after the step (`engine.runner`)
+    max_timesteps: int | None = None
     sit_out_ms: float = 2000.0
     # prefill positions per step while some stream is speaking (see `Scheduler`); None: max_num_batched_tokens
     max_prefill_tokens_while_speaking: int | None = None

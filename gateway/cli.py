@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="GPUs per engine worker: the LMs and LocDiT split across them (default 1)")
         p.add_argument("--max-num-seqs", type=int, default=None, help="concurrent requests per worker")
         p.add_argument("--timesteps", type=int, default=None, help="diffusion steps per patch (default 10)")
+        p.add_argument("--max-timesteps", type=int, default=None,
+                       help="the most diffusion steps a request may ask for (default: --timesteps). Fewer than "
+                            "--timesteps cost nothing; a request above it adds a short tail (its extra LocDiT "
+                            "evaluations, for its own rows only) to the steps it is in")
         p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="the audio decoder's precision: bfloat16 is faster at scale, with ~2.7%% relative audio "
                             "error (default float32, as the official code)")
@@ -171,6 +175,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.timesteps:
         kwargs["inference_timesteps"] = args.timesteps
+    if args.max_timesteps is not None:  # 0 or below the default: the engine's clear error, not ignored
+        kwargs["max_timesteps"] = args.max_timesteps
     if args.vae_dtype != "float32":
         kwargs["vae_dtype"] = args.vae_dtype
     if args.split_decodes_above is not None:

@@ -104,12 +104,13 @@ class GenerationSettings:
         return GenerationSettings(**{**asdict(self), **update})
 
 
-# name -> (accepted types, check, description of the valid range)
+# name -> (accepted types, check, description of the valid range). The sampling settings' ranges are the engine's
+# (`SAMPLING_SETTINGS`, checked against its `sampling_ranges` by `check_generation`): here their types only
 _GENERATION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
-    "cfg_value": ((int, float), lambda v: 0.0 <= v <= 10.0, "a number in [0, 10]"),
-    "temperature": ((int, float), lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
+    "cfg_value": ((int, float), lambda v: True, "a number"),
+    "temperature": ((int, float), lambda v: True, "a number"),
     "seed": ((int, type(None)), lambda v: v is None or 0 <= v < 2**63, "null or an integer in [0, 2^63)"),
-    "timesteps": ((int, type(None)), lambda v: v is None or 1 <= v <= 100, "null or an integer in [1, 100]"),
+    "timesteps": ((int, type(None)), lambda v: True, "null or an integer"),
     "max_length": ((int, type(None)), lambda v: v is None or 1 <= v <= 8192, "null or an integer in [1, 8192]"),
     "continuation": ((bool,), lambda v: True, "a boolean"),
     "continuation_patches": ((int,), lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
@@ -274,8 +275,13 @@ def _type_names(types: tuple[type, ...]) -> str:
     return " or ".join(_json_type(t()) if t is not type(None) else "null" for t in types)
 
 
-def check_generation(update: dict[str, Any], context_id: str | None = None) -> dict[str, Any]:
-    """Validate a `generation` object (names, types, ranges)."""
+SAMPLING_SETTINGS = ("cfg_value", "temperature", "timesteps")  # ranged by the engine's `SamplingRanges`
+
+
+def check_generation(update: dict[str, Any], context_id: str | None = None, ranges: Any = None) -> dict[str, Any]:
+    """Validate a `generation` object (names, types, ranges). `ranges`: the engine's `sampling_ranges` (what its
+    guard takes and its graphs serve: `valid(name, value)`, `describe(name)`); the session passes it, a parse
+    without an engine checks the sampling settings' types only."""
     for name, value in update.items():
         rule = _GENERATION_RULES.get(name)
         if rule is None:
@@ -284,6 +290,9 @@ def check_generation(update: dict[str, Any], context_id: str | None = None) -> d
         types, ok, what = rule
         if not _is_instance(value, types) or not ok(value):
             raise ProtocolError(ErrorCode.INVALID_VALUE, f"generation.{name} must be {what}", context_id=context_id)
+        if ranges is not None and name in SAMPLING_SETTINGS and value is not None and not ranges.valid(name, value):
+            raise ProtocolError(ErrorCode.INVALID_VALUE, f"generation.{name} must be {ranges.describe(name)} "
+                                f"(got {value!r})", context_id=context_id)
     return update
 
 

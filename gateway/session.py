@@ -212,6 +212,9 @@ class Session:
         self.engine = engine
         # the stored voices this session's key may use (the gateway's catalog); None: every voice of the engine
         self.voices = voices
+        # the sampling settings the engine takes (one definition: `engine.guards.SamplingRanges`); a stand-in engine
+        # without one leaves them to its own `generate`
+        self.sampling_ranges = getattr(engine, "sampling_ranges", None)
         self.transport = transport
         self.config = config
         self.limits = config.limits
@@ -371,6 +374,8 @@ class Session:
                 opus_available()
             except RuntimeError as e:  # libopus missing: the message says how to fix it, or to ask for PCM
                 raise ProtocolError(ErrorCode.INVALID_VALUE, str(e)) from None
+        if generation is not None:
+            p.check_generation(generation, ranges=self.sampling_ranges)
         gen = self.generation if generation is None else self.generation.merged(generation)
         if set_voice and voice is not None and await self._resolve_voice(voice) is None:
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")

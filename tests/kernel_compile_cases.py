@@ -242,7 +242,8 @@ def launch_cases(recorder: Recorder) -> None:
             dt = str(dtype).removeprefix("torch.")
             recorder.case = f"{model} CFG-Zero* Euler, LocDiT output {dt}"
             x = torch.randn(3, cfg.patch_size, cfg.feat_dim)
-            kernels.cfg_zero_euler_(x, torch.randn(6, cfg.patch_size, cfg.feat_dim, dtype=dtype), torch.ones(3), 0.1)
+            kernels.cfg_zero_euler_(x, torch.randn(6, cfg.patch_size, cfg.feat_dim, dtype=dtype), torch.ones(3),
+                                    torch.tensor([0.1, 0.0, 0.2]))  # each row its own Euler step
             for stack_name, stack in lm_stacks(cfg).items():
                 recorder.case = f"{model} {stack_name} norm/MLP/RoPE {dt}"
                 launch_norm_mlp_rope(stack, dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine import Engine, EngineOverloaded, EngineStopped, WorkerCrashed
+from engine import Engine, EngineOverloaded, EngineStopped, InvalidParameter, WorkerCrashed
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 STEPS = 4  # CFM timesteps: enough to exercise CFG-Zero*, cheap on CPU
@@ -127,6 +127,49 @@ async def test_steps_launched_ahead_keep_every_stream_exact_even_when_it_stops(e
         assert sum(c.is_last for c in chunks) == 1
         reasons.append(chunks[-1].stop_reason)
     assert reasons[0] == "length" and "stop" in reasons[1:]  # the stop head ended some mid-stream
+
+
+async def test_rows_at_their_own_timesteps_and_cfg_share_steps_and_each_equals_its_run_alone(engine, synth):
+    """A request's settings are its own: rows at every served timesteps value (those with fewer diffusion steps ride
+    along in the same step with dt = 0) and at cfg 1, 0 and 3.5 run in the same steps, and each row's audio equals
+    its single-request run at its own settings."""
+    text = "Every stream keeps its own settings."
+    cases = [dict(seed=31, timesteps=STEPS, cfg_value=2.0), dict(seed=32, timesteps=1, cfg_value=1.0),
+             dict(seed=33, timesteps=2, cfg_value=0.0), dict(seed=34, timesteps=3, cfg_value=3.5),
+             dict(seed=35, timesteps=STEPS, cfg_value=1.0), dict(seed=36, timesteps=2, cfg_value=2.0)]
+    results = await asyncio.gather(*(collect(engine.generate(text, max_length=6, min_length=6, **c))
+                                     for c in cases))
+    steps = [{c.step for c in chunks} for _, chunks in results]
+    assert set.intersection(*steps)  # some steps sampled all six rows at their six settings together
+    for case, (audio, _) in zip(cases, results, strict=True):
+        alone = np.concatenate(list(synth.stream(text, max_len=6, min_len=6, **case)))
+        assert audio.shape == alone.shape
+        np.testing.assert_allclose(audio, alone, atol=ATOL)
+    outputs = [audio for audio, _ in results]
+    assert not np.allclose(outputs[0], outputs[4], atol=ATOL)  # cfg 1 is its own setting, not the batch's
+
+
+async def test_rows_past_the_default_timesteps_finish_in_the_tail_and_equal_their_run_alone(tiny_v2_dir, synth):
+    """Served above the default (max_timesteps 4, default 2): such rows run the step's evaluations with everyone and
+    finish theirs in the gathered tail; every row, below, at and above the default, equals its run alone."""
+    engine = Engine(str(tiny_v2_dir), max_num_seqs=8, num_kv_blocks=48, block_size=4, max_num_batched_tokens=48,
+                    inference_timesteps=2, max_timesteps=4)
+    await engine.wait_for_ready()
+    try:
+        text = "Some streams take more steps."
+        cases = [dict(seed=51, timesteps=4, cfg_value=2.0), dict(seed=52, timesteps=2, cfg_value=1.0),
+                 dict(seed=53, timesteps=3, cfg_value=0.0), dict(seed=54, timesteps=1, cfg_value=2.0),
+                 dict(seed=55, timesteps=4, cfg_value=3.0)]
+        results = await asyncio.gather(*(collect(engine.generate(text, max_length=5, min_length=5, **c))
+                                         for c in cases))
+        assert set.intersection(*({c.step for c in chunks} for _, chunks in results))
+        for case, (audio, _) in zip(cases, results, strict=True):
+            alone = np.concatenate(list(synth.stream(text, max_len=5, min_len=5, **case)))
+            np.testing.assert_allclose(audio, alone, atol=ATOL)
+        with pytest.raises(InvalidParameter, match=r"\[1, 4\]"):
+            engine.generate(text, timesteps=5)
+    finally:
+        await engine.stop()
 
 
 async def test_preempted_requests_resume_with_identical_audio(engine, synth):

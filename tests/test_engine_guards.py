@@ -48,6 +48,8 @@ def engine(tiny_v1_dir):
     (dict(temperature=math.inf), InvalidParameter),
     (dict(timesteps=0), InvalidParameter),
     (dict(timesteps=2.5), InvalidParameter),
+    (dict(timesteps=STEPS + 1), InvalidParameter),  # more than the server serves (max_timesteps: the default)
+    (dict(temperature=2.5), InvalidParameter),
     (dict(max_length=0), InvalidParameter),
     (dict(min_length=-1), InvalidParameter),
     (dict(seed=-3), InvalidParameter),
@@ -65,6 +67,18 @@ def test_generate_guards(engine, kwargs, error):
     with pytest.raises(error):
         engine.generate(**kwargs)
     assert engine.stats().in_flight == 0
+
+
+def test_settings_errors_name_what_the_server_serves(engine, tiny_v1_dir):
+    """Timesteps past the served maximum are refused up front, never sampled on a slow path, and the message says
+    what is served; an engine started with a larger `max_timesteps` takes them."""
+    with pytest.raises(InvalidParameter, match=rf"timesteps must be an integer in \[1, {STEPS}\] .*got {STEPS + 1}"):
+        engine.generate("Hello world.", timesteps=STEPS + 1)
+    with pytest.raises(InvalidParameter, match=r"cfg_value must be a finite number in \[0, 10\]"):
+        engine.generate("Hello world.", cfg_value=10.5)
+    assert engine.stats().in_flight == 0
+    with pytest.raises(InvalidParameter, match="max_timesteps"):  # below the default: it would refuse the default
+        Engine.from_pretrained(str(tiny_v1_dir), inference_timesteps=STEPS, max_timesteps=STEPS - 1)
 
 
 def test_audio_and_voice_guards(engine):

@@ -111,6 +111,23 @@ async def test_unknown_voice_and_bad_format_at_session_start(url):
         assert (await c.start(output={"format": "mulaw"}))["output"]["sample_rate"] == 8000
 
 
+async def test_sampling_settings_the_engine_does_not_serve_are_refused_at_session_start(url, engine):
+    """Generation settings are checked against the engine's own ranges (one definition with its guard): timesteps
+    above the served maximum get invalid_value naming what is served, before any audio, never a slow path; served
+    settings (fewer steps, no guidance) then start and speak."""
+    served = engine.sampling_ranges.max_timesteps
+    async with await VoxgateClient.connect(url) as c:
+        for generation, words in (({"timesteps": served + 1}, f"[1, {served}]"), ({"cfg_value": 11}, "[0, 10]"),
+                                  ({"temperature": 2.5}, "[0, 2]"), ({"timesteps": 0}, f"[1, {served}]")):
+            error = await _error_for(c, {"type": "session.start", "generation": generation})
+            assert error["code"] == "invalid_value" and words in error["message"], error
+        await c.start(generation={"timesteps": 1, "cfg_value": 1.0})
+        error = await _error_for(c, {"type": "session.update", "generation": {"timesteps": served + 1}})
+        assert error["code"] == "invalid_value" and error["fatal"] is False
+        utt = await c.speak("Fewer steps, no guidance.", "t")
+        assert utt.done["audio_ms"] > 0
+
+
 async def test_too_many_contexts(url):
     async with await _started(url) as c:
         await c.append("One", "a")

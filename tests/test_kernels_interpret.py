@@ -262,20 +262,27 @@ def test_fused_add_rms_norm_matches_torch(kernels, dtype, weight_dtype, scale):
 
 
 @pytest.mark.parametrize("v_dtype", [torch.float32, torch.float16])
-def test_fused_cfg_zero_euler_matches_torch(kernels, v_dtype):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fused_cfg_zero_euler_matches_torch(kernels, v_dtype, per_row):
     gen = torch.Generator().manual_seed(5)
-    b, dt = 3, 0.0625
+    b = 3
+    # per row: each item's own Euler step, one of them 0 (a row whose solve has ended keeps its x bit for bit)
+    dt = torch.tensor([0.0625, 0.0, 0.125]) if per_row else 0.0625
     x = torch.randn(b, 4, 64, generator=gen)
+    before = x.clone()
     v = torch.randn(2 * b, 4, 64, generator=gen).to(v_dtype)
     w = torch.rand(b, generator=gen) * 3
 
     v_cond, v_uncond = v[:b].double(), v[b:].double()  # CFG-Zero*: project the conditional onto the unconditional
     scale = (v_cond * v_uncond).sum((1, 2), keepdim=True) / (v_uncond.pow(2).sum((1, 2), keepdim=True) + 1e-8)
-    ref = x.double() - dt * (v_uncond * scale + w.double().view(b, 1, 1) * (v_cond - v_uncond * scale))
+    step = dt.double().view(b, 1, 1) if per_row else dt
+    ref = x.double() - step * (v_uncond * scale + w.double().view(b, 1, 1) * (v_cond - v_uncond * scale))
     out = kernels[1].cfg_zero_euler_(x, v, w, dt)
 
     assert out is x
     assert relative_error(x, ref) < 1e-6
+    if per_row:
+        assert torch.equal(x[1], before[1])
 
 
 def test_fused_kernels_reject_bad_shapes(kernels):
@@ -290,6 +297,8 @@ def test_fused_kernels_reject_bad_shapes(kernels):
         fused.add_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="cfg_zero_euler_ needs"):
         fused.cfg_zero_euler_(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2), 0.1)
+    with pytest.raises(ValueError, match="dt \\[B\\] fp32"):
+        fused.cfg_zero_euler_(torch.zeros(2, 4), torch.zeros(4, 4), torch.ones(2), torch.ones(3))
     with pytest.raises(ValueError, match="fp32 state"):
         fused.cfg_zero_euler_(torch.zeros(2, 4, dtype=torch.float16), torch.zeros(4, 4), torch.ones(2), 0.1)
 

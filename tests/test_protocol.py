@@ -65,10 +65,10 @@ def test_unknown_type_is_ignored_not_an_error():
     ('{"type": "playback.position", "context_id": "c", "played_ms": NaN}', ErrorCode.INVALID_VALUE),
     ('{"type": "session.start", "output": "opus"}', ErrorCode.INVALID_VALUE),
     ('{"type": "session.start", "voice": 3}', ErrorCode.INVALID_VALUE),
-    ('{"type": "session.start", "generation": {"cfg_value": 11}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"cfg_value": [1]}}', ErrorCode.INVALID_VALUE),
     ('{"type": "session.start", "generation": {"temperature": "hot"}}', ErrorCode.INVALID_VALUE),
     ('{"type": "session.start", "generation": {"seed": 1.5}}', ErrorCode.INVALID_VALUE),
-    ('{"type": "session.start", "generation": {"timesteps": 0}}', ErrorCode.INVALID_VALUE),
+    ('{"type": "session.start", "generation": {"timesteps": 2.5}}', ErrorCode.INVALID_VALUE),
     ('{"type": "session.start", "generation": {"continuation": 1}}', ErrorCode.INVALID_VALUE),
 ])
 def test_malformed_messages_get_their_error_code(raw, code):
@@ -110,6 +110,26 @@ def test_ids_longer_than_the_limit_are_refused():
 def test_generation_settings_merge_keeps_unchanged_values():
     g = p.GenerationSettings().merged({"seed": 5})
     assert g.seed == 5 and g.cfg_value == p.GenerationSettings().cfg_value
+
+
+@pytest.mark.parametrize("generation, served", [
+    ({"timesteps": 13}, False), ({"timesteps": 12}, True), ({"timesteps": None}, True), ({"cfg_value": 10.5}, False),
+    ({"cfg_value": 1}, True), ({"temperature": 2.01}, False), ({"temperature": 0}, True),
+    ({"cfg_value": 10**400}, False),
+])
+def test_sampling_settings_are_checked_against_the_engines_ranges(generation, served):
+    """With the engine's `SamplingRanges` (the session passes its engine's), the sampling settings get the engine
+    guard's ranges and words: one definition for both."""
+    from engine.guards import SamplingRanges
+
+    ranges = SamplingRanges(max_timesteps=12)
+    if served:
+        assert p.check_generation(generation, ranges=ranges) == generation
+        return
+    with pytest.raises(ProtocolError) as e:
+        p.check_generation(generation, ranges=ranges)
+    name = next(iter(generation))
+    assert e.value.code == ErrorCode.INVALID_VALUE and ranges.describe(name) in e.value.message
 
 
 def test_server_messages_serialise_with_their_type():

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from engine.config import ModelConfig
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchAttention
+from engine.model.euler import RowSteps
 from engine.model.layers import FSQ
 from engine.model.local import CFM, LocDiT, LocEnc
 from engine.model.lora import LoRAState
@@ -118,22 +119,34 @@ class VoxCPMModel(nn.Module):
         r = self.residual_lm.forward_paged(res_in, positions, meta, caches[1], self.attention)
         return h[last_index], r[last_index]
 
-    def sample_patches(self, lm_h: Tensor, res_h: Tensor, cond: Tensor, noise: Tensor, timesteps: int,
+    def sample_patches(self, lm_h: Tensor, res_h: Tensor, cond: Tensor, noise: Tensor, timesteps: int | RowSteps,
                        cfg_value: Tensor) -> Tensor:
         """Next patch of each of B sequences: mu from lm_h/res_h [B, H], CFM Euler solve with CFG-Zero* over LocDiT.
 
         cond [B, P, D] previous patch (zeros at the first zero-shot step); noise [B, D, P] drawn by the caller like
-        the official `randn(b, feat_dim, P) * temperature`; cfg_value [B]. Returns patches [B, P, D] fp32."""
+        the official `randn(b, feat_dim, P) * temperature`; timesteps: one value for every row, or each row's own
+        schedule (`engine.model.euler.RowSteps`); cfg_value [B]. Returns patches [B, P, D] fp32."""
         b, p, d = lm_h.shape[0], self.config.patch_size, self.config.feat_dim
         if cond.shape != (b, p, d) or noise.shape != (b, d, p) or cfg_value.shape != (b,):
             raise ValueError(f"sample_patches: for {b} sequences need cond [{b}, {p}, {d}], noise [{b}, {d}, {p}] "
                              f"and cfg_value [{b}] (got {tuple(cond.shape)}, {tuple(noise.shape)}, "
                              f"{tuple(cfg_value.shape)})")
+        if isinstance(timesteps, int):
+            timesteps = self.feat_decoder.uniform_steps(timesteps, b, lm_h.device)
+        elif timesteps.index.shape[0] != b or timesteps.dt.shape != timesteps.index.shape:
+            raise ValueError(f"sample_patches: for {b} sequences need RowSteps index and dt [{b}, W] (got "
+                             f"{tuple(timesteps.index.shape)}, {tuple(timesteps.dt.shape)})")
+        return self.continue_patches(lm_h, res_h, cond, noise.transpose(1, 2), timesteps, cfg_value)
+
+    def continue_patches(self, lm_h: Tensor, res_h: Tensor, cond: Tensor, x: Tensor, steps: RowSteps,
+                         cfg_value: Tensor) -> Tensor:
+        """`sample_patches` from the solver state x [B, P, D] (the noise, or what earlier evaluations of the same
+        solve left) through the evaluations `steps` lists: a solve split in two parts gives the patches of one."""
         if self.lora is not None:
             self.lora.begin_sampling()
         lm_mu, res_mu = self.lm_to_dit_proj(lm_h), self.res_to_dit_proj(res_h)
         mu = torch.stack((lm_mu, res_mu), dim=1) if self.is_v2 else (lm_mu + res_mu)[:, None]
-        return self.feat_decoder.solve(noise.transpose(1, 2), mu, cond, timesteps, cfg_value)
+        return self.feat_decoder.solve(x, mu, cond, steps, cfg_value)
 
     def stop_flags(self, lm_h: Tensor) -> Tensor:
         """bool [B]: the stop head's argmax is 1."""

@@ -95,9 +95,16 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = previous
 
 
-def check_graphed_steps(runner: Runner, sched: Scheduler, loaded, batch: int) -> None:
+MIXED_TIMESTEPS = (4, 1, 6, 2, 5, 3)  # around the default 4, up to the served 6 (`max_timesteps`)
+MIXED_CFG = (2.0, 1.0, 0.0, 3.0)
+
+
+def check_graphed_steps(runner: Runner, sched: Scheduler, loaded, batch: int, mixed: bool = False) -> None:
+    """`mixed`: each row at its own timesteps and cfg (MIXED_*), in the same decode graph and sample graph; the
+    eager reference solves each timesteps group on its own."""
     for i in range(batch):
-        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=10 + 3 * i, cfg_value=1.5 + 0.25 * (i % 3)))
+        timesteps, cfg = (MIXED_TIMESTEPS[i % 6], MIXED_CFG[i % 4]) if mixed else (4, 1.5 + 0.25 * (i % 3))
+        sched.add(make_spec(i, loaded.config, timesteps=timesteps, prompt_len=10 + 3 * i, cfg_value=cfg))
     for _ in range(3):
         advance(runner, sched)
     seqs = sched.schedule()
@@ -117,6 +124,23 @@ def test_graphed_steps_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
     runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
     assert runner.graphs is not None and runner.sample_graphs is not None
     check_graphed_steps(runner, sched, loaded, batch)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [8, 5])
+def test_graphed_steps_at_mixed_settings_equal_eager_steps(cuda, tiny_v2_dir, no_tf32, batch):
+    """A request's settings never change the step's path: rows at timesteps 1-6 (default 4, served up to 6) and cfg
+    0, 1, 2, 3 replay the same decode and sample graphs as a uniform batch (the default's 3 evaluations), rows at 5
+    and 6 finish theirs in a tail graph; each row equals its eager solve."""
+    loaded = load_model(tiny_v2_dir, cuda, "float32")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6)
+    assert runner.graph_evals == 3 and runner.schedules.width == 5 and runner.tail.graphs is not None
+    replays, tails = [], []
+    replay, tail = runner.graphs.replay, runner.tail.graphs.replay
+    runner.graphs.replay = lambda rows: replays.append(rows) or replay(rows)
+    runner.tail.graphs.replay = lambda rows: tails.append(rows) or tail(rows)
+    check_graphed_steps(runner, sched, loaded, batch, mixed=True)
+    assert replays and tails  # the decode step of mixed settings replayed its graph, then the tail's
 
 
 @gpu
@@ -177,11 +201,17 @@ def test_fp8_locdit_graphed_decode_step_equals_its_eager_step(cuda, tiny_v2_dir,
     graphed_vs_eager(runner, seqs)
 
 
-def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_bucket_padding_rows_are_harmless_on_cpu(tiny_v2_dir, mixed):
     loaded = load_model(tiny_v2_dir, "cpu")
-    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4)
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=16, timesteps=4, max_timesteps=6 if mixed else None)
     runner.buckets = [8, 16]  # CPU runs the exact batch by default; force the CUDA bucketing (5 -> 8 rows)
-    check_graphed_steps(runner, sched, loaded, 5)
+    tails = []
+    if mixed:
+        tail = runner.tail.body
+        runner.tail.body = lambda rows: tails.append(rows) or tail(rows)
+    check_graphed_steps(runner, sched, loaded, 5, mixed=mixed)
+    assert tails == [8] * len(tails) and bool(tails) == mixed  # 2 rows at 5 and 6 timesteps + 6 of padding
 
 
 @gpu
@@ -265,6 +295,29 @@ def assert_same_streams(runs: list[list], reference: list[list]) -> None:
         assert [c.index for c in a] == [c.index for c in s] and a[-1].stop_reason == s[-1].stop_reason
         np.testing.assert_allclose(np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in s]),
                                    atol=5e-2)
+
+
+@gpu
+async def test_streams_at_mixed_settings_equal_each_stream_alone(cuda, tiny_v2_dir, monkeypatch):
+    """The serving engine (decode graphs, steps launched ahead, the VAE lane) with streams at timesteps 1-6 (default
+    4, served up to 6) and cfg 0-3 sharing steps: each stream equals its run alone on the same engine (bf16, within
+    the batch-invariance tolerance), and no step left the graphs for their sake."""
+    text = "Every stream keeps its own settings."
+    cases = [dict(seed=40 + i, timesteps=MIXED_TIMESTEPS[i % 6], cfg_value=MIXED_CFG[i % 4]) for i in range(12)]
+
+    async def streams(engine: Engine) -> list[list]:
+        async def one(case: dict) -> list:
+            return [c async for c in engine.generate(text, max_length=8, min_length=8, **case)]
+
+        together = await asyncio.gather(*(one(case) for case in cases))
+        alone = [await one(case) for case in cases]
+        return [together, alone]
+
+    (together, alone), ahead = await serve_tiny(tiny_v2_dir, monkeypatch, {}, streams, "ahead_steps",
+                                                max_timesteps=6)
+    assert ahead > 0  # steady steps of mixed settings were launched ahead, as uniform ones are
+    assert len({c.step for chunks in together for c in chunks}) < sum(len(chunks) for chunks in together)
+    assert_same_streams(together, alone)
 
 
 @gpu
