@@ -2,7 +2,7 @@
 
 A batch-1 step is ~1,900 dependent kernels in a CUDA graph. Its LocDiT alone is 3.9 ms in ~1,200 kernels, while its
 weights take ~0.9 ms to read from HBM. Each GEMM costs 4.8-7.4 us cold and is only 12-26% faster with its weights
-already in L2 (bench/results/README.md, s12 `prefetch.json`): what each kernel pays is mostly fixed latency (launch,
+already in L2 (docs/decisions.md, L2 prefetch): what each kernel pays is mostly fixed latency (launch,
 prologue, ramp) in series with its neighbours.
 
 With PDL, a kernel can start while the one before it still runs. It loads what does not depend on that kernel (its

@@ -2,7 +2,7 @@
 
 s14b (`bench/pdl_gemm_bench.py`): at 22 rows every GEMM costs 5-10 us, cuBLAS or Triton, mostly fixed latency, and
 the LocDiT runs ~430 of them a step. The plan left for issue 4's batch-1 target is a persistent LocDiT: one launch,
-every SM a program, a grid-wide barrier between dependent phases (bench/results/README.md, end of s14). This asks
+every SM a program, a grid-wide barrier between dependent phases (docs/decisions.md). This asks
 the question that plan stands on, before anyone writes it: what does a barrier plus a GEMM phase cost?
 
 Chains of the LocDiT's GEMMs at c=1 (22 rows; q|k|v, o, gate|up, down per layer, 12 layers, weights of their own),

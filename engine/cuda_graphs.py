@@ -39,11 +39,10 @@ LM_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
 LM_GRAPH_SEQS = (2, 4, 8, 16, 32, 64)
 EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions (`eager_flat_key`)
 # Large LM graphs, past LM_GRAPH_TOKENS up to this many positions (a c=64 burst of ~111-position prompts is ~7,100).
-# s15b (H200): launching such a step eagerly took 26-54 ms of host time, as long as its GPU work (48-60 ms) or
-# longer, so a burst's first audio waited on the host; with FP8 GEMMs the step was host-bound every time.
-# s16b: replaying a large LM graph, the step's launch took 4-5.5 ms.
+# Launched eagerly, such a step's ~500 launches take about as long on the host as its GPU work, or longer, so a
+# burst's first audio would wait on the host (with FP8 GEMMs every time); one replay takes that host time away.
 LARGE_LM_GRAPH_TOKENS = 8192
-# VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager, as before s15); =text: only those
+# VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager); =text: only those
 # of prompts alone (LocEnc on no row). For A/B timing and as a fallback.
 LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1")
 
@@ -136,9 +135,9 @@ def eager_flat_key(tokens: int, seqs: int) -> tuple[int, int]:
     """The padded flat batch of an eager mixed step (beyond the LM graphs): positions rounded up to 1/8 of their
     power of two (at least EAGER_TOKEN_STEP), sequences (plus the padding one) to a multiple of 16.
 
-    cuBLAS picks a GEMM kernel per new shape: measured on an H200, a bf16 linear whose row count it has not seen
-    costs ~230 us of host time against ~30 us for a known one, so a mixed step of a fresh token count spent ~40 ms
-    launching its ~200 linears while the GPU idled. Padding (at most 1/8 more work) makes a few dozen shapes recur;
+    cuBLAS picks a GEMM kernel per new shape: a linear whose row count it has not seen costs several times the
+    host time of a known one, so a mixed step of a fresh token count would spend tens of ms launching its ~200
+    linears while the GPU idles. Padding (at most 1/8 more work) makes a few dozen shapes recur;
     the multiple of 16 keeps Triton's integer specializations the warm-up compiled."""
     step = max(EAGER_TOKEN_STEP, 1 << max(0, tokens.bit_length() - 4))
     return -(-tokens // step) * step, -(-(seqs + 1) // 16) * 16

@@ -349,8 +349,8 @@ def quantize_rows_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
         x = x.contiguous()
     q, scale = _fp8_rows(*x.shape, x.device)
     if x.numel():
-        # s14c: two passes over 2,048- and 6,144-wide rows ran at ~1.4 TB/s; a row of up to 8,192 now stays in
-        # registers (16 warps: 16 values a thread at most)
+        # a row of up to 8,192 stays in registers (16 warps: 16 values a thread at most), so x is read once: two
+        # passes read it twice, the second waiting on the first's reduction
         block = min(8192, triton.next_power_of_2(x.shape[1]))
         _quantize_rows_fp8_kernel[(x.shape[0],)](x, q, scale, x.stride(0), q.stride(0), x.shape[1], BLOCK=block,
                                                  ONE_PASS=block >= x.shape[1], num_warps=min(16, max(1, block // 256)))

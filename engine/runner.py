@@ -144,9 +144,9 @@ class HostStaging:
     def writable(self) -> None:
         """Wait until the device has read the last upload from these buffers (returns at once before any). A
         serving step finds it done (steps alternate two stagings and collect one before staging into it again);
-        the warm-up, staging bucket after bucket into one, waits here. s16a (H200): without this wait the host, once
-        ahead of the device, rewrote a bucket's lengths under the previous bucket's pending copy, and the attention
-        read past its tensors."""
+        the warm-up, staging bucket after bucket into one, waits here. Without this wait a host ahead of the device
+        would rewrite a bucket's lengths under the previous bucket's pending copy, and the attention would read past
+        its tensors."""
         if self.uploaded is not None:
             self.uploaded.synchronize()
 
@@ -295,7 +295,7 @@ class Runner:
                     self.tail.capture(pool)
                 if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
                     # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
-                    # `StepGraphs`; sharing one made steps launched ahead sample wrong patches now and then, s11d-s13)
+                    # `StepGraphs`; with one shared, steps launched ahead would sample wrong patches now and then)
                     self.vae_graphs = StepGraphs(self._vae_body, self.buckets or [], self._pad_vae,
                                                  torch.cuda.graph_pool_handle(), stream=self.vae_stream)
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
@@ -346,8 +346,8 @@ class Runner:
         mixed, decode, vae = self._measure_activations(cfg)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak; measured on
-        # an H200 it takes ~2.1x the largest step's peak (every bucket keeps its outputs; captures fragment it).
+        # The graph pool holds the decode steps' intermediates for good, beside the eager steps' peak: about twice
+        # the largest step's peak (every bucket keeps its outputs; captures fragment it).
         # With LoRA the adapter-free sets too; the VAE lane's graphs have a pool of their own.
         graphs = GRAPH_POOL_FACTOR * (decode * (1 + self.lora + (self.tail is not None)) + vae)
         if cfg.cuda_graphs:  # the large LM graphs' intermediates: the mixed peak scaled to their largest bucket

@@ -38,8 +38,8 @@ from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
 
 SETTLED_MS = 1000.0  # a stream's deadline slack counts for routing once it has spoken this long
-# the default `split_decodes_above`: on an H200 a full VoxCPM2 step there is ~80 ms, so a new prompt's ~3 steps of
-# wait approach the 300 ms TTFB target beyond it (at ~400 streams split: TTFB p90 404 -> 228 ms, throughput -6%)
+# the default `split_decodes_above`: beyond it a full VoxCPM2 step is long enough that a new prompt's ~3 steps of
+# wait approach the 300 ms TTFB target (split, each wait is about half as long, for a few % of throughput)
 SPLIT_DECODES_ABOVE = 320
 
 

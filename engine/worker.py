@@ -68,13 +68,13 @@ class WorkerConfig:
     # more speaking streams than this decode in two halves taking turns (see `Scheduler`): steps about half as long,
     # so first audio about twice as fast at high load; None: every stream decodes every step
     split_decodes_above: int | None = SPLIT_DECODES_ABOVE
-    # the streaming VAE decoder's dtype: "float32" as the official code keeps it, or "bfloat16" (H200 batch 256:
-    # 17.2 -> 11.7 ms a step, relative audio error ~2.7% on random weights); prompts are always encoded in float32
+    # the streaming VAE decoder's dtype: "float32" as the official code keeps it, or "bfloat16" (faster at large
+    # batches, relative audio error ~2.7% on random weights); prompts are always encoded in float32
     vae_dtype: str = "float32"
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
     cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
-    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: ~1.5x faster on an H200 (s15a),
+    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: faster GEMMs,
     # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
     fp8_prefill: bool = False
     # the LocDiT's GEMMs of >= MIN_ROWS rows (from ~47 streams on, 22 rows each, and prefill bursts) in FP8 too: every
@@ -89,8 +89,8 @@ class WorkerConfig:
     # a time, the host preparing each step while the device waits)
     async_scheduling: bool = field(default_factory=lambda: os.environ.get("VOXGATE_ASYNC_SCHEDULING", "1") != "0")
     # with async_scheduling: a step launched ahead may also admit waiting prompts, so under steady arrivals the host
-    # stages mixed steps while the device runs the one before (on H200: Poisson 45/s peaked at 140 streams, RTF 0.21,
-    # gap p99 66 ms, against 332 streams, RTF 0.54, gap p99 170 ms without). None: on CUDA only (a CPU runs each
+    # stages mixed steps while the device runs the one before (without it the device idles while each is staged,
+    # steps grow and streams pile up). None: on CUDA only (a CPU runs each
     # step as it is launched: nothing to hide); VOXGATE_ASYNC_MIXED=1 / 0 forces it on / off
     async_mixed: bool | None = field(
         default_factory=lambda: {"1": True, "0": False}.get(os.environ.get("VOXGATE_ASYNC_MIXED", "")))

@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                             "it merged into the weights (base-model speed, ~0.8 GB more GPU memory for VoxCPM2)")
         p.add_argument("--fp8-prefill", action="store_true",
                        help="run the LMs' large prefill GEMMs (bursts of prompts, long prompts) in FP8: ~1.5x "
-                            "faster GEMMs (H200: 64 prompts at once get first audio ~10 ms sooner), for FP8 rounding "
+                            "faster GEMMs (a burst of prompts gets its first audio sooner), for FP8 rounding "
                             "in the prompts' KV cache and ~1.7 GB more GPU memory for VoxCPM2; needs an Ada or Hopper "
                             "GPU; not with LoRA or tensor parallelism")
         p.add_argument("--fp8-dit", action="store_true",

@@ -26,9 +26,8 @@ URGENT = 200.0
 def default_threads() -> int:
     """VOXGATE_ENCODE_THREADS, or three encode threads per four cores this process may run on, up to 12. A chunk's
     frames are one C call that releases the GIL once, so threads scale, but not onto every core: the event loop
-    thread (~45% busy at 500 sessions) and the socket writes need the rest. On a 16-core H200 host at 500 Opus
-    sessions (bench/gateway_capacity.py): 8 threads 2804 underruns (frame lateness p99 126 ms), 12 threads 831
-    (101 ms), 16 threads 1161 (120 ms, event-loop lag p99 59 ms)."""
+    thread (~45% busy at 500 sessions) and the socket writes need the rest; past that, more threads only convoy
+    (bench/gateway_capacity.py)."""
     if os.environ.get("VOXGATE_ENCODE_THREADS"):
         return max(1, int(os.environ["VOXGATE_ENCODE_THREADS"]))
     try:

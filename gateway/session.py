@@ -38,8 +38,8 @@ PACE_QUANTUM_MS = 160.0
 OFFLOADED_FORMATS = ("opus",)
 # A turn's first chunk is encoded in two pool calls: HEAD_FRAMES frames (sent as soon as they are encoded), then the
 # rest (`Session._encode_chunk`). A burst of new turns then gets every turn's first audio out before anyone's rest.
-# Later chunks stay one call: on the H200 host at 500 Opus sessions, splitting every short listener's chunk doubled
-# the event loop's hops and writes (loop lag p99 11 -> 52 ms) and made underruns worse (831 -> 2,562), not better.
+# Later chunks stay one call: splitting every short listener's chunk doubles the event loop's hops and writes,
+# which at hundreds of Opus sessions adds loop lag and underruns instead of removing them.
 # Two frames, not one: 20 ms would be spent before the rest of a burst is encoded.
 HEAD_FRAMES = 2
 

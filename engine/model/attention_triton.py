@@ -206,8 +206,7 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]
     rope: (cos, sin) fp32 [L, D] to rotate q and k by as they are loaded (rotate-half, token t at row t; q and k
     are not written): the same result, bit for bit, as `rope_` on q and k before a call without it.
 
-    torch's SDPA pads such short sequences into 64-128-row tiles: on an H200 it took 168 us per LocDiT layer at
-    batch 256 where the bytes take ~11 us."""
+    torch's SDPA pads such short sequences into 64-128-row tiles: nearly all of its work there is padding."""
     b, length, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     if not short_attention_fits(q, k) or min(t.stride(-1) for t in (q, k, v)) != 1:
@@ -320,8 +319,8 @@ class TritonAttention:
                  device: torch.device) -> int:
         """Query rows (query heads x tokens) per program of a step with prefill chunks: rows_per_program if set,
         else the largest tile that the sequences' mean length fills and that still gives every SM a program. Each
-        program reads its keys once, so larger tiles read the cache fewer times: a 64-prompt burst of 114 positions
-        (H200, bench/kernels_bench.py --only-prefill) takes 85 / 62 / 56 us a layer at 64 / 128 / 256 rows. Decode
+        program reads its keys once, so larger tiles read the cache fewer times (a burst of 64 prompts runs fastest
+        at 256 rows: bench/kernels_bench.py --only-prefill). Decode
         rows beside prompts keep small tiles: a program computes its whole tile, filled or not. From host ints only
         (`tokens` is the flat batch's length), so a graph bucket always gets the same tile."""
         if self.rows_per_program is not None:

@@ -36,7 +36,7 @@ FUSED_DECODER: bool | None = None
 def gemms_like_convs() -> Iterator[None]:
     """cuBLAS in TF32 exactly when cuDNN is (torch's default: cuDNN on, cuBLAS off), for the decoder's fused path:
     its GEMMs replace convs that cuDNN ran in TF32, so the numerics stay those of the eager decoder (fp32 GEMMs
-    instead cost ~8 ms of a batch-256 step on an H200). The worker is one thread: the global flag is safe to flip."""
+    instead cost several ms more in a large step). The worker is one thread: the global flag is safe to flip."""
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
     try:
@@ -106,7 +106,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         bias as it reads it (the fused decoder's first residual unit)."""
         s = self.stride[0]
         # A few wide frames (the first block sees a patch's 4 latent frames x 2048 channels): cuDNN picks a slow
-        # fp32 kernel there (14.7 ms of a 85 ms batch-256 step on an H200); one GEMM of 69 GFLOP (TF32) instead.
+        # fp32 kernel there (a large step's largest kernel); one GEMM of 69 GFLOP (TF32) instead.
         short = fused_decoder(x) and x.shape[-1] <= SHORT_TRANSPOSED_FRAMES
         y = conv_transpose_gemm(x, self.weight, s) if short else F.conv_transpose1d(x, self.weight, None, s)
         n = x.shape[-1] * s
@@ -293,7 +293,7 @@ class Decoder(nn.Module):
         for layer, cond in zip(self.model, conds, strict=True):
             if cond is not None and cond.out_layer is None and fused_decoder(x):
                 # the condition's x * scale + shift done by the block's first Snake as it reads x: two passes over
-                # the activations fewer per block (at batch 256, fp32: ~1.4 ms of a ~17 ms VAE on an H200)
+                # the activations fewer per block
                 x = layer(x, states, cond.affine(self.bucket))
                 continue
             if cond is not None:

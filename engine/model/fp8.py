@@ -1,7 +1,7 @@
 """FP8 (e4m3) GEMMs for steps of many rows: the opt-in `fp8_prefill` (both LMs) and `fp8_dit` (the LocDiT).
 
-A burst of prompts is compute-bound: 64 prompts of ~111 positions through both LMs are ~24 TFLOP, ~36 ms of bf16
-GEMMs on an H200 at ~700 TFLOPS (bench/results, s11c), most of the first audio's wait. FP8 tensor cores have twice
+A burst of prompts is compute-bound: 64 prompts of ~111 positions through both LMs are ~24 TFLOP of bf16
+GEMMs, most of the first audio's wait. FP8 tensor cores have twice
 bf16's rate. Weights are quantized once at load, per output channel; a GEMM's input per row as it runs: on CUDA by
 the kernel that produces it where one can (the norms before q|k|v and gate|up, SwiGLU's silu_mul, which hand over
 `Fp8Rows`), else by one quantizer kernel. The product is `torch._scaled_mm` with both row-wise scales, out in the
@@ -134,8 +134,7 @@ def weights(module: nn.Module) -> list[Fp8Weight]:
 
 def warm_up(module: nn.Module, max_rows: int) -> None:
     """Run each of the module's FP8 GEMM shapes once at row counts from MIN_ROWS to `max_rows` (CUDA), so cuBLASLt
-    picks and loads its kernels at start and not in the first burst (s14c: the first c=64 burst's prefill step took
-    101 ms of wall time, the next ones 55)."""
+    picks and loads its kernels at start and not in the first burst (whose prefill step would wait on those loads)."""
     by_shape = {w.weight.shape: w for w in weights(module)}
     if not by_shape or next(iter(by_shape.values())).weight.device.type != "cuda":
         return

@@ -98,9 +98,7 @@ VARIANTS: dict[str, Variant] = {
     "split_4sm": Variant("split", FUSED_BLOCK_N, FUSED_BLOCK_K, per_sm=4),  # twice the K splits: shorter K walks
 }
 # What `lora_add_` runs by default (see `choose`): flip these after bench/lora_bench.py --step has measured them.
-# H200 (bench/results/2026-11-29-h200-s5d/lora_step.json), us per op in a graph of a step's layers, batch 1 DiT / LM:
-# one_k256 5.3 / 6.4, split 6.3 / 7.5, one 7.1 / 8.9, two 8.7 / 8.1; batch 64: two_pdl 13.9 / 12.6, two_n256_w8
-# 15.7 / 12.6, two 16.9 / 15.4, split 25.5 / 19.0
+# Each is the fastest op in a graph of a whole step's layers at its sizes (docs/decisions.md, LoRA kernels).
 SMALL_VARIANT = "one_k256"  # where `fuse` allows one launch (decode sizes)
 # everywhere else; VOXGATE_LORA_LARGE_VARIANT picks another for an end-to-end A/B (bench/gpu_run.sh lora_variants)
 LARGE_VARIANT = os.environ.get("VOXGATE_LORA_LARGE_VARIANT", "two_pdl")

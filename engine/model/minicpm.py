@@ -22,8 +22,8 @@ from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache,
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
 # Dense stacks with fewer sequences than this rotate q|k with the rope_ kernel first: at a few sequences the rotation
-# inside the short attention kernel costs more than the launch it saves (H200, bench/kernels_bench.py: LocDiT
-# attention at 2 sequences 9.5 us fused vs 8.6 us rope_ + attention; at 512, 33.5 vs 36.7 us). Break-even not
+# inside the short attention kernel costs more than the launch it saves; at hundreds it saves more
+# (bench/kernels_bench.py). Break-even not
 # measured between; the batch is a host int, so each CUDA graph bucket takes one path.
 DENSE_ROPE_IN_ATTENTION_MIN_SEQS = 64
 
@@ -150,8 +150,8 @@ class MiniCPM(nn.Module):
         """Bidirectional, no cache: x [B, L, H] at positions 0..L-1 (the RoPE table is cached per L) -> [B, L, H], or
         with `keep_last` the last keep_last tokens' outputs, [B, keep_last, H]: the last layer's attention then
         queries for those only, and its o_proj and MLP run on them only. The LocDiT reads its last P tokens: 7 of
-        VoxCPM2's 11 rows skipped in the last layer, ~4.5% of its GEMM work (H200 step: -0.42 ms at 64 streams,
-        -1.89 at 256). On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own),
+        VoxCPM2's 11 rows skipped in the last layer, ~4.5% of its GEMM work.
+        On CUDA the attention kernel rotates q and k as it loads them (no RoPE launch of its own),
         from `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
         last_layer = len(self.layers) - 1
