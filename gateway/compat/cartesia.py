@@ -13,9 +13,9 @@ Client -> native:
   max_buffer_delay_ms, add_timestamps, model_id, language, ...} -> text.append on that context, opened with its voice
   and format (a session.update first when they differ from the previous context's: contexts already speaking keep
   theirs);
-- `flush` -> text.flush, answered by flush_done with flush_id 1, 2, ... once that audio is sent (chunks carry the
-  flush_id their audio belongs to); `max_buffer_delay_ms: 0` (the client buffers: each input is a whole unit) ->
-  text.flush after every input;
+- `flush` -> text.flush, answered by flush_done with flush_id 1, 2, ... right after that flush's last audio (chunks
+  carry the flush_id their audio belongs to; audio after the last flush requested carries none);
+  `max_buffer_delay_ms: 0` (the client buffers: each input is a whole unit) -> text.flush after every input;
 - `continue` false or missing (no more input) -> context.end;
 - {context_id, cancel: true} -> context.cancel; nothing more is sent for that context.
 Native -> client: audio frames -> {type: "chunk", data: base64, done: false, status_code: 206, step_time (ms since
@@ -185,7 +185,7 @@ class CartesiaBridge(SocketBridge):
         now = time.monotonic()
         message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
                    "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
-        if ctx.flushes:
+        if ctx.flushed < ctx.flushes:  # audio after the last flush requested belongs to none
             message["flush_id"] = ctx.flushed + 1
         ctx.last_chunk_at = now
         await self.send_json(message)
