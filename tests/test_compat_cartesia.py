@@ -12,7 +12,15 @@ import av
 import numpy as np
 import pytest
 import pytest_asyncio
-from compat_support import compat_server, llm_turn, released, run_tts, spoken_audio, words_spoken
+from compat_support import (
+    cartesia_message,
+    compat_server,
+    llm_turn,
+    released,
+    run_tts,
+    spoken_audio,
+    words_spoken,
+)
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -41,10 +49,12 @@ def _request(context_id: str, transcript: str, *, more: bool = True, fmt: dict =
 
 
 async def _until_done(ws, context_id: str) -> tuple[list[dict], list[dict]]:
-    """(chunk messages, other messages) of one context up to its `done`; fails on an error."""
+    """(chunk messages, other messages) of one context up to its `done`, every message checked against the
+    `cartesia` SDK's models; fails on an error."""
     chunks, others = [], []
     while True:
         m = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        cartesia_message(m)
         if m.get("context_id") != context_id:
             continue
         assert m["type"] != "error", m
@@ -99,6 +109,49 @@ async def test_continuations_flushes_and_timestamps_in_f32(port):
     assert ends[-1] == pytest.approx(len(samples) / 16000, abs=0.021)  # the last word ends with the audio
 
 
+@pytest.mark.parametrize("voice", [VOICE["id"], {"id": VOICE["id"]}, VOICE,
+                                   {"mode": "embedding", "embedding": [0.1] * 192}],
+                         ids=["id-string", "id-object", "mode-id", "embedding"])
+async def test_every_documented_voice_form_speaks(port, voice):
+    async with _connect(port) as ws:
+        await ws.send(_request("v", "Hi there.", more=False, voice=voice))
+        chunks, _ = await _until_done(ws, "v")
+    assert chunks
+    body = {"model_id": "sonic-3", "transcript": "Hi there.", "voice": voice, "output_format": PCM_24K}
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/bytes", json=body,
+                                                          headers={"X-API-Key": KEY}) as r:
+        assert r.status == 200 and len(await r.read()) % 960 == 0
+
+
+async def test_cartesia_sdk_speaks_with_a_plain_voice_id_over_http_and_the_socket(port):
+    from cartesia import AsyncCartesia
+
+    async with AsyncCartesia(api_key=KEY, base_url=f"http://127.0.0.1:{port}",
+                             websocket_base_url=f"ws://127.0.0.1:{port}") as client:
+        response = await client.tts.generate(model_id="sonic-3", transcript="Hello from the SDK.",
+                                             voice=VOICE["id"], output_format=PCM_24K)
+        audio = await response.read()
+        assert audio and len(audio) % 960 == 0  # whole 20 ms frames of 24 kHz s16le
+
+        async with client.tts.websocket_connect() as connection:
+            ctx = connection.context(model_id="sonic-3", voice=VOICE["id"], output_format=PCM_24K,
+                                     add_timestamps=True)
+            await ctx.push("Hello there, how are you?", flush=True)
+            await ctx.push(" Fine, thanks.")
+            await ctx.no_more_inputs()
+            events = [event async for event in ctx.receive()]
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "done" and kinds.count("flush_done") == 1
+    chunks = [e for e in events if e.type == "chunk"]
+    flushed_at = kinds.index("flush_done")
+    # flush 1's audio, its flush_done, then the rest, which belongs to no flush
+    assert {e.flush_id for e in events[:flushed_at] if e.type == "chunk"} == {1}
+    assert {e.flush_id for e in events[flushed_at:] if e.type == "chunk"} == {None}
+    assert sum(len(c.audio) for c in chunks) % 960 == 0
+    words = [w for e in events if e.type == "timestamps" for w in e.word_timestamps.words]
+    assert words == ["Hello", "there,", "how", "are", "you?", "Fine,", "thanks."]
+
+
 async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_one(port):
     story = " ".join(f"This is part {i} of a long reply that the caller interrupts." for i in range(12))
     mulaw = {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}
@@ -130,7 +183,8 @@ async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_on
     (json.dumps({"transcript": "Hi."}), "context_id"),
     (_request("x", "Hi.", fmt={"container": "mp3", "sample_rate": 44100}), "output_format"),
     (_request("x", "Hi.", fmt={"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 16000}), "sample_rate"),
-    (_request("x", "Hi.", voice={"mode": "embedding", "embedding": [0.1] * 4}), "voice"),
+    (_request("x", "Hi.", voice={"mode": "id"}), "voice"),
+    (_request("x", "Hi.", voice=["not", "a", "voice"]), "voice"),
     (_request("x", "Hi.", max_buffer_delay_ms=9000), "max_buffer_delay_ms"),
     (json.dumps({"context_id": "x", "transcript": 7}), "transcript"),
     (_request("x" * 129, "Hi."), "context_id"),
@@ -253,7 +307,7 @@ async def test_bytes_raw_f32_and_mulaw(port):
     (_bytes_request({"container": "ogg", "sample_rate": 48000}), {}, 400, "container"),
     (_bytes_request({"container": "wav", "encoding": "pcm_f32le", "sample_rate": 16000}), {}, 400, "pcm_s16le"),
     (_bytes_request({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 12345}), {}, 400, "sample_rate"),
-    ({**_bytes_request(PCM_24K), "voice": {"mode": "embedding", "embedding": [0.0]}}, {}, 400, "voice"),
+    ({**_bytes_request(PCM_24K), "voice": {"mode": "embedding", "embedding": []}}, {}, 400, "voice"),
 ])
 async def test_bad_bytes_requests_get_a_status_and_a_reason(port, body, headers, status, words):
     got, ctype, data = await _post_bytes(port, body, headers)
