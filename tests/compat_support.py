@@ -89,6 +89,46 @@ def words_spoken(frames: list) -> list[str]:
     return " ".join(f.text for f in frames if isinstance(f, TTSTextFrame)).split()
 
 
+async def livekit_synthesize(tts, text: str) -> list:
+    """The SynthesizedAudio events of a LiveKit TTS plugin's `synthesize(text)` (one request, one text)."""
+    async with tts.synthesize(text) as stream:
+        return [event async for event in stream]
+
+
+async def livekit_stream(tts, tokens: list[str]) -> list:
+    """The SynthesizedAudio events of a LiveKit TTS plugin's `stream()`, fed as an agent feeds it one reply: its
+    tokens pushed one by one, a flush, end_input (a stream is one segment: LiveKit makes a new one per reply)."""
+    stream = tts.stream()
+    try:
+        for token in tokens:
+            stream.push_text(token)
+        stream.flush()
+        stream.end_input()
+        return [event async for event in stream]
+    finally:
+        await stream.aclose()
+
+
+def livekit_audio(events: list, sample_rate: int):
+    """The events' audio as float samples, once checked as LiveKit plays it: mono frames at `sample_rate`, one
+    request, audible (not silence)."""
+    import numpy as np
+
+    frames = [e.frame for e in events]
+    assert frames and all(f.sample_rate == sample_rate and f.num_channels == 1 for f in frames)
+    assert len({e.request_id for e in events}) == 1 and events[-1].is_final
+    samples = np.concatenate([np.frombuffer(f.data, dtype=np.int16) for f in frames]).astype(np.float32) / 32768.0
+    assert np.sqrt(np.mean(samples ** 2)) > 1e-4
+    return samples
+
+
+def livekit_transcript(events: list) -> list:
+    """The aligned transcript a LiveKit TTS plugin attached to its audio frames (TimedStrings, in order)."""
+    from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
+
+    return [t for e in events for t in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+
+
 def llm_turn(*tokens: str) -> list:
     """The frames an LLM service pushes for one reply of these tokens."""
     from pipecat.frames.frames import LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame
