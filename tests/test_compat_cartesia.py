@@ -107,6 +107,8 @@ async def test_continuations_flushes_and_timestamps_in_f32(port):
     ends = [t for m in others if m["type"] == "timestamps" for t in m["word_timestamps"]["end"]]
     assert starts == sorted(starts) and all(s < e for s, e in zip(starts, ends, strict=True))
     assert ends[-1] == pytest.approx(len(samples) / 16000, abs=0.021)  # the last word ends with the audio
+    # flush_done follows the flush's last audio: "you?" ends in the last chunk tagged with flush 1
+    assert flushed_at * 0.02 - 0.02 < ends[words.index("you?")] <= flushed_at * 0.02 + 0.001
 
 
 @pytest.mark.parametrize("voice", [VOICE["id"], {"id": VOICE["id"]}, VOICE,
