@@ -394,7 +394,8 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
 
 async def _sse_response(request: web.Request, turn: OneTurn, first: dict[str, Any] | bytes, out: OutputFormat,
                         encoding: str, cid: str, timestamps: bool) -> web.StreamResponse:
-    """/tts/sse's body: each chunk, each segment's word timestamps once its span is known (when the next starts), then done."""
+    """/tts/sse's body: each chunk, each segment's word timestamps once its span is known (the next starts), then
+    done."""
     last = time.monotonic()
 
     def chunk(data: bytes) -> bytes:
