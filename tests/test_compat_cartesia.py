@@ -15,6 +15,7 @@ import pytest_asyncio
 from compat_support import (
     cartesia_message,
     compat_server,
+    conforms,
     llm_turn,
     released,
     run_tts,
@@ -335,6 +336,11 @@ async def test_sse_sends_chunks_word_timestamps_and_done(port):
                                                           headers={"X-API-Key": KEY}) as r:
         assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
         events = [json.loads(line[len(b"data: "):]) for line in (await r.read()).split(b"\n\n") if line]
+    from cartesia.types import tts_sse_event as sse
+
+    models = {"chunk": sse.TTSSSEChunkEvent, "timestamps": sse.TTSSSETimestampsEvent, "done": sse.TTSSSEDoneEvent}
+    for event in events:  # each as the `cartesia` SDK's own event model
+        conforms(models[event["type"]], event)
     assert all(e["context_id"] == "sse-1" for e in events) and events[-1]["type"] == "done"
     chunks = [e for e in events if e["type"] == "chunk"]
     samples = np.concatenate([np.frombuffer(base64.b64decode(c["data"]), dtype="<f4") for c in chunks])
