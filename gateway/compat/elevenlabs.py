@@ -143,7 +143,7 @@ class Bridge(SocketBridge):
         self.wire = WireFormat({}, None)  # the query's output_format, once parsed
         self.normalize = "auto"  # the query's apply_text_normalization
         # alignment times from the context's start (`sync_alignment=true`, LiveKit's plugin) or from the start of the
-        # audio each alignment covers (ElevenLabs' documented default, Pipecat's service): see `alignment`
+        # audio each alignment covers (ElevenLabs' documented default, Pipecat's service): `socket_alignment`
         self.sync_alignment = request.query.get("sync_alignment", "").lower() == "true"
         self.contexts: dict[str, _Context] = {}
         self.by_index: dict[int, str] = {}
@@ -262,9 +262,9 @@ class Bridge(SocketBridge):
                 self.by_index.pop(ctx.index, None)
                 if kind == "context.done":
                     if ctx.transcoder is not None:
-                        await self._send(cid, ctx.carrier.audio(ctx.transcoder.finish(), m["audio_ms"]))
+                        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.finish(), m["audio_ms"]))
                     await self._segment_end(cid, ctx, m["audio_ms"])
-                    await self._send(cid, ctx.carrier.finish())
+                    await self._send_audio(cid, ctx.carrier.finish())
             await self._final(cid)
             if not self.multi:
                 self.background(self.close(1000, "done"))
@@ -281,7 +281,7 @@ class Bridge(SocketBridge):
             return
         payload = bytes(data[HEADER_SIZE:])
         end_ms = unpack_frame_header(data)[4] + len(payload) * 1000.0 / self._bytes_per_s
-        await self._send(cid, ctx.carrier.audio(ctx.transcoder.write(payload) if ctx.transcoder is not None
+        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.write(payload) if ctx.transcoder is not None
                                                 else payload, end_ms))
 
     async def fail(self, e: ElevenLabsError) -> None:
@@ -305,9 +305,9 @@ class Bridge(SocketBridge):
         if ctx.segment is not None:
             start_ms, text = ctx.segment
             ctx.segment = None
-            await self._send(cid, ctx.carrier.segment_end((start_ms, text, end_ms)))
+            await self._send_audio(cid, ctx.carrier.segment_end((start_ms, text, end_ms)))
 
-    async def _send(self, cid: str, messages: list[tuple[bytes, list[Span]]]) -> None:
+    async def _send_audio(self, cid: str, messages: list[tuple[bytes, list[Span]]]) -> None:
         """Audio messages in the SDK's AudioOutput(Multi) form, each with the alignment of the segments it ends."""
         for payload, spans in messages:
             aligned = socket_alignment(spans, self.sync_alignment) if spans else None
