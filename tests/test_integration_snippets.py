@@ -2,6 +2,7 @@
 key put in): the LiveKit and Pipecat snippets' `tts` speaks a text through the framework, the SDK snippets'
 `speak(text)` returns the audio. A snippet that drifts from the code fails here."""
 
+import logging
 import re
 from pathlib import Path
 
@@ -53,9 +54,10 @@ async def test_each_framework_and_sdk_has_one_snippet():
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-async def test_livekit_snippet_speaks(port, client):
+async def test_livekit_snippet_speaks_without_warnings(port, client, caplog):
     from livekit.agents.utils import http_context
 
+    caplog.set_level(logging.WARNING, logger="livekit")
     async with http_context.open():  # what a LiveKit job provides to its plugins
         tts = _run(f"livekit-{client}", port)["tts"]
         try:
@@ -63,6 +65,7 @@ async def test_livekit_snippet_speaks(port, client):
         finally:
             await tts.aclose()
     assert len(samples) / RATE > 0.1
+    assert not [r for r in caplog.records if r.name.startswith("livekit")], caplog.text  # e.g. no request id
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pipecat's own
