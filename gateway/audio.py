@@ -410,6 +410,7 @@ class Encoder:
         self._produced = 0  # output-rate samples of real audio so far
         self._started = False
         self._finished = False
+        self._drained = True  # nothing encoded since the start or the last `drain`
         self._opus = None
         self._ogg: OggOpusWriter | None = None
         self._wav = WavStreamWriter(fmt.sample_rate) if fmt.format == "wav" else None
@@ -435,6 +436,7 @@ class Encoder:
             raise ValueError(f"pcm: expected mono samples (1-D), got shape {pcm.shape}")
         out = self._resampler.process(pcm)
         self._produced += len(out)
+        self._drained = self._drained and not len(pcm)
         if not self.framed:
             return self._emit(out, end=False)
         buf = np.concatenate([self._pending, out])
@@ -455,6 +457,25 @@ class Encoder:
         # Opus output lags its input by the lookahead: encode enough padding that the last real sample comes out
         frames = -(-(len(tail) + self.lookahead) // self.frame_samples)
         return self._emit(np.pad(tail, (0, frames * self.frame_samples - len(tail))), end=True)
+
+    def drain(self) -> tuple[list[bytes], int]:
+        """Everything encoded so far out now, the turn going on (a flush: its last audio must not wait for the next
+        text): the resampler's tail (a fresh resampler takes over) and the partial frame padded with silence to whole
+        frames, past the codec delay. (the wire chunks, output-rate samples of silence added)."""
+        if self._finished or self._drained:
+            return [], 0
+        self._drained = True
+        out = self._resampler.process(np.zeros(0, dtype=np.float32), last=True)
+        self._resampler = Resampler(self._resampler.in_rate, self._resampler.out_rate)
+        self._produced += len(out)
+        if not self.framed:  # a container codec keeps its own frame: what it holds goes out with the next audio
+            return self._emit(out, end=False), 0
+        tail = np.concatenate([self._pending, out])
+        self._pending = np.zeros(0, dtype=np.float32)
+        frames = -(-(len(tail) + self.lookahead) // self.frame_samples)
+        padding = frames * self.frame_samples - len(tail)
+        self._produced += padding
+        return self._emit(np.pad(tail, (0, padding)), end=False), padding
 
     def _emit(self, block: np.ndarray, end: bool) -> list[bytes]:
         """`block`: whole frames (framed formats) or whatever arrived (WAV, PyAV containers) -> wire chunks."""

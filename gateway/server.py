@@ -21,6 +21,7 @@ from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.readiness import drain, readyz, refuse_sockets_while_draining
+from gateway.refusals import log_refusal
 from gateway.session import Session, SessionConfig
 from gateway.store import Store, StoreUnavailable, open_store
 from gateway.voices import Catalog, Unavailable, VoiceRefused
@@ -162,6 +163,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
 
     app.cleanup_ctx.append(background)
     app.on_startup.append(_preload_normalizer)
+    app.on_response_prepare.append(log_refusal)
     app.on_shutdown.append(drain)
     return app
 

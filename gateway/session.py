@@ -500,6 +500,7 @@ class Session:
                 item = await turn.segments.get()
                 turn.idle = False
                 if isinstance(item, _FlushMark):
+                    await self._drain(turn)
                     await self._release_held(turn)
                     await turn.frames.put(item)
                     continue
@@ -600,6 +601,18 @@ class Session:
         if turn.offload is not None:
             return await turn.offload.run(work, *args, urgency=turn.buffered_ms(self.clock()))
         return work(*args)
+
+    async def _drain(self, turn: Turn) -> None:
+        """A flush: the audio still inside the encoder (resampler tail, partial frame) queued before the flush's
+        answer, so text.flushed follows the flush's last audio; the silence padding the last frame counts as fed."""
+        encoder = turn.encoder
+        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
+        if turn.offload is not None:
+            frames, padding = await turn.offload.run(encoder.drain, urgency=turn.buffered_ms(self.clock()))
+        else:
+            frames, padding = encoder.drain()
+        turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
+        await self._queue_packets(turn, frames)
 
     async def _encode_chunk(self, turn: Turn, pcm: np.ndarray) -> None:
         """One engine chunk -> its frames queued. A turn's first offloaded chunk is two calls, one after the other

@@ -39,6 +39,11 @@ if [ "$mode" = test ]; then
   $pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_for2==0.4.1" "docstring_parser==0.18.0" \
     "Markdown==3.11.3" "python-dotenv==1.2.4" "aiofiles==25.1.0" "loudness==0.2.0" "sentencex==1.0.32" \
     "resampy==0.4.3" "num2words==0.5.14" "pillow==13.0.0"
+  # The official SDKs and LiveKit Agents' TTS plugins are real clients for the compat tests (the SDKs' message models
+  # also judge every message the compat sockets send). protobuf stays below 7, as Pipecat requires.
+  $pip install -q "elevenlabs==2.78.0" "cartesia==4.2.0" "deepgram-sdk==7.17.0" "livekit-agents==1.8.9" \
+    "livekit-plugins-elevenlabs==1.8.9" "livekit-plugins-cartesia==1.8.9" "livekit-plugins-deepgram==1.8.9" \
+    "livekit-plugins-openai==1.8.9" "protobuf==6.33.6"
 else
   echo "==> installing voxgate"
   $pip install -q -e .

@@ -236,6 +236,31 @@ def test_an_empty_turn_still_produces_a_valid_stream():
         assert len(got) < encoder.frame_samples and np.all(np.abs(got) < 1e-3)
 
 
+@pytest.mark.parametrize("name, out_rate, rate", [("pcm_s16le", 24000, 16000), ("mulaw", 8000, 48000),
+                                                  ("opus", 48000, 16000)])
+def test_drain_puts_out_everything_encoded_so_far_and_the_turn_goes_on(name, out_rate, rate):
+    fmt = OutputFormat.from_dict({"format": name, "sample_rate": out_rate})
+    pcm = speech_like(rate, seconds=0.5)
+    half = len(pcm) // 2 + 7  # not a whole frame
+    encoder = Encoder(fmt, rate)
+    first = encoder.encode(pcm[:half])
+    drained, padding = encoder.drain()
+    assert encoder.drain() == ([], 0)  # nothing new since: no frame of silence per flush
+    # everything fed so far is out (whole frames, the last padded with silence past the codec delay)
+    out = len(first + drained) * encoder.frame_samples
+    fed = round(half * fmt.sample_rate / rate)
+    assert drained and abs(out - padding - fed) <= 1  # soxr's count may round the other way
+    assert encoder.lookahead <= padding < encoder.lookahead + encoder.frame_samples
+    rest = encoder.encode(pcm[half:]) + encoder.finish()
+    got = decode(fmt, first + drained + rest, encoder)
+    expected = soxr.resample(pcm, rate, fmt.sample_rate)
+    # the audio goes on after the inserted silence; the end is whole
+    assert len(got) - (len(expected) + padding) in range(0, encoder.frame_samples + 2)
+    tail = got[fed + padding:fed + padding + len(expected) - fed]
+    corr = np.corrcoef(tail[fmt.sample_rate // 20:], expected[fed:][fmt.sample_rate // 20:len(tail)])[0, 1]
+    assert corr > (0.75 if name == "opus" else 0.95)  # Opus is lossy (and high-passes): its waveform drifts more
+
+
 def test_encoder_rejects_bad_input():
     encoder = Encoder(OutputFormat(format="pcm_s16le"), 24000)
     with pytest.raises(ValueError, match="pcm"):

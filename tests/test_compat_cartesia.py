@@ -12,7 +12,16 @@ import av
 import numpy as np
 import pytest
 import pytest_asyncio
-from compat_support import compat_server, llm_turn, released, run_tts, spoken_audio, words_spoken
+from compat_support import (
+    cartesia_message,
+    compat_server,
+    conforms,
+    llm_turn,
+    released,
+    run_tts,
+    spoken_audio,
+    words_spoken,
+)
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -41,10 +50,12 @@ def _request(context_id: str, transcript: str, *, more: bool = True, fmt: dict =
 
 
 async def _until_done(ws, context_id: str) -> tuple[list[dict], list[dict]]:
-    """(chunk messages, other messages) of one context up to its `done`; fails on an error."""
+    """(chunk messages, other messages) of one context up to its `done`, every message checked against the
+    `cartesia` SDK's models; fails on an error."""
     chunks, others = [], []
     while True:
         m = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        cartesia_message(m)
         if m.get("context_id") != context_id:
             continue
         assert m["type"] != "error", m
@@ -88,15 +99,60 @@ async def test_continuations_flushes_and_timestamps_in_f32(port):
     assert np.abs(samples).max() <= 1.0 and np.sqrt(np.mean(samples ** 2)) > 1e-4
     flush_done = [m for m in others if m["type"] == "flush_done"]
     assert [(m["flush_id"], m["flush_done"]) for m in flush_done] == [(1, True)]
-    # audio up to the flush is flush 1's, what follows belongs to the next
-    flushed_at = sum(1 for m in chunks if m["flush_id"] == 1)
-    assert [c["flush_id"] for c in chunks] == [1] * flushed_at + [2] * (len(chunks) - flushed_at)
+    # audio up to the flush is flush 1's, what follows belongs to no flush (none was asked for after it)
+    flushed_at = sum(1 for m in chunks if m.get("flush_id") == 1)
+    assert [c.get("flush_id") for c in chunks] == [1] * flushed_at + [None] * (len(chunks) - flushed_at)
     words = [w for m in others if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]]
     assert words == ["Hello", "there,", "how", "are", "you?", "Fine,", "thanks."]
     starts = [t for m in others if m["type"] == "timestamps" for t in m["word_timestamps"]["start"]]
     ends = [t for m in others if m["type"] == "timestamps" for t in m["word_timestamps"]["end"]]
     assert starts == sorted(starts) and all(s < e for s, e in zip(starts, ends, strict=True))
     assert ends[-1] == pytest.approx(len(samples) / 16000, abs=0.021)  # the last word ends with the audio
+    # flush_done follows the flush's last audio: "you?" ends in the last chunk tagged with flush 1
+    assert flushed_at * 0.02 - 0.02 < ends[words.index("you?")] <= flushed_at * 0.02 + 0.001
+
+
+@pytest.mark.parametrize("voice", [VOICE["id"], {"id": VOICE["id"]}, VOICE,
+                                   {"mode": "embedding", "embedding": [0.1] * 192}],
+                         ids=["id-string", "id-object", "mode-id", "embedding"])
+async def test_every_documented_voice_form_speaks(port, voice):
+    async with _connect(port) as ws:
+        await ws.send(_request("v", "Hi there.", more=False, voice=voice))
+        chunks, _ = await _until_done(ws, "v")
+    assert chunks
+    body = {"model_id": "sonic-3", "transcript": "Hi there.", "voice": voice, "output_format": PCM_24K}
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/bytes", json=body,
+                                                          headers={"X-API-Key": KEY}) as r:
+        assert r.status == 200 and len(await r.read()) % 960 == 0
+
+
+async def test_cartesia_sdk_speaks_with_a_plain_voice_id_over_http_and_the_socket(port):
+    from cartesia import AsyncCartesia
+
+    async with AsyncCartesia(api_key=KEY, base_url=f"http://127.0.0.1:{port}",
+                             websocket_base_url=f"ws://127.0.0.1:{port}") as client:
+        response = await client.tts.generate(model_id="sonic-3", transcript="Hello from the SDK.",
+                                             voice=VOICE["id"], output_format=PCM_24K)
+        audio = await response.read()
+        assert audio and len(audio) % 960 == 0  # whole 20 ms frames of 24 kHz s16le
+
+        async with client.tts.websocket_connect() as connection:
+            ctx = connection.context(model_id="sonic-3", voice=VOICE["id"], output_format=PCM_24K,
+                                     add_timestamps=True)
+            await ctx.push("Hello there, how are you?", flush=True)
+            await ctx.push(" Fine, thanks.")
+            await ctx.no_more_inputs()
+            events = [event async for event in ctx.receive()]
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "done" and kinds.count("flush_done") == 1
+    chunks = [e for e in events if e.type == "chunk"]
+    flushed_at = kinds.index("flush_done")
+    # flush 1's audio, its flush_done, then the rest, which belongs to no flush
+    assert {e.flush_id for e in events[:flushed_at] if e.type == "chunk"} == {1}
+    assert {e.flush_id for e in events[flushed_at:] if e.type == "chunk"} == {None}
+    assert sum(len(c.audio) for c in chunks) % 960 == 0
+    words = [w for e in events if e.type == "timestamps" for w in e.word_timestamps.words]
+    assert words == ["Hello", "there,", "how", "are", "you?", "Fine,", "thanks."]
 
 
 async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_one(port):
@@ -130,7 +186,8 @@ async def test_contexts_speak_at_once_each_in_its_own_format_and_cancel_stops_on
     (json.dumps({"transcript": "Hi."}), "context_id"),
     (_request("x", "Hi.", fmt={"container": "mp3", "sample_rate": 44100}), "output_format"),
     (_request("x", "Hi.", fmt={"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 16000}), "sample_rate"),
-    (_request("x", "Hi.", voice={"mode": "embedding", "embedding": [0.1] * 4}), "voice"),
+    (_request("x", "Hi.", voice={"mode": "id"}), "voice"),
+    (_request("x", "Hi.", voice=["not", "a", "voice"]), "voice"),
     (_request("x", "Hi.", max_buffer_delay_ms=9000), "max_buffer_delay_ms"),
     (json.dumps({"context_id": "x", "transcript": 7}), "transcript"),
     (_request("x" * 129, "Hi."), "context_id"),
@@ -253,7 +310,7 @@ async def test_bytes_raw_f32_and_mulaw(port):
     (_bytes_request({"container": "ogg", "sample_rate": 48000}), {}, 400, "container"),
     (_bytes_request({"container": "wav", "encoding": "pcm_f32le", "sample_rate": 16000}), {}, 400, "pcm_s16le"),
     (_bytes_request({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 12345}), {}, 400, "sample_rate"),
-    ({**_bytes_request(PCM_24K), "voice": {"mode": "embedding", "embedding": [0.0]}}, {}, 400, "voice"),
+    ({**_bytes_request(PCM_24K), "voice": {"mode": "embedding", "embedding": []}}, {}, 400, "voice"),
 ])
 async def test_bad_bytes_requests_get_a_status_and_a_reason(port, body, headers, status, words):
     got, ctype, data = await _post_bytes(port, body, headers)
@@ -279,6 +336,11 @@ async def test_sse_sends_chunks_word_timestamps_and_done(port):
                                                           headers={"X-API-Key": KEY}) as r:
         assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
         events = [json.loads(line[len(b"data: "):]) for line in (await r.read()).split(b"\n\n") if line]
+    from cartesia.types import tts_sse_event as sse
+
+    models = {"chunk": sse.TTSSSEChunkEvent, "timestamps": sse.TTSSSETimestampsEvent, "done": sse.TTSSSEDoneEvent}
+    for event in events:  # each as the `cartesia` SDK's own event model
+        conforms(models[event["type"]], event)
     assert all(e["context_id"] == "sse-1" for e in events) and events[-1]["type"] == "done"
     chunks = [e for e in events if e["type"] == "chunk"]
     samples = np.concatenate([np.frombuffer(base64.b64decode(c["data"]), dtype="<f4") for c in chunks])

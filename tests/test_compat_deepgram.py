@@ -10,7 +10,7 @@ import aiohttp
 import av
 import pytest
 import pytest_asyncio
-from compat_support import compat_server, llm_turn, released, run_tts, spoken_audio
+from compat_support import compat_server, deepgram_message, llm_turn, released, run_tts, spoken_audio
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK, InvalidStatus
 
@@ -37,8 +37,8 @@ async def _speak(ws, *texts: str) -> None:
 
 
 async def _until(ws, kind: str) -> tuple[list[bytes], list[dict]]:
-    """(audio messages, JSON messages) up to and including the first JSON message of this type; fails on a
-    Warning that was not asked for."""
+    """(audio messages, JSON messages) up to and including the first JSON message of this type, each JSON message
+    checked against the `deepgram-sdk` speak v1 models; fails on a Warning that was not asked for."""
     audio, messages = [], []
     while True:
         m = await asyncio.wait_for(ws.recv(), 20)
@@ -46,6 +46,7 @@ async def _until(ws, kind: str) -> tuple[list[bytes], list[dict]]:
             audio.append(m)
             continue
         m = json.loads(m)
+        deepgram_message(m)
         messages.append(m)
         if m["type"] == kind:
             return audio, messages
@@ -66,6 +67,7 @@ async def test_pipecat_deepgram_service_speaks_an_llm_turn(port):
 async def test_utterances_play_one_after_another_each_answered_by_flushed(port):
     async with _connect(port) as ws:
         metadata = json.loads(await ws.recv())
+        deepgram_message(metadata)
         assert metadata["type"] == "Metadata" and metadata["model_name"] == "aura-2-helena-en"
         assert metadata["request_id"] and metadata["model_uuid"]
         await _speak(ws, "Hello there. ", "How are you?")
@@ -121,6 +123,7 @@ async def test_a_bad_message_gets_a_warning_and_the_socket_serves_on(port, messa
         await _until(ws, "Metadata")
         await ws.send(message)
         warning = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        deepgram_message(warning)
         assert warning["type"] == "Warning" and warning["code"] == code and warning["description"]
         await _speak(ws, "Still fine.")
         await ws.send(json.dumps({"type": "Flush"}))

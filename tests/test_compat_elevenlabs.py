@@ -11,7 +11,7 @@ import aiohttp
 import av
 import pytest
 import pytest_asyncio
-from compat_support import compat_server, run_tts, spoken_audio, words_spoken
+from compat_support import compat_server, conforms, elevenlabs_message, run_tts, spoken_audio, words_spoken
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -33,21 +33,22 @@ def _url(port: int, endpoint: str, **query: str) -> str:
 
 
 async def _until_final(ws, context_id: str | None = None, alignments: list | None = None) -> list[bytes]:
-    """Audio payloads (of one context) up to its isFinal message; the alignment messages go to `alignments`."""
+    """Audio payloads (of one context) up to its isFinal message, every message checked against the `elevenlabs`
+    SDK's models (stream-input's when `context_id` is None); the alignments (each on an audio message) go to
+    `alignments` as (alignment, audio bytes before the message)."""
     payloads = []
     while True:
         m = json.loads(await asyncio.wait_for(ws.recv(), 20))
         assert "error" not in m, m
+        elevenlabs_message(m, multi=context_id is not None)
         if context_id is not None and m.get("contextId") != context_id:
             continue
         if m.get("isFinal") is True:
             return payloads
-        if m["audio"] is None:  # a segment's alignment, in a message of its own
+        if m["alignment"] is not None:  # a segment's, on its last audio
             assert m["alignment"] == m["normalizedAlignment"] and m["alignment"]["chars"]
             if alignments is not None:
-                alignments.append(m["alignment"])
-            continue
-        assert m["alignment"] is None and m["normalizedAlignment"] is None
+                alignments.append((m["alignment"], sum(map(len, payloads))))
         payloads.append(base64.b64decode(m["audio"]))
 
 
@@ -68,22 +69,28 @@ async def test_pipecat_elevenlabs_service_gets_24khz_audio_frames_and_the_words_
     assert all(len(f.audio) == 960 for f in audio)  # 20 ms of 16-bit PCM at 24 kHz per message
 
 
-async def test_alignment_messages_cover_the_text_and_tile_the_audio(port):
+@pytest.mark.parametrize("sync_alignment", [False, True])
+async def test_alignment_rides_on_each_segments_last_audio(port, sync_alignment):
     text = "Hello there. How are you? Fine, thanks."
-    alignments: list[dict] = []
-    async with connect(_url(port, "stream-input", output_format="pcm_16000"),
-                       additional_headers={"xi-api-key": KEY}) as ws:
+    alignments: list[tuple[dict, int]] = []
+    query = {"output_format": "pcm_16000", **({"sync_alignment": "true"} if sync_alignment else {})}
+    async with connect(_url(port, "stream-input", **query), additional_headers={"xi-api-key": KEY}) as ws:
         await ws.send(json.dumps({"text": " "}))
         await ws.send(json.dumps({"text": text, "flush": True}))
         await ws.send(json.dumps({"text": ""}))
         audio = await _until_final(ws, alignments=alignments)
     assert len(alignments) > 1  # one per segment
-    assert "".join(c for a in alignments for c in a["chars"]).split() == text.split()
-    for a in alignments:  # times restart at zero in every message, in whole ms, back to back
+    assert "".join(c for a, _ in alignments for c in a["chars"]).split() == text.split()
+    ends_ms = []
+    for a, before in alignments:  # in whole ms, back to back inside each
         starts, durations = a["charStartTimesMs"], a["charDurationsMs"]
-        assert starts[0] == 0 and all(s + d == n for s, d, n in zip(starts, durations, starts[1:], strict=False))
-    spans_ms = sum(a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] for a in alignments)
-    assert spans_ms == pytest.approx(sum(map(len, audio)) / 32, abs=len(alignments))  # the spans tile the audio
+        assert all(s + d == n for s, d, n in zip(starts, durations, starts[1:], strict=False))
+        start_ms = ends_ms[-1] if ends_ms and sync_alignment else 0
+        assert starts[0] == pytest.approx(start_ms, abs=1)  # restart at 0, or go on from the last (sync_alignment)
+        ends_ms.append(starts[-1] + durations[-1] + (0 if sync_alignment else sum(ends_ms[-1:])))
+        # the last audio of the segment carries it: the audio sent so far reaches the segment's end
+        assert before / 32 < ends_ms[-1] <= before / 32 + 20 + 1
+    assert ends_ms[-1] == pytest.approx(sum(map(len, audio)) / 32, abs=len(alignments))  # the spans tile the audio
 
 
 async def test_stream_input_ulaw_with_key_in_first_message(port):
@@ -274,9 +281,12 @@ async def test_stream_with_timestamps_sends_json_lines(port):
                                       output_format="pcm_16000")
     lines = [json.loads(line) for line in data.splitlines() if line.strip()]
     assert status == 200 and ctype == "application/x-ndjson"
-    audio = [line for line in lines if "audio_base64" in line]
+    from elevenlabs.types import StreamingAudioChunkWithTimestampsResponse
+
+    for line in lines:  # every line has audio; an alignment rides on its segment's last
+        conforms(StreamingAudioChunkWithTimestampsResponse, line)
     alignments = [line["alignment"] for line in lines if line.get("alignment")]
-    assert audio and all(len(base64.b64decode(line["audio_base64"])) % 640 == 0 for line in audio)
+    assert lines and all(len(base64.b64decode(line["audio_base64"])) % 640 == 0 for line in lines)
     chars = [c for a in alignments for c in a["characters"]]
     assert "".join(chars).split() == ["Hello", "there.", "How", "are", "you?"]
 

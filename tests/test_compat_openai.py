@@ -4,6 +4,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 
 import aiohttp
 import av
@@ -91,11 +92,41 @@ async def test_models_and_voices_listing(client, base_url):
     assert {"alloy", "nova"} <= {v["id"] for v in voices["data"]}
 
 
-async def test_wrong_key_is_an_openai_authentication_error(base_url):
+async def test_wrong_key_is_an_openai_authentication_error_logged_without_the_key(base_url, caplog):
+    caplog.set_level(logging.WARNING, logger="voxgate.refused")
     bad = openai.AsyncOpenAI(base_url=base_url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         await bad.audio.speech.create(model="tts-1", voice="alloy", input=TEXT)
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    assert e.value.request_id.startswith("req_")  # errors carry x-request-id too
+    [line] = [r.getMessage() for r in caplog.records if r.name == "voxgate.refused"]
+    assert line.startswith("refused route=/v1/audio/speech method=POST status=401 reason=") and "API key" in line
+    assert "sk-wrong" not in line
+
+
+async def test_every_answer_has_a_request_id(client):
+    async with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input=TEXT, response_format="pcm",
+            extra_body={"generation": SHORT}) as response:
+        first = response.request_id
+        assert await response.read()
+    second = (await client.models.with_raw_response.list()).request_id
+    assert first.startswith("req_") and second.startswith("req_") and first != second
+
+
+async def test_refused_handshakes_are_logged_by_route_pattern_without_query_keys(base_url, caplog):
+    caplog.set_level(logging.WARNING, logger="voxgate.refused")
+    port = base_url.split(":")[2].split("/")[0]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/tts/websocket?api_key=sk-leaked") as r:
+            assert r.status == 401
+        async with http.post(f"http://127.0.0.1:{port}/v1/text-to-speech/some-voice/stream",
+                             headers={"xi-api-key": KEY}, json={"text": "Hi.", "seed": -1}) as r:
+            assert r.status == 422
+    lines = [r.getMessage() for r in caplog.records if r.name == "voxgate.refused"]
+    assert lines[0].startswith("refused route=/tts/websocket method=GET status=401 reason=")
+    assert lines[1].startswith("refused route=/v1/text-to-speech/{voice_id}/stream method=POST status=422 reason=")
+    assert "seed" in lines[1] and not any("sk-leaked" in line or "some-voice" in line for line in lines)
 
 
 @pytest.mark.parametrize("kwargs, param", [

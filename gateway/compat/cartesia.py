@@ -8,13 +8,14 @@ socket's chunk, timestamps and done messages as server-sent events) are the same
 Pipecat's CartesiaHttpTTSService, Cartesia's SDK and plain scripts.
 
 Client -> native:
-- a generation request {context_id, transcript, voice {mode: "id", id}, output_format {container: "raw", encoding:
-  pcm_s16le | pcm_f32le | pcm_mulaw | pcm_alaw, sample_rate}, continue, flush, max_buffer_delay_ms, add_timestamps,
-  model_id, language, ...} -> text.append on that context, opened with its voice and format (a session.update first
-  when they differ from the previous context's: contexts already speaking keep theirs);
-- `flush` -> text.flush, answered by flush_done with flush_id 1, 2, ... once that audio is sent (chunks carry the
-  flush_id their audio belongs to); `max_buffer_delay_ms: 0` (the client buffers: each input is a whole unit) ->
-  text.flush after every input;
+- a generation request {context_id, transcript, voice (an id, {id} or {mode: "id", id}: `voice_id`), output_format
+  {container: "raw", encoding: pcm_s16le | pcm_f32le | pcm_mulaw | pcm_alaw, sample_rate}, continue, flush,
+  max_buffer_delay_ms, add_timestamps, model_id, language, ...} -> text.append on that context, opened with its voice
+  and format (a session.update first when they differ from the previous context's: contexts already speaking keep
+  theirs);
+- `flush` -> text.flush, answered by flush_done with flush_id 1, 2, ... right after that flush's last audio (chunks
+  carry the flush_id their audio belongs to; audio after the last flush requested carries none);
+  `max_buffer_delay_ms: 0` (the client buffers: each input is a whole unit) -> text.flush after every input;
 - `continue` false or missing (no more input) -> context.end;
 - {context_id, cancel: true} -> context.cancel; nothing more is sent for that context.
 Native -> client: audio frames -> {type: "chunk", data: base64, done: false, status_code: 206, step_time (ms since
@@ -184,7 +185,7 @@ class CartesiaBridge(SocketBridge):
         now = time.monotonic()
         message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
                    "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
-        if ctx.flushes:
+        if ctx.flushed < ctx.flushes:  # audio after the last flush requested belongs to none
             message["flush_id"] = ctx.flushed + 1
         ctx.last_chunk_at = now
         await self.send_json(message)
@@ -235,13 +236,32 @@ def _check(m: dict[str, Any], limits: Limits) -> None:
         raise CartesiaError("max_buffer_delay_ms must be an integer from 0 to 5000")
 
 
+def voice_id(voice: Any) -> str | None:
+    """The voice id of any form Cartesia's API versions document: a plain id string (SDK 4.x, `cartesia-version`
+    2026-08-14), {"id"}, {"mode": "id", "id"}, or {"mode": "embedding", "embedding": [...]} (earlier versions), which
+    names no voice here: None. Other keys (`__experimental_controls`) are ignored. CartesiaError otherwise."""
+    if isinstance(voice, str) and voice:
+        return voice
+    if isinstance(voice, dict):
+        mode = voice.get("mode", "id")
+        if mode == "id" and isinstance(voice.get("id"), str) and voice["id"]:
+            return voice["id"]
+        embedding = voice.get("embedding")
+        if mode == "embedding" and isinstance(embedding, list) and embedding and all(
+                type(v) in (int, float) for v in embedding):
+            return None
+    raise CartesiaError("voice must be a voice id: \"<id>\", {\"id\": \"<id>\"} or {\"mode\": \"id\", \"id\": "
+                        "\"<id>\"} (or {\"mode\": \"embedding\", \"embedding\": [numbers]})")
+
+
 async def _voice(voice: Any, gw: Gateway, key: str | None) -> str | None:
-    """A stored voice id this key may use, or None (the default voice) for any other id; in strict mode an
-    unknown id is Cartesia's 404."""
-    if not isinstance(voice, dict) or voice.get("mode") != "id" or not isinstance(voice.get("id"), str):
-        raise CartesiaError("voice must be {\"mode\": \"id\", \"id\": \"<voice id>\"}; other modes are not supported")
+    """A stored voice id this key may use, or None (the default voice) for any other id or an embedding; in strict
+    mode an unknown id is Cartesia's 404."""
+    vid = voice_id(voice)
+    if vid is None:
+        return None
     try:
-        return await gw.voices.voice_or_default(voice["id"], gw.auth.caller(key or ""), "cartesia")
+        return await gw.voices.voice_or_default(vid, gw.auth.caller(key or ""), "cartesia")
     except VoiceRefused as e:
         raise CartesiaError("Voice not found" if e.status == 404 else e.message, e.status,
                             "not_found" if e.status == 404 else e.code) from None
@@ -374,7 +394,8 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
 
 async def _sse_response(request: web.Request, turn: OneTurn, first: dict[str, Any] | bytes, out: OutputFormat,
                         encoding: str, cid: str, timestamps: bool) -> web.StreamResponse:
-    """/tts/sse's body: each chunk, each segment's word timestamps once its span is known, then done."""
+    """/tts/sse's body: each chunk, each segment's word timestamps once its span is known (the next starts), then
+    done."""
     last = time.monotonic()
 
     def chunk(data: bytes) -> bytes:

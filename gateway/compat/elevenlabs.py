@@ -6,13 +6,14 @@ Client -> native: the init message (`text: " "`, `voice_settings`, `generation_c
 stream-input's `text: ""` (end of input) -> context.end; multi-stream's `text: ""` is a keepalive -> ping;
 `close_context` -> context.end when everything sent was flushed (Pipecat's end of turn: flush, then close), else
 context.cancel (a barge-in: the unflushed rest is dropped, audio stops now); `close_socket` -> close.
-Native -> client: audio frames -> {"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null,
-"contextId"}; each segment's character alignment, once its span is known, in a message of its own ("audio": null;
-estimated: VoxCPM gives none); context.done / context.cancelled -> {"isFinal": true, "contextId"}; error ->
-{"message", "error", "code"} and a close with that code (1008 for the client's mistakes and auth, 1011 for server
-faults). `apply_text_normalization` (the query; HTTP: the body) -> generation.normalize. `voice_settings` (stability,
-similarity, style, speed) have no VoxCPM equivalent and are accepted and ignored; a `voice_id` that is not a stored
-voice speaks with the default voice.
+Native -> client: audio frames -> {"audio": base64, "normalizedAlignment", "alignment", "contextId"} (the SDK's
+AudioOutput / AudioOutputMulti): a segment's character alignment (estimated: VoxCPM gives none) rides on the
+segment's last audio message, which is held back until the segment's end is known, and is null on the others; its
+times count from that segment's start, or from the context's start with `?sync_alignment=true` (`socket_alignment`);
+context.done / context.cancelled -> {"isFinal": true, "contextId"}; error -> {"message", "error", "code"} and a close
+with that code (1008 for the client's mistakes and auth, 1011 for server faults). `apply_text_normalization` (the
+query; HTTP: the body) -> generation.normalize. `voice_settings` (stability, similarity, style, speed) have no VoxCPM
+equivalent and are accepted and ignored; a `voice_id` that is not a stored voice speaks with the default voice.
 
 HTTP (below): `POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`, one request one text (compat.oneshot)."""
 
@@ -25,7 +26,7 @@ import dataclasses
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -39,7 +40,14 @@ from gateway.compat import (
     gateway_of,
     http_status,
     json_object,
-    share_span,
+)
+from gateway.compat.alignment import (
+    AlignedLines,
+    AlignmentCarrier,
+    Span,
+    http_alignment,
+    segment_spans,
+    socket_alignment,
 )
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.normalize import MODES as NORMALIZE_MODES
@@ -123,6 +131,7 @@ class _Context:
     unflushed: bool = False  # text arrived since the last flush
     transcoder: Transcoder | None = None
     segment: tuple[float, str] | None = None  # (pts_ms, text) of the segment being sent, for its alignment
+    carrier: AlignmentCarrier = field(default_factory=AlignmentCarrier)
 
 
 class Bridge(SocketBridge):
@@ -133,6 +142,9 @@ class Bridge(SocketBridge):
         self.multi, self.voice_id = multi, voice_id
         self.wire = WireFormat({}, None)  # the query's output_format, once parsed
         self.normalize = "auto"  # the query's apply_text_normalization
+        # alignment times from the context's start (`sync_alignment=true`, LiveKit's plugin) or from the start of the
+        # audio each alignment covers (ElevenLabs' documented default, Pipecat's service): `socket_alignment`
+        self.sync_alignment = request.query.get("sync_alignment", "").lower() == "true"
         self.contexts: dict[str, _Context] = {}
         self.by_index: dict[int, str] = {}
 
@@ -242,16 +254,17 @@ class Bridge(SocketBridge):
             self.by_index[ctx.index] = cid
         elif kind == "segment.started" and cid in self.contexts:
             ctx = self.contexts[cid]
-            await self._alignment(cid, ctx, m["pts_ms"])
+            await self._segment_end(cid, ctx, m["pts_ms"])
             ctx.segment = (m["pts_ms"], m["text"])
         elif kind in ("context.done", "context.cancelled"):
             ctx = self.contexts.pop(cid, None)
             if ctx is not None and ctx.index is not None:
                 self.by_index.pop(ctx.index, None)
                 if kind == "context.done":
-                    await self._alignment(cid, ctx, m["audio_ms"])
                     if ctx.transcoder is not None:
-                        await self._audio(cid, ctx.transcoder.finish())
+                        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.finish(), m["audio_ms"]))
+                    await self._segment_end(cid, ctx, m["audio_ms"])
+                    await self._send_audio(cid, ctx.carrier.finish())
             await self._final(cid)
             if not self.multi:
                 self.background(self.close(1000, "done"))
@@ -267,7 +280,9 @@ class Bridge(SocketBridge):
         if ctx is None:
             return
         payload = bytes(data[HEADER_SIZE:])
-        await self._audio(cid, ctx.transcoder.write(payload) if ctx.transcoder is not None else payload)
+        end_ms = unpack_frame_header(data)[4] + len(payload) * 1000.0 / self._bytes_per_s
+        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.write(payload) if ctx.transcoder is not None
+                                                else payload, end_ms))
 
     async def fail(self, e: ElevenLabsError) -> None:
         """ElevenLabs reports an error as a JSON message, then closes the socket with the code."""
@@ -280,30 +295,27 @@ class Bridge(SocketBridge):
                                                                 "code": e.code})), 1.0)
         self.background(self.close(e.code, e.message))
 
-    async def _audio(self, cid: str, payload: bytes) -> None:
-        if payload:
-            message = {"audio": base64.b64encode(payload).decode(), "isFinal": False, "normalizedAlignment": None,
-                       "alignment": None}
+    @property
+    def _bytes_per_s(self) -> int:
+        """Of the session's raw output (s16 PCM, or G.711 at one byte a sample)."""
+        native = self.wire.native
+        return native["sample_rate"] * (2 if native["format"] == "pcm_s16le" else 1)
+
+    async def _segment_end(self, cid: str, ctx: _Context, end_ms: float) -> None:
+        if ctx.segment is not None:
+            start_ms, text = ctx.segment
+            ctx.segment = None
+            await self._send_audio(cid, ctx.carrier.segment_end((start_ms, text, end_ms)))
+
+    async def _send_audio(self, cid: str, messages: list[tuple[bytes, list[Span]]]) -> None:
+        """Audio messages in the SDK's AudioOutput(Multi) form, each with the alignment of the segments it ends."""
+        for payload, spans in messages:
+            aligned = socket_alignment(spans, self.sync_alignment) if spans else None
+            message = {"audio": base64.b64encode(payload).decode(), "normalizedAlignment": aligned,
+                       "alignment": aligned}
             if self.multi:
                 message["contextId"] = cid
             await self.send_json(message)
-
-    async def _alignment(self, cid: str, ctx: _Context, end_ms: float) -> None:
-        """The alignment of the segment that ends at `end_ms`, in a message of its own (no audio), its times from the
-        segment's start as ElevenLabs' restart in every message: each segment's real span shared among its characters
-        and the space after it (compat.share_span: an estimate), so a client that advances its clock by each
-        alignment's span (Pipecat) stays on the audio's."""
-        if ctx.segment is None:
-            return
-        start_ms, text = ctx.segment
-        chars = list(text + " ")
-        edges = [round(e * 1000) for e in share_span([1] * len(chars), 0.0, end_ms - start_ms)]
-        alignment = {"chars": chars, "charStartTimesMs": edges[:-1],
-                     "charDurationsMs": [b - a for a, b in zip(edges, edges[1:], strict=False)]}
-        message = {"audio": None, "isFinal": False, "normalizedAlignment": alignment, "alignment": alignment}
-        if self.multi:
-            message["contextId"] = cid
-        await self.send_json(message)
 
     async def _final(self, cid: str) -> None:
         await self.send_json({"isFinal": True, "contextId": cid} if self.multi else {"isFinal": True})
@@ -377,26 +389,16 @@ async def text_to_speech(request: web.Request) -> web.StreamResponse:
                                           {"Content-Type": CONTENT_TYPES[output.format]})
             if "/stream" not in request.path:  # one JSON object: the whole audio and its alignment
                 audio, done = await turn.collect(first, Transcoder(output))
-                alignment = _alignment(turn.segments, done["audio_ms"])
+                alignment = http_alignment(segment_spans(turn.segments, done["audio_ms"]))
                 return web.json_response({"audio_base64": base64.b64encode(audio).decode(), "alignment": alignment,
                                           "normalized_alignment": alignment})
         except NativeError as e:
             return ElevenLabsError(_ERROR_NAMES.get(e.code, e.code), e.message, status=http_status(e.code)).response()
 
-        # newline-delimited JSON: audio lines, and each segment's alignment once its span is known
-        def audio_line(data: bytes) -> bytes:
-            return _line({"audio_base64": base64.b64encode(data).decode(), "alignment": None,
-                          "normalized_alignment": None})
-
-        def alignment_line(k: int, end_ms: float) -> bytes:
-            if k < 0:  # no segment at all (text with nothing to speak)
-                return b""
-            alignment = _alignment([turn.segments[k]], end_ms)
-            return _line({"alignment": alignment, "normalized_alignment": alignment})
-
+        # newline-delimited JSON audio lines, each segment's alignment on its last one
+        lines = AlignedLines(turn.segments, output)
         return await turn.respond(request, first, Transcoder(output), {"Content-Type": "application/x-ndjson"},
-                                  frame=audio_line, segment_done=alignment_line,
-                                  trailer=lambda done: alignment_line(len(turn.segments) - 1, done["audio_ms"]))
+                                  frame=lines.audio, segment_done=lines.segment_done, trailer=lines.trailer)
 
 
 async def _speech_request(request: web.Request) -> tuple[str, str, str | None, dict[str, Any], OutputFormat]:
@@ -449,25 +451,6 @@ async def _voice(gw: Gateway, voice_id: str, key: str) -> str | None:
             raise ElevenLabsError("voice_not_found", f"A voice with the voice_id {voice_id!r} was not found.",
                                   status=404) from None
         raise ElevenLabsError(e.code, e.message, INTERNAL_ERROR, status=e.status) from None
-
-
-def _alignment(segments: list[tuple[float, str]], end_ms: float) -> dict[str, list]:
-    """ElevenLabs' character alignment of these consecutive segments (pts_ms, text), the last ending at `end_ms`:
-    each segment's span shared among its characters and the space after it (compat.share_span: an estimate)."""
-    chars: list[str] = []
-    starts: list[float] = []
-    ends: list[float] = []
-    for k, (start_ms, text) in enumerate(segments):
-        piece = list(text + " ")
-        edges = share_span([1] * len(piece), start_ms, segments[k + 1][0] if k + 1 < len(segments) else end_ms)
-        chars += piece
-        starts += edges[:-1]
-        ends += edges[1:]
-    return {"characters": chars, "character_start_times_seconds": starts, "character_end_times_seconds": ends}
-
-
-def _line(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message) + "\n").encode()
 
 
 def register(app: web.Application) -> None:

@@ -1,5 +1,6 @@
 """OpenAI-compatible speech API: `POST /v1/audio/speech` (audio streamed as it is made, or SSE), `GET /v1/models`,
-`GET /v1/audio/voices`. Errors in OpenAI's form: HTTP status + {"error": {"message", "type", "param", "code"}}.
+`GET /v1/audio/voices`, each answer with an `x-request-id` header. Errors in OpenAI's form: HTTP status +
+{"error": {"message", "type", "param", "code"}}.
 
 One request is one native session with one turn (compat.oneshot): session.start asking for PCM at the container's
 rate, the input, context.end. The session's PCM frames are wrapped into the requested container (gateway.audio's
@@ -11,6 +12,7 @@ import base64
 import dataclasses
 import json
 import math
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -245,7 +247,18 @@ async def voices(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+ROUTES = ("/v1/audio/speech", "/v1/models", "/v1/audio/voices")
+
+
+async def _request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare` hook: every answer on the OpenAI routes carries an `x-request-id` header, as OpenAI's
+    do (its SDK exposes it as `request_id`; LiveKit's plugin warns on every synthesis without it)."""
+    if request.path in ROUTES and "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = f"req_{uuid.uuid4().hex}"
+
+
 def register(app: web.Application) -> None:
     app.router.add_post("/v1/audio/speech", speech)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/audio/voices", voices)
+    app.on_response_prepare.append(_request_id)
