@@ -25,6 +25,8 @@ class Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     lora: LoRAEntry | None = None
+    tenant: str | None = None
+    queued: bool = False  # counts as its tenant's queued request (no audio yet; `Engine.max_queued_per_tenant`)
 
 
 class Generation(AsyncIterator[AudioChunk]):
