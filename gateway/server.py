@@ -80,9 +80,7 @@ class Gateway:
 
     @contextlib.contextmanager
     def tracked(self, session: Session, key: str) -> Iterator[None]:
-        """Count a session (limits, readiness, shutdown drain) while the block runs; with API keys its engine
-        requests carry the key as their tenant (fair share, per-key queue limit)."""
-        session.tenant = key if self.auth.enabled else None
+        """Count a session (limits, readiness, shutdown drain) while the block runs."""
         self.sessions.add(session)
         lease = self.leases.claim(self.auth.caller(key).tenant) if self.auth.enabled else None
         try:
