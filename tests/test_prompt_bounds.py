@@ -22,7 +22,8 @@ from gateway.client import VoxgateClient
 from gateway.protocol import AudioFrame
 from gateway.server import ServerConfig, create_app, start_server
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PATCH_GAP_MS = 160.0  # one patch of the tiny VoxCPM2 (and of VoxCPM2)
 
@@ -85,6 +86,7 @@ def test_the_length_is_checked_from_the_header_and_raw_samples_before_conversion
         prompt_samples(np.zeros((8, 192000 * 59), np.float32), 192000, 16000)
 
 
+@in_module_loop
 async def test_a_10_minute_wav_upload_is_refused_before_decoding(base, monkeypatch):
     decoded = []
     real_read = soundfile.read
@@ -102,6 +104,7 @@ async def test_a_10_minute_wav_upload_is_refused_before_decoding(base, monkeypat
     assert decoded
 
 
+@in_module_loop
 async def test_a_maximum_length_encode_keeps_a_speaking_stream_within_one_patch_and_the_slice(engine):
     """Tiny VoxCPM2 on the CPU: encoding a minute of audio at once stalls the worker ~0.5 s (seconds on a busy
     machine); in slices the stream's chunks keep coming."""
@@ -130,6 +133,7 @@ async def test_a_maximum_length_encode_keeps_a_speaking_stream_within_one_patch_
     assert len(gaps) > 5  # many steps ran during the encode, not one stall
 
 
+@in_module_loop
 async def test_a_maximum_length_upload_during_a_turn_keeps_its_max_gap(base):
     """The gateway's view (context.done metrics). The tiny model speaks so much faster than real time that the
     gateway holds whole segments ahead, which would hide a stall of this size: the test above is the sharp one."""
