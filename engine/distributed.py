@@ -144,11 +144,13 @@ class TensorParallelLeader:
 def run_follower(conn: Connection) -> None:
     """A follower rank: join the group, load and shard the model, then run every step rank 0 sends."""
     from engine.checkpoint import load_model
+    from engine.host_memory import keep_heap_returnable
     from engine.model.parallel import shard_model
     from engine.request import Request
     from engine.runner import Runner
     from engine.scheduler import ScheduledSeq
 
+    keep_heap_returnable()
     cfg, rank, port = _recv(conn)
     cfg = dataclasses.replace(cfg, device=cfg.tp_devices[rank])
     torch.set_num_threads(cfg.threads)

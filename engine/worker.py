@@ -217,8 +217,10 @@ def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm
                read_pos: Any) -> None:
     """Entry point of the spawned worker process."""
     from engine.distributed import disable_nvls
+    from engine.host_memory import keep_heap_returnable
 
     disable_nvls()
+    keep_heap_returnable()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
     try:
