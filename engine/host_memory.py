@@ -1,12 +1,13 @@
 """The worker process's host heap: freed memory goes back to the OS instead of piling up under load.
 
-glibc's malloc serves blocks of at least its mmap threshold from their own mappings (returned to the OS when
-freed), but it raises that threshold to the size of every such block freed, up to 32 MB. After a few steps every
-per-step buffer (a step's audio, sampled patches, prompt tensors: 128 KiB to several MB each) is therefore carved
-from the heap, and a storm of requests of many sizes cancelled at random moments fragments it: the worker's RSS grew
-~15 MB per round of 64 cancelled requests on the CPU (hundreds of MB a round on an H200) with every request, block
-and slot freed. Pinning the thresholds at glibc's own defaults keeps those buffers in mappings of their own, so the
-RSS settles after the first rounds (tests/test_worker_memory.py).
+glibc's malloc raises its mmap threshold to the size of every large block freed (up to 32 MB), so after a few steps
+the per-step buffers (a step's audio, sampled patches, prompt tensors: 128 KiB to several MB each) come from the
+heap, and a storm of requests of many sizes cancelled at random moments fragments it: free memory stays in the
+process. The worker's RSS grew ~15 MB a round of 64 cancelled requests on the CPU (hundreds of MB a round on an
+H200) with every request, block and slot freed. `HeapTrimmer` hands the heap's free pages back (`malloc_trim`) when
+the worker goes idle and at most once per `TRIM_INTERVAL_S` while it is busy: the RSS settles after the first rounds
+(tests/test_worker_memory.py). Pinning the mmap threshold instead would do it too, at the price of an mmap, page
+faults and an munmap for every large buffer of every step (~5x the system time in that test).
 """
 
 from __future__ import annotations
@@ -14,23 +15,36 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
-M_MMAP_THRESHOLD = -3
-HEAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default; setting it at all turns the dynamic raise off
+TRIM_INTERVAL_S = 1.0  # while busy: a trim walks the heap (~1 ms for a few hundred MB), so not every step
 
 
-def keep_heap_returnable() -> bool:
-    """Pin malloc's mmap and trim thresholds (glibc only; elsewhere nothing changes). Whether they were set."""
-    name = ctypes.util.find_library("c")
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators have no such threshold
-        return False
-    ok = all(mallopt(param, HEAP_THRESHOLD_BYTES) == 1 for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
-    if not ok:
-        log.debug("mallopt refused the heap thresholds")
-    return ok
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        return None
+
+
+class HeapTrimmer:
+    """Gives the heap's free pages back to the OS now and then (glibc only; elsewhere it does nothing)."""
+
+    def __init__(self, interval_s: float = TRIM_INTERVAL_S):
+        self.interval_s = interval_s
+        self.trim = _malloc_trim()
+        self.last = time.monotonic()
+
+    def busy(self) -> None:
+        """Between steps: trim when the last trim is `interval_s` old."""
+        if self.trim is not None and time.monotonic() - self.last >= self.interval_s:
+            self.idle()
+
+    def idle(self) -> None:
+        """The worker has nothing to do: trim now."""
+        if self.trim is not None:
+            self.trim(0)
+            self.last = time.monotonic()

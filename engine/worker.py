@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.chores import CHORE_SLICE_MS, Chores
+from engine.host_memory import HeapTrimmer
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
 
@@ -217,10 +218,8 @@ def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm
                read_pos: Any) -> None:
     """Entry point of the spawned worker process."""
     from engine.distributed import disable_nvls
-    from engine.host_memory import keep_heap_returnable
 
     disable_nvls()
-    keep_heap_returnable()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
     try:
@@ -274,6 +273,7 @@ class Worker:
             sit_out_ms=cfg.sit_out_ms, loras=self.loras, split_decodes_above=cfg.split_decodes_above)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
         self.chores = Chores(cfg.chore_slice_ms, lambda call, ok, value: results.send(("reply", call, ok, value)))
+        self.heap = HeapTrimmer()  # freed host memory back to the OS: idle, and now and then while busy
         self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
         self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
         self.last_collected = time.perf_counter()
@@ -295,6 +295,8 @@ class Worker:
         while True:
             if not self.scheduler.has_work and self.ahead is None and not self.chores:
                 self.publish()
+                if not self.commands.poll():
+                    self.heap.idle()
                 self.commands.poll(None)
             changed = False
             while self.stopping is None and self.commands.poll():
@@ -309,6 +311,7 @@ class Worker:
                 self.chores.run()
             if self.scheduler.has_work or self.ahead is not None:
                 self.step()
+                self.heap.busy()
             elif changed:
                 self.results.send(("stats", self.stats()))
 
