@@ -2,12 +2,11 @@
 
 glibc's malloc raises its mmap threshold to the size of every large block freed (up to 32 MB), so after a few steps
 the per-step buffers (a step's audio, sampled patches, prompt tensors: 128 KiB to several MB each) come from the
-heap, and a storm of requests of many sizes cancelled at random moments fragments it: free memory stays in the
-process. The worker's RSS grew ~15 MB a round of 64 cancelled requests on the CPU (hundreds of MB a round on an
-H200) with every request, block and slot freed. `HeapTrimmer` hands the heap's free pages back (`malloc_trim`) when
-the worker goes idle and at most once per `TRIM_INTERVAL_S` while it is busy: the RSS settles after the first rounds
-(tests/test_worker_memory.py). Pinning the mmap threshold instead would do it too, at the price of an mmap, page
-faults and an munmap for every large buffer of every step (~5x the system time in that test).
+heap, and a storm of requests of many sizes cancelled at random moments fragments it: the free memory stays in the
+process, and the worker's RSS grows round after round with every request, block and slot freed. `HeapTrimmer` hands
+the heap's free pages back (`malloc_trim`) when the worker goes idle and at most once per `TRIM_INTERVAL_S` while it
+is busy, so the RSS settles after the first rounds (tests/test_worker_memory.py). Pinning the mmap threshold instead
+would cost an mmap, page faults and an munmap for every large buffer of every step.
 """
 
 from __future__ import annotations
