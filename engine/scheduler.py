@@ -13,7 +13,9 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
 A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
 the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
 patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
-request's first audio then comes after one long step instead of after one short step per slice of the burst.
+request's first audio then comes after one long step instead of after one short step per slice of the burst. That
+holds for one tenant's burst only: while prompts of several tenants wait, the smaller cap applies too, so another
+tenant's prompt (first in the step by the fair order) waits for a short step, not for the whole burst's.
 
 Under high load (`split_decodes_above` speaking streams) the decodes split into two halves that take turns: each step
 advances one half (plus the prefills and admissions), so a step is about half as long. A new prompt waits for the
@@ -171,12 +173,13 @@ class Scheduler:
         for req in decodes:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
-        # prefill positions: what the urgent decodes left, at most the cap while a listener waits on this step
-        room = min(budget, self.max_prefill_while_speaking) if speaking else budget
-
         admitting = True  # until a waiting request cannot be admitted: those behind it wait too
         prefilling = [r for r in order if r.is_prefilling and r.status is Status.RUNNING]
-        for tenant, req in self.fair.order(self._tenant_queues(prefilling)):
+        queues = self._tenant_queues(prefilling)
+        # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
+        # listener, or another tenant's prompt)
+        room = min(budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else budget
+        for tenant, req in self.fair.order(queues):
             if room <= 0:
                 break
             if req.status is Status.WAITING:

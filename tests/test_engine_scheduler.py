@@ -281,3 +281,18 @@ def test_schedule_ahead_admits_across_tenants_fairly():
     assert ahead is not None
     admitted = [q.request.request_id for q in ahead if q.num_tokens > 1]
     assert admitted[:2] in (["a0", "b"], ["b", "a0"])  # B is not queued behind A's 50
+
+
+def test_a_burst_from_idle_is_one_step_for_one_tenant_but_capped_while_another_waits():
+    def burst(second_tenant: bool) -> list:
+        s = Scheduler(max_num_seqs=512, max_num_batched_tokens=4096, num_blocks=4096, block_size=4, patch_ms=80.0,
+                      max_prefill_tokens_while_speaking=64)
+        for i in range(100):
+            s.add(spec(f"a{i}", 8, tenant="a"))
+        if second_tenant:
+            s.add(spec("b", 8, tenant="b"))
+        return step(s)
+
+    assert len(burst(False)) == 100  # nobody else waits: the whole burst in one step
+    first = burst(True)
+    assert sum(q.num_tokens for q in first) == 64 and first[0].request.request_id == "b"  # a short step, B first
