@@ -295,4 +295,5 @@ def test_a_burst_from_idle_is_one_step_for_one_tenant_but_capped_while_another_w
 
     assert len(burst(False)) == 100  # nobody else waits: the whole burst in one step
     first = burst(True)
-    assert sum(q.num_tokens for q in first) == 64 and first[0].request.request_id == "b"  # a short step, B first
+    assert sum(q.num_tokens for q in first) == 64  # a short step
+    assert "b" in [q.request.request_id for q in first[:2]]  # B's prompt shares it, one of its first two chunks
