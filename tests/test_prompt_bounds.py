@@ -71,6 +71,21 @@ def test_sliced_encode_equals_the_offline_encode(tiny_v2_dir):
         assert slices == len(offline) and torch.allclose(sliced, offline, atol=1e-5)
 
 
+def test_the_encoder_streams_through_the_fused_residual_units_too(tiny_v2_dir, monkeypatch):
+    """CUDA's path (the Triton residual units with their history), here in Triton's interpreter."""
+    from engine.checkpoint import load_model
+    from engine.model import audio_vae
+
+    vae = load_model(tiny_v2_dir).vae
+    hop = vae.encoder_hop * 4
+    audio = torch.randn(1, 1, hop * 4, generator=torch.Generator().manual_seed(0)) * 0.3
+    offline = vae.encode(audio)
+    monkeypatch.setattr(audio_vae, "FUSED_DECODER", True)
+    state = vae.encode_state()
+    streamed = torch.cat([vae.encode_stream(audio[..., i * hop:(i + 1) * hop], state) for i in range(4)], dim=-1)
+    assert torch.allclose(streamed, offline, atol=1e-5)
+
+
 def test_the_length_is_checked_from_the_header_and_raw_samples_before_conversion(monkeypatch):
     def no_decoding(*args, **kwargs):
         raise AssertionError("decoded")
