@@ -25,8 +25,7 @@ class Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     lora: LoRAEntry | None = None
-    tenant: str | None = None
-    queued: bool = False  # counts as its tenant's queued request (no audio yet; `Engine.max_queued_per_tenant`)
+    tenant: str | None = None  # the tenant whose queued prompt it counts as until its first audio (then None)
 
 
 class Generation(AsyncIterator[AudioChunk]):

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import math
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,16 +37,17 @@ from engine.errors import (
     EngineStopped,
     InvalidLoRA,
     InvalidParameter,
-    TenantOverloaded,
     UnknownLoRA,
     UnknownVoice,
     WorkerCrashed,
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
+from engine.prompt import prompt_samples
 from engine.request import RequestSpec
 from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
+from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
 from engine.worker import VAE_DTYPES, WorkerConfig
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow, WorkerHandle
@@ -130,11 +130,7 @@ class Engine:
         self.sampling_ranges = guards.SamplingRanges(max_timesteps=max_timesteps or inference_timesteps)
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
-        if max_queued_per_tenant is not None:
-            guards.check_int("max_queued_per_tenant", max_queued_per_tenant, 1)
-        # a tenant's requests that have no audio yet (queued or prefilling), at most this many (None: no limit)
-        self.max_queued_per_tenant = max_queued_per_tenant
-        self._queued: Counter[str] = Counter()
+        self.queued_prompts = QueuedPrompts(max_queued_per_tenant)  # per tenant, requests without audio yet
         self._worker_configs = [WorkerConfig(
             model=str(self.path), device=group[0], dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -225,11 +221,9 @@ class Engine:
 
     def _unqueue(self, stream: Stream) -> None:
         """The stream has its first audio (or ended): it no longer counts as its tenant's queued prompt."""
-        if stream.queued:
-            stream.queued = False
-            self._queued[stream.tenant] -= 1
-            if not self._queued[stream.tenant]:
-                del self._queued[stream.tenant]
+        if stream.tenant is not None:
+            self.queued_prompts.release(stream.tenant)
+            stream.tenant = None
 
     def _forget(self, stream: Stream) -> None:
         self._unqueue(stream)
@@ -323,12 +317,7 @@ class Engine:
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
         adapter = self._lora(lora)
-        if tenant is not None and not isinstance(tenant, str):
-            raise InvalidParameter(f"tenant must be a string (got {type(tenant).__name__})")
-        tenant = tenant or None
-        limit = self.max_queued_per_tenant
-        if tenant is not None and limit is not None and self._queued[tenant] >= limit:
-            raise TenantOverloaded(f"{limit} requests of this tenant are already waiting for their first audio")
+        tenant = self.queued_prompts.check(tenant)
         worker = self._pick_worker()
         # the voice's shared prefix KV was computed under the voice's adapter: another adapter recomputes it
         shared = v is not None and v.prefix is not None and lora == v.info.lora
@@ -338,9 +327,8 @@ class Engine:
         spec = None
         if prompt_audio is None and reference_audio is None:
             spec = self._spec(**args)  # all checks done before the caller iterates
-        stream = Stream(request_id, worker, lora=adapter, tenant=tenant, queued=tenant is not None)
-        if tenant is not None:
-            self._queued[tenant] += 1
+        stream = Stream(request_id, worker, lora=adapter, tenant=tenant)
+        self.queued_prompts.add(tenant)
         if adapter is not None:
             adapter.users.add(request_id)
             adapter.drained.clear()
@@ -412,7 +400,7 @@ class Engine:
                 audio = np.asarray(audio)
         # decoding, mixing down and resampling (a minute of audio: tens of ms) off the event loop; the worker gets
         # mono samples at its VAE's rate and encodes them in slices between steps
-        samples = await asyncio.to_thread(_prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
+        samples = await asyncio.to_thread(prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
         return await self._call(self._pick_worker(), "encode", samples, pad)
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
@@ -597,16 +585,6 @@ class Engine:
         for w in self._workers:
             w.fail_calls(EngineStopped("the engine stopped"))
         await asyncio.gather(*(asyncio.to_thread(w.close) for w in self._workers))
-
-
-def _prompt_samples(audio: Any, sample_rate: int | None, vae_rate: int) -> np.ndarray:
-    """File bytes or samples -> checked mono float32 samples at `vae_rate` (`engine.prompt`)."""
-    from engine.prompt import prompt_samples, read_audio
-
-    if isinstance(audio, (bytes, bytearray, memoryview)):
-        audio, sample_rate = read_audio(bytes(audio))
-    assert sample_rate is not None
-    return prompt_samples(audio, sample_rate, vae_rate)
 
 
 def _lora_info(entry: LoRAEntry) -> LoRAInfo:

@@ -78,11 +78,13 @@ def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
     return data, sr
 
 
-def prompt_samples(audio: np.ndarray | Tensor, sample_rate: int, vae_rate: int) -> np.ndarray:
-    """Prompt audio as the encoder takes it: mono float32 at the VAE's rate, its length checked (`AudioTooLong`)
-    before anything is converted."""
+def prompt_samples(audio: bytes | np.ndarray | Tensor, sample_rate: int | None, vae_rate: int) -> np.ndarray:
+    """Prompt audio (file bytes, or samples at `sample_rate`) as the encoder takes it: mono float32 at the VAE's
+    rate, its length checked (`AudioTooLong`) before anything is decoded or converted."""
     import soxr
 
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        audio, sample_rate = read_audio(bytes(audio))
     if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or sample_rate <= 0:
         raise InvalidAudio(f"sample rate must be a positive integer (got {sample_rate!r})")
     size, shape = int(np.prod(audio.shape)), tuple(audio.shape)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from engine import EngineOverloaded, InvalidParameter, TenantOverloaded
+from engine import EngineOverloaded, InvalidParameter, TenantOverloaded, TextTooLong
 from gateway.auth import Auth
 from gateway.client import ServerError, VoxgateClient
 from gateway.server import ServerConfig, create_app, start_server
@@ -26,11 +26,11 @@ def wav_bytes(seconds: float = 0.5) -> bytes:
 
 @contextlib.contextmanager
 def queue_limit(engine, limit: int):
-    previous, engine.max_queued_per_tenant = engine.max_queued_per_tenant, limit
+    previous, engine.queued_prompts.limit = engine.queued_prompts.limit, limit
     try:
         yield
     finally:
-        engine.max_queued_per_tenant = previous
+        engine.queued_prompts.limit = previous
 
 
 def waiting(engine, tenant: str):
@@ -48,14 +48,17 @@ async def test_a_tenant_holds_at_most_its_queue_limit_and_others_are_not_affecte
         await held[0].aclose()  # a request that ends (here: cancelled) frees its place
         speaking = engine.generate("Now it speaks.", tenant="a", seed=1)
         first = await anext(speaking)
-        assert first.audio.size and engine._queued["a"] == 1  # with its first audio it no longer counts
+        assert first.audio.size and engine.queued_prompts.counts["a"] == 1  # with its first audio it no longer counts
         held.append(waiting(engine, "a"))
         await speaking.aclose()
         for gen in held + others:
             await gen.aclose()
-        assert not engine._queued
+        assert not engine.queued_prompts.counts
         with pytest.raises(InvalidParameter):
             engine.generate("Hello.", tenant=42)
+        with pytest.raises(TextTooLong):  # a request refused for its own input holds no place
+            engine.generate("word " * 20000, tenant="a")
+        assert not engine.queued_prompts.counts
 
 
 async def test_the_gateway_passes_the_api_key_as_tenant_and_maps_the_queue_limit_to_rate_limited(engine):
