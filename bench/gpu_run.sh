@@ -15,7 +15,7 @@
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
 #   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
 #   TWO_KEY_LEVELS=twokey:256 (two_key: key A's 256 streams at once against key B's one new stream)
-#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels two_key
+#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels two_key soak
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -221,6 +221,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         stage 60 180 "two keys: a 256 burst against one new stream" $BENCH --concurrency 1 --patches 40 \
             --extra "${TWO_KEY_LEVELS:-twokey:256}" --max-num-seqs 320 \
             --out "$OUT/two_key.json" 2>"$OUT/two_key.log" >/dev/null ;;
+    soak)  # issue 27: the worker's RSS under cancel storms, the CPU suite's soak test on a CUDA worker (tiny model)
+        stage 60 150 "worker memory soak on CUDA" $PY -m pytest -v -rfE --tb=short -p no:cacheprovider -s \
+            tests/test_worker_memory.py >"$OUT/soak.log" 2>&1
+        grep -E "RSS|passed|failed" "$OUT/soak.log" | tail -5 ;;
     v15)
         if [ "$(left)" -gt 80 ]; then
             [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never \
