@@ -79,4 +79,5 @@ async def test_worker_rss_settles_under_cancel_storms(engine):
     measured = sizes[WARM_UP_ROUNDS:]
     slope = statistics.linear_regression(range(len(measured)), measured).slope
     history = f"worker RSS by round (MB): {[round(s) for s in sizes]}"
+    print(history)  # for the record of a run with -s (bench/gpu_run.sh's soak stage)
     assert measured[-1] - measured[0] < MAX_GROWTH_MB and slope < MAX_GROWTH_MB_PER_ROUND, history
