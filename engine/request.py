@@ -96,7 +96,7 @@ class Status(enum.Enum):
 _arrivals = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared (and searched in lists) by identity, not field by field
 class Request:
     spec: RequestSpec
     status: Status = Status.WAITING

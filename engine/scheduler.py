@@ -190,6 +190,7 @@ class Scheduler:
             run(req, n)
             room -= n
             self.fair.charge(tenant, n)
+        self._drop_admitted()
         for req in decodes:
             if id(req) not in scheduled:
                 decode(req, may_preempt=False)
@@ -241,6 +242,7 @@ class Scheduler:
                 nxt.append(self._chunk(req, min(req.num_pending, room)))
                 room -= nxt[-1].num_tokens
                 self.fair.charge(tenant, nxt[-1].num_tokens)
+            self._drop_admitted()
         if not nxt or len(nxt) > self.max_num_batched_tokens:
             return None
         self.num_steps += 1
@@ -294,12 +296,15 @@ class Scheduler:
         return queues
 
     def _admit_waiting(self, req: Request) -> bool:
-        """Admit the waiting `req` (it runs from now on) when it can be."""
+        """Admit the waiting `req` (it runs from now on) when it can be; `_drop_admitted` takes it off `waiting`."""
         if not self._admit(req):
             return False
-        self.waiting.remove(req)
         self.running.append(req)
         return True
+
+    def _drop_admitted(self) -> None:
+        """`waiting` without the requests admitted since: one pass, not a search per admission."""
+        self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
 
     def _admit(self, req: Request) -> bool:
         needs_slot = req.vae_slot is None and not req.spec.prefix_only
