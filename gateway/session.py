@@ -221,7 +221,7 @@ class Session:
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
         self.id = session_id or uuid.uuid4().hex[:16]
-        self.tenant: str | None = None  # the API key its engine requests carry (set by `Gateway.tracked`)
+        self.tenant: str | None = None  # the tenant (API key digest) its engine requests carry (`Gateway.session`)
         info = engine.model_info()
         self.model_info = info
         self.model_rate: int = info.sample_rate
