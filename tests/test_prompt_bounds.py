@@ -46,7 +46,12 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def base(engine):
+    from gateway import normalize
+
     runner, port = await start_server(create_app(engine, ServerConfig()))
+    # the server loads its text-normalisation grammars in a thread at start (seconds of GIL on a busy machine):
+    # done before the tests, whose chunk timings are this process's event loop's too
+    await asyncio.to_thread(normalize.preload)
     yield f"http://127.0.0.1:{port}"
     await runner.cleanup()
 
