@@ -24,6 +24,13 @@ Chore = Generator[bool, None, Any]  # yields "this slice left work on the device
 Reply = Callable[[int, bool, Any], None]  # (call id, ok, result or error message)
 
 
+def as_array(chore: Chore) -> Chore:
+    """`chore`, its tensor result as a numpy array: pickled by value through the pipe, where a tensor would go as a
+    shared-memory handle that the pool's reader thread fetches from this process, stalling every stream's chunks
+    behind it while this process's step loop holds the GIL."""
+    return (yield from chore).numpy()
+
+
 class Chores:
     """The worker's queue of chores and the slicing between steps."""
 

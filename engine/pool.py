@@ -401,7 +401,7 @@ class Engine:
         # decoding, mixing down and resampling (a minute of audio: tens of ms) off the event loop; the worker gets
         # mono samples at its VAE's rate and encodes them in slices between steps
         samples = await asyncio.to_thread(prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
-        return await self._call(self._pick_worker(), "encode", samples, pad)
+        return torch.from_numpy(await self._call(self._pick_worker(), "encode", samples, pad))
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
                         text: str | None = None, voice_id: str | None = None, lora: str | None = None) -> str:

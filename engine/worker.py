@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.chores import CHORE_SLICE_MS, Chores
+from engine.chores import CHORE_SLICE_MS, Chores, as_array
 from engine.host_memory import HeapTrimmer
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
@@ -373,8 +373,9 @@ class Worker:
             from engine.prompt import encode_in_slices
 
             _, call, samples, pad = msg
-            self.chores.add(encode_in_slices(self.loaded.vae, samples, patch_size=self.loaded.config.patch_size,
-                                             pad=pad, slice_ms=self.cfg.chore_slice_ms), call)
+            self.chores.add(as_array(encode_in_slices(self.loaded.vae, samples, pad=pad,
+                                                      patch_size=self.loaded.config.patch_size,
+                                                      slice_ms=self.cfg.chore_slice_ms)), call)
         else:
             log.error("unknown command %r", kind)
 

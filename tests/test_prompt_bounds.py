@@ -135,10 +135,10 @@ async def test_a_maximum_length_encode_keeps_a_speaking_stream_within_one_patch_
                                        min_length=400, max_length=410):
             arrivals.append(time.perf_counter())
 
+    audio = np.random.default_rng(1).standard_normal(int(MAX_PROMPT_AUDIO_S * 16000)).astype(np.float32) * 0.1
     stream = asyncio.create_task(speak())
     while len(arrivals) < 3:
         await asyncio.sleep(0.01)
-    audio = np.random.default_rng(1).standard_normal(int(MAX_PROMPT_AUDIO_S * 16000)).astype(np.float32) * 0.1
     began = time.perf_counter()
     patches = await engine.encode_audio(audio, 16000)
     ended = time.perf_counter()
