@@ -89,6 +89,7 @@ class Scheduler:
         self.voices: dict[str, VoicePrefix] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # VAE stream slots
         self.fair = FairShare()  # prefill order across tenants
+        self.blocked: Request | None = None  # the waiting request the last step could not admit (it holds the rest)
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -174,6 +175,7 @@ class Scheduler:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
         admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        self.blocked = None
         prefilling = [r for r in order if r.is_prefilling and r.status is Status.RUNNING]
         queues = self._tenant_queues(prefilling)
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
@@ -183,7 +185,8 @@ class Scheduler:
             if room <= 0:
                 break
             if req.status is Status.WAITING:
-                admitting = admitting and self._admit_waiting(req)
+                if admitting and not self._admit_waiting(req):
+                    admitting, self.blocked = False, req
                 if not admitting:
                     continue
             n = min(req.num_pending, room)

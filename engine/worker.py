@@ -395,7 +395,7 @@ class Worker:
             if not seqs:
                 self.publish()
                 if sched.waiting and not sched.running:  # nothing can ever free room for it
-                    req = sched.waiting[0]
+                    req = sched.blocked or sched.waiting[0]
                     sched.finish(req, "error")
                     self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
                 return

@@ -297,3 +297,14 @@ def test_a_burst_from_idle_is_one_step_for_one_tenant_but_capped_while_another_w
     first = burst(True)
     assert sum(q.num_tokens for q in first) == 64  # a short step
     assert "b" in [q.request.request_id for q in first[:2]]  # B's prompt shares it, one of its first two chunks
+
+
+def test_the_request_that_cannot_be_admitted_is_named_not_the_first_one_waiting():
+    s = make(num_blocks=8, block_size=4)  # 32 positions of KV
+    s.add(spec("small", 4, tenant="a"))
+    s.add(spec("huge", 40, tenant="b", priority=5))  # goes first (priority) and never fits
+    assert s.schedule() == []  # it holds the ones behind it, as admission is in order
+    # what the worker fails when nothing runs: the blocking request, not whichever waits first in the list
+    assert s.blocked is not None and s.blocked.request_id == "huge" and s.waiting[0].request_id == "small"
+    s.finish(s.blocked, "error")
+    assert [q.request.request_id for q in s.schedule()] == ["small"]
