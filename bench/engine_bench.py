@@ -10,6 +10,7 @@ chunks of one request. Fixed length needs a checkpoint whose stop head never fir
     python bench/engine_bench.py --random-size tiny --poisson 4 --requests 40
     python bench/engine_bench.py --model DIR --concurrency 1,64 --extra closed:64,poisson:20   # same engine
     python bench/engine_bench.py --model DIR --concurrency 1 --extra closed:400 --ramp 6 --duration 20  # capacity
+    python bench/engine_bench.py --model DIR --concurrency 1 --extra twokey:256 --max-num-seqs 320  # fair share
     python bench/engine_bench.py --model DIR --profile   # CUDA: per-module GPU times of a decode step
     python bench/engine_bench.py --model DIR --concurrency 64 --extra mixed-one:64,mixed-quarter:64,batch:64
 
@@ -326,7 +327,12 @@ async def main(args: argparse.Namespace) -> dict:
         plan += [(m, float(v)) for m, v in (x.split(":") for x in args.extra)]
         for m, c in plan:
             print(f"{m} {c} ...", file=sys.stderr)
-            levels.append(await run_level(engine, args, c, m))
+            if m == "twokey":  # bench/two_key.py: one key's burst against another key's new stream
+                from two_key import run_two_key
+
+                levels.append(await run_two_key(engine, PROMPT[0], int(c), args.patches, args.timesteps))
+            else:
+                levels.append(await run_level(engine, args, c, m))
             if args.out:  # what is measured survives a run cut short (a device call's time limit)
                 Path(args.out).write_text(json.dumps(result(False), indent=2))
     finally:
@@ -369,6 +375,11 @@ def table(result: dict) -> str:
     rows = ["| mode | concurrency | requests | TTFB p50 / p90 / p99 (ms) | RTF mean | gap p50 / p99 (ms) | steps/s "
             "| audio s/s |", "|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
+        if lv.get("mode") == "twokey":
+            from two_key import row
+
+            rows.append(row(lv))
+            continue
         t, g = lv["ttfb_ms"], lv["gap_ms"]
         rows.append(f"| {lv.get('mode', 'batch')} | {lv['concurrency']} | {lv['requests']} | "
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
@@ -902,7 +913,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=1024)
     p.add_argument("--extra", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="more levels on the same engine after the sweep: closed:C (C users), poisson:R (R req/s), "
-                        "batch:C, mixed-one:C and mixed-quarter:C (one stream in C, or in 4, at other settings)")
+                        "batch:C, mixed-one:C and mixed-quarter:C (one stream in C, or in 4, at other settings), "
+                        "twokey:N (key A's N streams at once against key B's one: bench/two_key.py)")
     p.add_argument("--profile", action="store_true", help="CUDA only: per-module GPU times of a decode step")
     p.add_argument("--profile-mixed", action="store_true", help="with --profile: only the host's side of mixed steps "
                    "(a burst's prefill step under cProfile, and its GPU idle gaps)")

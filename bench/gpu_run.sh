@@ -14,7 +14,8 @@
 #   LORA_VARIANTS="two_pdl two_n128" (lora_variants: VOXGATE_LORA_LARGE_VARIANT per engine)
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
 #   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
-#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels
+#   TWO_KEY_LEVELS=twokey:256 (two_key: key A's 256 streams at once against key B's one new stream)
+#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels two_key soak
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -215,6 +216,15 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             ${CAP_ARGS:---sessions 250,500} --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
             >"$OUT/gateway_capacity.log" 2>&1
         tail -12 "$OUT/gateway_capacity.log" ;;
+    two_key)  # issue 27: B's first audio behind A's burst (tenants, and one shared tenant) against B's while A's
+        # streams speak (bench/two_key.py); room for A's 256 and B's one, so B never waits for a free slot
+        stage 60 180 "two keys: a 256 burst against one new stream" $BENCH --concurrency 1 --patches 40 \
+            --extra "${TWO_KEY_LEVELS:-twokey:256}" --max-num-seqs 320 \
+            --out "$OUT/two_key.json" 2>"$OUT/two_key.log" >/dev/null ;;
+    soak)  # issue 27: the worker's RSS under cancel storms, the CPU suite's soak test on a CUDA worker (tiny model)
+        stage 60 150 "worker memory soak on CUDA" $PY -m pytest -v -rfE --tb=short -p no:cacheprovider -s \
+            tests/test_worker_memory.py >"$OUT/soak.log" 2>&1
+        grep -E "RSS|passed|failed" "$OUT/soak.log" | tail -5 ;;
     v15)
         if [ "$(left)" -gt 80 ]; then
             [ -f "$V15/config.json" ] || $PY -m engine.random_checkpoint "$V15" --size voxcpm1.5 --stop-never \
@@ -258,7 +268,7 @@ print(f"commit {commit}; GPU {gpu}")
 for name in ("profile.json", "profile_lora32.json", "engine_voxcpm2.json", "engine_voxcpm2_lora32.json", "engine_voxcpm2_lora256.json",
              "engine_voxcpm15.json", "capacity_float32.json", "capacity_bfloat16.json",
              "engine_voxcpm2_lora32_nomerge.json", "lora_ab_0.json", "lora_ab_32.json", "lora_ab_256.json",
-             "bursts.json", "bursts_fp8.json", "ab_bf16.json", "ab_fp8.json", *sorted(p.name for p in out.glob("lora_variant_*.json"))):
+             "bursts.json", "bursts_fp8.json", "ab_bf16.json", "ab_fp8.json", "two_key.json", *sorted(p.name for p in out.glob("lora_variant_*.json"))):
     path = out / name
     if not path.exists():  # a stage not in the plan, or one that failed (its log is in logs.tar.gz)
         continue

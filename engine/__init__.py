@@ -2,6 +2,7 @@
 
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import (
+    AudioTooLong,
     EmptyText,
     EngineError,
     EngineOverloaded,
@@ -10,6 +11,7 @@ from engine.errors import (
     InvalidLoRA,
     InvalidParameter,
     InvalidRequest,
+    TenantOverloaded,
     TextTooLong,
     UnknownLoRA,
     UnknownVoice,
@@ -20,7 +22,8 @@ from engine.pool import Engine
 from engine.sync import SyncEngine
 
 __all__ = [
-    "AudioChunk", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats", "EngineStopped",
-    "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest", "LoRAInfo", "ModelInfo",
-    "SyncEngine", "TextTooLong", "UnknownLoRA", "UnknownVoice", "VoiceInfo", "WorkerCrashed",
+    "AudioChunk", "AudioTooLong", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats",
+    "EngineStopped", "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest", "LoRAInfo",
+    "ModelInfo", "SyncEngine", "TenantOverloaded", "TextTooLong", "UnknownLoRA", "UnknownVoice", "VoiceInfo",
+    "WorkerCrashed",
 ]

@@ -144,6 +144,7 @@ class TensorParallelLeader:
 def run_follower(conn: Connection) -> None:
     """A follower rank: join the group, load and shard the model, then run every step rank 0 sends."""
     from engine.checkpoint import load_model
+    from engine.host_memory import HeapTrimmer
     from engine.model.parallel import shard_model
     from engine.request import Request
     from engine.runner import Runner
@@ -158,6 +159,7 @@ def run_follower(conn: Connection) -> None:
     shard_model(loaded.model, rank, len(cfg.tp_devices), group)
     runner = Runner(loaded, cfg)
     requests: dict[str, Request] = {}
+    heap = HeapTrimmer()
     while True:
         try:
             msg = _recv(conn)
@@ -179,6 +181,7 @@ def run_follower(conn: Connection) -> None:
         for seq, patch in zip(seqs, out.patches, strict=True):
             if patch is not None:
                 seq.request.generated.append(patch)
+        heap.busy()
 
 
 def _send(conn: Connection, msg: Any) -> None:

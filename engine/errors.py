@@ -48,6 +48,14 @@ class EngineOverloaded(EngineError):
     """The wait queue is full: retry later or elsewhere."""
 
 
+class TenantOverloaded(EngineOverloaded):
+    """This tenant (API key) has its limit of requests waiting for first audio: retry once some have started."""
+
+
+class AudioTooLong(InvalidAudio):
+    """Prompt or voice audio is longer than the engine takes (`engine.guards.MAX_PROMPT_AUDIO_S`)."""
+
+
 class WorkerCrashed(EngineError):
     """The worker process serving the request died; the engine restarts it."""
 

@@ -25,6 +25,7 @@ class Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     lora: LoRAEntry | None = None
+    tenant: str | None = None  # the tenant whose queued prompt it counts as until its first audio (then None)
 
 
 class Generation(AsyncIterator[AudioChunk]):

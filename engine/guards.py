@@ -16,11 +16,16 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import EmptyText, InvalidAudio, InvalidParameter
+from engine.errors import AudioTooLong, EmptyText, InvalidAudio, InvalidParameter
 from engine.request import SamplingParams
 from engine.text import normalize_text
 
 MAX_TIMESTEPS = 100  # the most an operator may serve (`max_timesteps`); a request may ask for what is served
+# Prompt and voice audio: VoxCPM clones a voice from a few seconds to a few tens of seconds of speech (the official
+# examples use 3-20 s); a minute is ample, and keeps one prompt within ~375 VoxCPM2 positions of KV and its encode a
+# bounded amount of work. Decoded samples (all channels) are capped too: a minute of 48 kHz stereo, 23 MB as float32.
+MAX_PROMPT_AUDIO_S = 60.0
+MAX_PROMPT_SAMPLES = int(MAX_PROMPT_AUDIO_S * 48000 * 2)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,15 @@ def check_float(name: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not lo <= value <= hi:
         raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
+
+
+def check_audio_length(frames: int, sample_rate: int, channels: int = 1) -> None:
+    """Prompt audio of `frames` samples per channel is at most `MAX_PROMPT_AUDIO_S` long and at most
+    `MAX_PROMPT_SAMPLES` samples in all (`AudioTooLong`); checked from a file's header before it is decoded."""
+    seconds = frames / sample_rate
+    if seconds > MAX_PROMPT_AUDIO_S or frames * channels > MAX_PROMPT_SAMPLES:
+        raise AudioTooLong(f"prompt audio is {seconds:.1f} s ({frames * channels} samples); at most "
+                           f"{MAX_PROMPT_AUDIO_S:.0f} s and {MAX_PROMPT_SAMPLES} samples are taken")
 
 
 def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, inference_timesteps: int,

@@ -26,7 +26,7 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -304,20 +304,39 @@ class AdapterSlots:
         self.refs: dict[str, int] = {}
         self.free = list(range(state.num_slots - 1, 0, -1))
         self.doomed: set[str] = set()  # removed while referenced: freed at the last release
+        self.pending: set[str] = set()  # being added (`adding`): its requests wait for it
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` is here or on its way (requests for it may be queued)."""
+        return name in self.host or name in self.pending
 
     def add(self, adapter: LoRAAdapter | SharedAdapter) -> None:
         """Keep `adapter` in host memory (pinned on CUDA), ranks padded to the max, alpha/r folded into B."""
-        if isinstance(adapter, SharedAdapter):
-            with adapter.open() as opened:
-                if opened is None:  # the pool stopped waiting for this worker (stopping, or the call failed)
-                    log.error("LoRA adapter %r: its shared memory segment is gone; not added", adapter.name)
-                else:
-                    self.add(opened)
-                    del opened  # its views of the segment must be gone before the segment is unmapped
-            return
+        for _ in self.adding(adapter):
+            pass
+
+    def adding(self, adapter: LoRAAdapter | SharedAdapter) -> Generator[bool, None, None]:
+        """`add` as a worker chore (`engine.chores`): one weight pair's host copies per slice, then the adapter
+        appears at once (its requests wait meanwhile, `acquire`)."""
+        self.pending.add(adapter.name)
+        try:
+            if isinstance(adapter, SharedAdapter):
+                with adapter.open() as opened:
+                    if opened is None:  # the pool stopped waiting for this worker (stopping, or the call failed)
+                        log.error("LoRA adapter %r: its shared memory segment is gone; not added", adapter.name)
+                    else:
+                        yield from self._adding(opened)
+                        del opened  # its views of the segment must be gone before the segment is unmapped
+            else:
+                yield from self._adding(adapter)
+        finally:
+            self.pending.discard(adapter.name)
+
+    def _adding(self, adapter: LoRAAdapter) -> Generator[bool, None, None]:
         r_max, pin, rank = self.state.max_rank, self.device.type == "cuda", adapter.rank
         host = {}
         for path, (a, b) in adapter.weights.items():
+            yield False
             a_pad = torch.empty(r_max, a.shape[1], dtype=self.dtype, pin_memory=pin)
             b_pad = torch.empty(b.shape[0], r_max, dtype=self.dtype, pin_memory=pin)
             a_pad[:rank].copy_(a)
@@ -344,6 +363,8 @@ class AdapterSlots:
     def acquire(self, name: str) -> int | None:
         """The slot holding `name` (loaded now if needed), referenced until `release`; None when every slot is
         held by running requests. Raises KeyError for an adapter this worker does not have."""
+        if name in self.pending:
+            return None  # still being added: its requests wait
         if name not in self.host or name in self.doomed:
             raise KeyError(name)
         slot = self.slot_of.get(name)

@@ -43,9 +43,11 @@ from engine.errors import (
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
+from engine.prompt import prompt_samples
 from engine.request import RequestSpec
 from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
+from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
 from engine.worker import VAE_DTYPES, WorkerConfig
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow, WorkerHandle
@@ -88,7 +90,7 @@ class Engine:
                  num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
                  worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
                  split_decodes_above: int | None = SPLIT_DECODES_ABOVE, merge_lora: bool = True,
-                 fp8_prefill: bool = False, fp8_dit: bool = False):
+                 fp8_prefill: bool = False, fp8_dit: bool = False, max_queued_per_tenant: int | None = None):
         self.loop = asyncio.get_running_loop()
         # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
         # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.
@@ -128,6 +130,7 @@ class Engine:
         self.sampling_ranges = guards.SamplingRanges(max_timesteps=max_timesteps or inference_timesteps)
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
+        self.queued_prompts = QueuedPrompts(max_queued_per_tenant)  # per tenant, requests without audio yet
         self._worker_configs = [WorkerConfig(
             model=str(self.path), device=group[0], dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -174,6 +177,7 @@ class Engine:
             for chunk in msg[1]:
                 stream = self._streams.get(chunk.request_id)
                 if stream is not None and not stream.done:
+                    self._unqueue(stream)
                     stream.queue.put_nowait(chunk)
                     if chunk.is_last:
                         self._forget(stream)
@@ -215,7 +219,14 @@ class Engine:
             if voice.prefix is not None:
                 new.tell("voice", voice.prefix)
 
+    def _unqueue(self, stream: Stream) -> None:
+        """The stream has its first audio (or ended): it no longer counts as its tenant's queued prompt."""
+        if stream.tenant is not None:
+            self.queued_prompts.release(stream.tenant)
+            stream.tenant = None
+
     def _forget(self, stream: Stream) -> None:
+        self._unqueue(stream)
         if stream.lora is not None:
             stream.lora.users.discard(stream.request_id)
             if not stream.lora.users:
@@ -275,12 +286,14 @@ class Engine:
                  reference_audio: Any = None, reference_latents: Any = None, cfg_value: float = 2.0,
                  temperature: float = 1.0, seed: int | None = None, max_length: int | None = None,
                  min_length: int = 2, timesteps: int | None = None, priority: int = 0,
-                 request_id: str | None = None, lora: str | None = None) -> Generation:
+                 request_id: str | None = None, lora: str | None = None, tenant: str | None = None) -> Generation:
         """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.
 
         The request leaves from this call when it has no audio to encode and its worker is up, else on the first
         read: close the iterator or read it to its end (one dropped unread is cancelled only when collected).
-        `lora` names a registered adapter (default: the stored voice's adapter, if it names one)."""
+        `lora` names a registered adapter (default: the stored voice's adapter, if it names one). `tenant` (the
+        caller's API key; None or "": the shared tenant) shares prefill fairly with other tenants and holds at most
+        `max_queued_per_tenant` requests without audio yet (`TenantOverloaded` beyond)."""
         params = guards.sampling_params(
             text=text, cfg_value=cfg_value, temperature=temperature,
             timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
@@ -304,15 +317,18 @@ class Engine:
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
         adapter = self._lora(lora)
+        tenant = self.queued_prompts.check(tenant)
         worker = self._pick_worker()
         # the voice's shared prefix KV was computed under the voice's adapter: another adapter recomputes it
         shared = v is not None and v.prefix is not None and lora == v.info.lora
         args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt_patches, ref_patches=ref_patches,
-                    params=params, request_id=request_id, voice_id=voice if shared else None, lora=lora)
+                    params=params, request_id=request_id, voice_id=voice if shared else None, lora=lora,
+                    tenant=tenant)
         spec = None
         if prompt_audio is None and reference_audio is None:
             spec = self._spec(**args)  # all checks done before the caller iterates
-        stream = Stream(request_id, worker, lora=adapter)
+        stream = Stream(request_id, worker, lora=adapter, tenant=tenant)
+        self.queued_prompts.add(tenant)
         if adapter is not None:
             adapter.users.add(request_id)
             adapter.drained.clear()
@@ -371,19 +387,21 @@ class Engine:
     # ---- audio and voices --------------------------------------------------------------------------------
     async def encode_audio(self, audio: bytes | np.ndarray, sample_rate: int | None = None,
                            _pad: str = "left") -> np.ndarray:
-        """Prompt audio (file bytes, or samples with their rate) -> patches [T, P, D] float32."""
+        """Prompt audio (file bytes, or samples with their rate) -> patches [T, P, D] float32. At most
+        `guards.MAX_PROMPT_AUDIO_S` long (`AudioTooLong`, from a file's header before it is decoded)."""
         return (await self._encode(audio, sample_rate, _pad)).numpy()
 
     async def _encode(self, audio: Any, sample_rate: int | None, pad: str) -> torch.Tensor:
-        from engine.prompt import _mono, read_audio
-
-        if isinstance(audio, (bytes, bytearray, memoryview)):
-            audio, sample_rate = read_audio(bytes(audio))
-        elif sample_rate is None:
-            raise InvalidParameter("sample_rate is required with raw samples")
-        guards.check_int("sample_rate", sample_rate, 1000, 384000)
-        samples = _mono(audio)  # raises InvalidAudio here, in the caller, before the worker sees it
-        return await self._call(self._pick_worker(), "encode", samples, sample_rate, pad)
+        if not isinstance(audio, (bytes, bytearray, memoryview)):
+            if sample_rate is None:
+                raise InvalidParameter("sample_rate is required with raw samples")
+            guards.check_int("sample_rate", sample_rate, 1000, 384000)
+            if not hasattr(audio, "shape"):
+                audio = np.asarray(audio)
+        # decoding, mixing down and resampling (a minute of audio: tens of ms) off the event loop; the worker gets
+        # mono samples at its VAE's rate and encodes them in slices between steps
+        samples = await asyncio.to_thread(prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
+        return torch.from_numpy(await self._call(self._pick_worker(), "encode", samples, pad))
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
                         text: str | None = None, voice_id: str | None = None, lora: str | None = None) -> str:

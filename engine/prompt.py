@@ -6,12 +6,16 @@ A prompt is one position per text token or per audio patch:
   v2 reference                  [103, reference patches, 104, text, 101]
   v2 reference + continuation   [103, reference patches, 104, prompt_text + text, 101, prompt patches]
 Audio becomes patches through the AudioVAE encoder: mono, resampled to the VAE's input rate, padded to whole patches
-(left for prompt audio, whose end must touch the generated speech; right for v2 reference audio).
+(left for prompt audio, whose end must touch the generated speech; right for v2 reference audio). Prompt audio is at
+most `engine.guards.MAX_PROMPT_AUDIO_S` long, checked from a file's header before anything is decoded; a worker
+encodes it in slices between steps (`encode_in_slices`), exactly as in one go since the encoder is causal.
 """
 
 from __future__ import annotations
 
 import io
+import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from engine import guards
 from engine.config import ModelConfig
 from engine.errors import EmptyText, InvalidAudio, InvalidRequest
 from engine.text import Tokenizer, normalize_text
@@ -47,16 +52,50 @@ def length_cap(n_target_tokens: int, max_len: int) -> int:
 
 
 def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
-    """Decode a WAV/FLAC/OGG file or its bytes: (float32 samples [N] or [N, channels], sample rate)."""
+    """Decode a WAV/FLAC/OGG file or its bytes: (float32 samples [N] or [N, channels], sample rate). Its length is
+    checked from the header first (`AudioTooLong`, nothing decoded), and decoding stops past the limit whatever the
+    header says."""
     import soundfile as sf
 
     name = "audio bytes" if isinstance(source, bytes) else str(source)
+
+    def opened() -> io.BytesIO | str:
+        return io.BytesIO(source) if isinstance(source, bytes) else str(source)
+
     try:
-        data, sr = sf.read(io.BytesIO(source) if isinstance(source, bytes) else str(source), dtype="float32",
-                           always_2d=False)
+        info = sf.info(opened())
+        sr, channels = int(info.samplerate), max(1, int(info.channels))
+        guards.check_int("sample_rate", sr, 1000, 384000)
+        guards.check_audio_length(int(info.frames), sr, channels)
+        limit = min(int(guards.MAX_PROMPT_AUDIO_S * sr), guards.MAX_PROMPT_SAMPLES // channels)
+        data, _ = sf.read(opened(), frames=limit + 1, dtype="float32", always_2d=False)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as e:
+        if isinstance(e, InvalidAudio):
+            raise
         raise InvalidAudio(f"{name}: cannot decode audio ({e})") from None
-    return data, int(sr)
+    if len(data) > limit:  # the header understated the length
+        guards.check_audio_length(len(data), sr, channels)
+    return data, sr
+
+
+def prompt_samples(audio: bytes | np.ndarray | Tensor, sample_rate: int | None, vae_rate: int) -> np.ndarray:
+    """Prompt audio (file bytes, or samples at `sample_rate`) as the encoder takes it: mono float32 at the VAE's
+    rate, its length checked (`AudioTooLong`) before anything is decoded or converted."""
+    import soxr
+
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        audio, sample_rate = read_audio(bytes(audio))
+    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or sample_rate <= 0:
+        raise InvalidAudio(f"sample rate must be a positive integer (got {sample_rate!r})")
+    size, shape = int(np.prod(audio.shape)), tuple(audio.shape)
+    frames = shape[0] if len(shape) < 2 or not shape[0] <= 8 < shape[1] else shape[1]  # `_mono`'s layouts
+    guards.check_audio_length(frames, sample_rate, max(1, size // max(1, frames)))
+    samples = _mono(audio)
+    if sample_rate != vae_rate:
+        samples = soxr.resample(samples, sample_rate, vae_rate).astype(np.float32)
+    if len(samples) < 1:
+        raise InvalidAudio("audio is shorter than one sample at the model's rate")
+    return samples
 
 
 def _mono(audio: np.ndarray | Tensor) -> np.ndarray:
@@ -82,23 +121,61 @@ def _mono(audio: np.ndarray | Tensor) -> np.ndarray:
 def encode_prompt_audio(vae: nn.Module, audio: np.ndarray | Tensor, sample_rate: int, *, patch_size: int,
                         pad: str) -> Tensor:
     """Audio -> latent patches [T, P, D] float32 on CPU, as the official `_encode_wav` (pad "left" or "right")."""
-    import soxr
+    wav = _padded(vae, prompt_samples(audio, sample_rate, vae.sample_rate), patch_size, pad)
+    return _as_patches(vae, vae.encode(wav), patch_size)
 
+
+# chunks of the sliced encode are a power of two patches (few shapes for cuDNN), at most this many (~5 min of audio)
+MAX_SLICE_PATCHES = 2048
+
+
+def encode_in_slices(vae: nn.Module, samples: np.ndarray, *, patch_size: int, pad: str,
+                     slice_ms: float) -> Generator[bool, None, Tensor]:
+    """`encode_prompt_audio` of `prompt_samples` as a chore (`engine.chores`): one chunk of whole patches per
+    slice, sized so a chunk takes about `slice_ms` (measured: wall time on the CPU; on CUDA the chunk's events, read
+    once it is done, never waited on). Yields whether the chunk is still on the device; returns the patches."""
+    wav = _padded(vae, samples, patch_size, pad)
+    patch_len = patch_size * vae.encoder_hop
+    cuda = wav.device.type == "cuda"
+    state = vae.encode_state()
+    parts: list[Tensor] = []
+    patches, pos = 1, 0
+    while pos < wav.shape[-1]:
+        chunk = wav[..., pos:pos + patches * patch_len]
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        parts.append(vae.encode_stream(chunk, state))
+        pos += chunk.shape[-1]
+        if cuda:
+            end.record()
+            yield True
+            while not end.query():  # the device still runs it (behind the steps): no more work meanwhile
+                yield True
+            ms = start.elapsed_time(end)
+        else:
+            ms = 1000.0 * (time.perf_counter() - began)
+            yield False
+        if ms < slice_ms / 2:
+            patches = min(2 * patches, MAX_SLICE_PATCHES)
+        elif ms > slice_ms:
+            patches = max(1, patches // 2)
+    return _as_patches(vae, torch.cat(parts, dim=-1), patch_size)
+
+
+def _padded(vae: nn.Module, samples: np.ndarray, patch_size: int, pad: str) -> Tensor:
+    """[1, 1, T] on the VAE's device: `samples` padded to whole patches ("left" or "right")."""
     if pad not in ("left", "right"):
         raise ValueError(f"pad must be 'left' or 'right' (got {pad!r})")
-    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or sample_rate <= 0:
-        raise InvalidAudio(f"sample rate must be a positive integer (got {sample_rate!r})")
-    samples = _mono(audio)
-    if sample_rate != vae.sample_rate:
-        samples = soxr.resample(samples, sample_rate, vae.sample_rate).astype(np.float32)
-    patch_len = patch_size * vae.encoder_hop
-    if len(samples) < 1:
-        raise InvalidAudio("audio is shorter than one sample at the model's rate")
-    missing = -len(samples) % patch_len
+    missing = -len(samples) % (patch_size * vae.encoder_hop)
     samples = np.pad(samples, (missing, 0) if pad == "left" else (0, missing))
     weight = next(vae.parameters())
-    wav = torch.from_numpy(samples).to(weight.device, weight.dtype)[None, None]
-    feat = vae.encode(wav)  # [1, D, frames]
+    return torch.from_numpy(samples).to(weight.device, weight.dtype)[None, None]
+
+
+def _as_patches(vae: nn.Module, feat: Tensor, patch_size: int) -> Tensor:
+    """Encoder output [1, D, frames] -> patches [T, P, D] float32 on the CPU."""
     return feat.float().cpu().view(vae.latent_dim, -1, patch_size).permute(1, 2, 0).contiguous()
 
 
@@ -192,5 +269,5 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
     return max(0, config.max_length - prompt_len)
 
 
-__all__ = ["Prompt", "PromptLayout", "build_prompt", "encode_prompt_audio", "layout_patches", "length_cap",
-           "positions_left", "prompt_layout", "read_audio"]
+__all__ = ["Prompt", "PromptLayout", "build_prompt", "encode_in_slices", "encode_prompt_audio",
+           "layout_patches", "length_cap", "positions_left", "prompt_layout", "prompt_samples", "read_audio"]

@@ -42,6 +42,7 @@ class RequestSpec:
     voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
     prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
     lora: str | None = None  # a registered LoRA adapter applied to this request
+    tenant: str | None = None  # who asked (the API key): prefill is shared fairly between tenants; None: shared
 
     @property
     def prompt_len(self) -> int:
@@ -95,7 +96,7 @@ class Status(enum.Enum):
 _arrivals = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared (and searched in lists) by identity, not field by field
 class Request:
     spec: RequestSpec
     status: Status = Status.WAITING

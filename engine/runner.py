@@ -1096,11 +1096,3 @@ class Runner:
         latents = latents.reshape(1, -1, self.config.feat_dim).transpose(1, 2)
         self.vae.decode_stream(latents, part)
         self.vae_state.scatter_(rows, part)
-
-    @torch.inference_mode()
-    def encode_audio(self, audio: np.ndarray, sample_rate: int, pad: str) -> torch.Tensor:
-        """Prompt or reference audio -> patches [T, P, D] float32 on CPU."""
-        from engine.prompt import encode_prompt_audio
-
-        patches = encode_prompt_audio(self.vae, audio, sample_rate, patch_size=self.config.patch_size, pad=pad)
-        return patches.float().cpu()

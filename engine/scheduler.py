@@ -6,12 +6,16 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
 
 1. decodes of requests whose listener has less than `sit_out_ms` buffered (one position each),
 2. prefill chunks of admitted requests, then newly admitted ones (preempted ones first), under the token budget,
+   shared fairly between tenants (`engine.fair_share`: the least-served tenant's next chunk first; this order
+   inside each tenant),
 3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
 
 A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
 the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
 patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
-request's first audio then comes after one long step instead of after one short step per slice of the burst.
+request's first audio then comes after one long step instead of after one short step per slice of the burst. That
+holds for one tenant's burst only: while prompts of several tenants wait, the smaller cap applies too, so another
+tenant's prompt (first in the step by the fair order) waits for a short step, not for the whole burst's.
 
 Under high load (`split_decodes_above` speaking streams) the decodes split into two halves that take turns: each step
 advances one half (plus the prefills and admissions), so a step is about half as long. A new prompt waits for the
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
@@ -83,6 +88,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.voices: dict[str, VoicePrefix] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # VAE stream slots
+        self.fair = FairShare()  # prefill order across tenants
+        self.blocked: Request | None = None  # the waiting request the last step could not admit (it holds the rest)
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -167,21 +174,26 @@ class Scheduler:
         for req in decodes:
             if urgency[id(req)] <= self.sit_out_ms:
                 decode(req, may_preempt=True)
-        # prefill positions: what the urgent decodes left, at most the cap while a listener waits on this step
-        room = min(budget, self.max_prefill_while_speaking) if speaking else budget
-
-        def prefill(req: Request) -> None:
-            nonlocal room
+        admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        self.blocked = None
+        prefilling = [r for r in order if r.is_prefilling and r.status is Status.RUNNING]
+        queues = self._tenant_queues(prefilling)
+        # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
+        # listener, or another tenant's prompt)
+        room = min(budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else budget
+        for tenant, req in self.fair.order(queues):
+            if room <= 0:
+                break
+            if req.status is Status.WAITING:
+                if admitting and not self._admit_waiting(req):
+                    admitting, self.blocked = False, req
+                if not admitting:
+                    continue
             n = min(req.num_pending, room)
             run(req, n)
             room -= n
-
-        for req in order:
-            if req.is_prefilling and req.status is Status.RUNNING and room > 0:
-                prefill(req)
-        self.waiting.sort(key=_admission_order)
-        while room > 0 and (req := self._admit_next()) is not None:
-            prefill(req)
+            self.fair.charge(tenant, n)
+        self._drop_admitted()
         for req in decodes:
             if id(req) not in scheduled:
                 decode(req, may_preempt=False)
@@ -227,10 +239,13 @@ class Scheduler:
         budget = min(self.max_num_batched_tokens, max_tokens) if max_tokens else self.max_num_batched_tokens
         room = min(budget - len(nxt), self.max_prefill_while_speaking)
         if admit is not None:
-            self.waiting.sort(key=_admission_order)
-            while room > 0 and (req := self._admit_next(admit)) is not None:
+            for tenant, req in self.fair.order(self._tenant_queues([])):
+                if room <= 0 or not admit(req) or not self._admit_waiting(req):
+                    break
                 nxt.append(self._chunk(req, min(req.num_pending, room)))
                 room -= nxt[-1].num_tokens
+                self.fair.charge(tenant, nxt[-1].num_tokens)
+            self._drop_admitted()
         if not nxt or len(nxt) > self.max_num_batched_tokens:
             return None
         self.num_steps += 1
@@ -275,13 +290,24 @@ class Scheduler:
         start = req.num_computed
         return ScheduledSeq(req, start, n, start + n == req.seq_len and not req.spec.prefix_only)
 
-    def _admit_next(self, accept: Callable[[Request], bool] | None = None) -> Request | None:
-        """The first waiting request, admitted and running, when it can be (and `accept` takes it); else None."""
-        if not self.waiting or (accept is not None and not accept(self.waiting[0])) or not self._admit(self.waiting[0]):
-            return None
-        req = self.waiting.pop(0)
+    def _tenant_queues(self, prefilling: list[Request]) -> dict[str | None, list[Request]]:
+        """Each tenant's prefill candidates in its own order: its admitted prompts between chunks (`prefilling`,
+        already deadline-ordered), then its waiting ones (preempted first, then by priority, first come first)."""
+        queues: dict[str | None, list[Request]] = {}
+        for req in prefilling + sorted(self.waiting, key=_admission_order):
+            queues.setdefault(req.spec.tenant or None, []).append(req)
+        return queues
+
+    def _admit_waiting(self, req: Request) -> bool:
+        """Admit the waiting `req` (it runs from now on) when it can be; `_drop_admitted` takes it off `waiting`."""
+        if not self._admit(req):
+            return False
         self.running.append(req)
-        return req
+        return True
+
+    def _drop_admitted(self) -> None:
+        """`waiting` without the requests admitted since: one pass, not a search per admission."""
+        self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
 
     def _admit(self, req: Request) -> bool:
         needs_slot = req.vae_slot is None and not req.spec.prefix_only

@@ -21,7 +21,7 @@ from engine.text import Tokenizer
 def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
                  prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
                  params: SamplingParams, request_id: str, voice_id: str | None,
-                 lora: str | None = None) -> RequestSpec:
+                 lora: str | None = None, tenant: str | None = None) -> RequestSpec:
     """The prompt of one request; `params.max_length` becomes the official cap, bounded by the model's positions
     and the `kv_positions` a worker's KV cache holds."""
     try:
@@ -45,7 +45,7 @@ def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *
     return RequestSpec(
         request_id=request_id, token_ids=layout.token_ids, patches=patches, audio_mask=layout.audio_mask,
         cond=patches[-1].clone(), context_patches=patches[n - layout.n_context:], params=params, voice_id=voice_id,
-        lora=lora)
+        lora=lora, tenant=tenant)
 
 
 def voice_prefix_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, voice_id: str,

@@ -7,8 +7,10 @@ offsets. The pool's reader thread copies each chunk out as the message arrives a
 so the worker never overwrites audio that has not been read; if the ring is ever full (a stalled reader), that
 step's audio travels inline in the message instead: slower, never wrong, never blocking the GPU.
 
+Prompt encodes and adapter loads are chores (`engine.chores`): done in slices between steps, never one long stall.
+
 Messages, pool -> worker: ("add", RequestSpec) ("cancel", id) ("buffered", id, ms) ("voice", call, RequestSpec)
-("remove_voice", voice_id) ("encode", call, audio, sample_rate, pad) ("lora_add", call, LoRAAdapter)
+("remove_voice", voice_id) ("encode", call, samples at the VAE's rate, pad) ("lora_add", call, LoRAAdapter)
 ("lora_remove", call, name) ("stop",).
 Worker -> pool: ("ready", info) ("step", chunks, inline_audio, stats) ("reply", call, ok, value)
 ("failed", id, message) ("stats", stats) ("fatal", message).
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.chores import CHORE_SLICE_MS, Chores, as_array
+from engine.host_memory import HeapTrimmer
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
 
@@ -98,6 +102,8 @@ class WorkerConfig:
     # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
     # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
     vae_stream: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_STREAM", "1") != "0")
+    # host time between two steps given to chores (prompt encodes, adapter loads) at most, one slice past it at worst
+    chore_slice_ms: float = CHORE_SLICE_MS
 
     def mixed_ahead(self, cuda: bool) -> bool:
         """Whether steps launched ahead admit prompts (`async_mixed`, resolved for the device)."""
@@ -266,6 +272,8 @@ class Worker:
             num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
             sit_out_ms=cfg.sit_out_ms, loras=self.loras, split_decodes_above=cfg.split_decodes_above)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
+        self.chores = Chores(cfg.chore_slice_ms, lambda call, ok, value: results.send(("reply", call, ok, value)))
+        self.heap = HeapTrimmer()  # freed host memory back to the OS: idle, and now and then while busy
         self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
         self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
         self.last_collected = time.perf_counter()
@@ -285,19 +293,25 @@ class Worker:
 
     def loop(self) -> None:
         while True:
-            if not self.scheduler.has_work and self.ahead is None:
+            if not self.scheduler.has_work and self.ahead is None and not self.chores:
                 self.publish()
+                if not self.commands.poll():
+                    self.heap.idle()
                 self.commands.poll(None)
             changed = False
             while self.stopping is None and self.commands.poll():
                 self.receive()
                 changed = True
             if self.stopping is not None:
+                self.chores.close()
                 if self.stopping == "stop":
                     self.publish()
                 return
+            if self.chores:
+                self.chores.run()
             if self.scheduler.has_work or self.ahead is not None:
                 self.step()
+                self.heap.busy()
             elif changed:
                 self.results.send(("stats", self.stats()))
 
@@ -327,7 +341,7 @@ class Worker:
         if kind == "add":
             spec = msg[1]
             log.debug("add %s at %.4f", spec.request_id, time.time())
-            if spec.lora is not None and (self.loras is None or spec.lora not in self.loras.host):
+            if spec.lora is not None and (self.loras is None or not self.loras.knows(spec.lora)):
                 self.results.send(("failed", spec.request_id, f"LoRA adapter {spec.lora!r} is not loaded here"))
             else:
                 self.scheduler.add(spec)
@@ -336,11 +350,11 @@ class Worker:
             if self.loras is None:
                 self.results.send(("reply", call, False, "this worker has no LoRA slots"))
                 return
-            try:  # a bad adapter fails its registration, not the worker and its streams
-                if kind == "lora_add":
-                    self.loras.add(arg)
-                else:
-                    self.loras.remove(arg)
+            if kind == "lora_add":  # its copies in slices between steps; a bad adapter fails its call only
+                self.chores.add(self.loras.adding(arg), call)
+                return
+            try:
+                self.loras.remove(arg)
             except Exception as e:
                 self.results.send(("reply", call, False, f"{type(e).__name__}: {e}"))
                 return
@@ -356,11 +370,12 @@ class Worker:
         elif kind == "remove_voice":
             self.scheduler.remove_voice(msg[1])
         elif kind == "encode":
-            _, call, audio, sample_rate, pad = msg
-            try:
-                self.results.send(("reply", call, True, self.runner.encode_audio(audio, sample_rate, pad)))
-            except Exception as e:
-                self.results.send(("reply", call, False, f"{type(e).__name__}: {e}"))
+            from engine.prompt import encode_in_slices
+
+            _, call, samples, pad = msg
+            self.chores.add(as_array(encode_in_slices(self.loaded.vae, samples, pad=pad,
+                                                      patch_size=self.loaded.config.patch_size,
+                                                      slice_ms=self.cfg.chore_slice_ms)), call)
         else:
             log.error("unknown command %r", kind)
 
@@ -380,7 +395,7 @@ class Worker:
             if not seqs:
                 self.publish()
                 if sched.waiting and not sched.running:  # nothing can ever free room for it
-                    req = sched.waiting[0]
+                    req = sched.blocked or sched.waiting[0]
                     sched.finish(req, "error")
                     self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
                 return

@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                             "not-found error (default: they speak with the default voice, logged)")
     serve.add_argument("--max-sessions", type=int, default=1000)
     serve.add_argument("--max-sessions-per-key", type=int, default=100)
+    serve.add_argument("--max-queued-per-key", type=int, default=None,
+                       help="prompts of one API key waiting for their first audio at most; more are refused with "
+                            "rate_limited (default: no limit; prefill is shared fairly between keys either way)")
     serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds turns may take to finish on SIGTERM (default 10)")
@@ -191,6 +194,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["fp8_prefill"] = True
     if args.fp8_dit:
         kwargs["fp8_dit"] = True
+    if getattr(args, "max_queued_per_key", None) is not None:  # `serve` only: `say` has one request
+        kwargs["max_queued_per_tenant"] = args.max_queued_per_key
     return kwargs
 
 

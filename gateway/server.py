@@ -102,8 +102,10 @@ class Gateway:
             except VoiceRefused as e:  # the engine could not load it
                 raise ProtocolError(ErrorCode.ENGINE_ERROR, e.message) from None
 
-        return Session(self.engine, transport, config or self.config.session, metrics=self.metrics, voices=voices,
-                       session_id=session_id)
+        session = Session(self.engine, transport, config or self.config.session, metrics=self.metrics,
+                          voices=voices, session_id=session_id)
+        session.tenant = caller.tenant or None  # the engine shares prefill fairly and limits queued prompts per key
+        return session
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -221,6 +221,7 @@ class Session:
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
         self.id = session_id or uuid.uuid4().hex[:16]
+        self.tenant: str | None = None  # the tenant (API key digest) its engine requests carry (`Gateway.session`)
         info = engine.model_info()
         self.model_info = info
         self.model_rate: int = info.sample_rate
@@ -465,6 +466,8 @@ class Session:
         kwargs: dict[str, Any] = dict(voice=turn.voice, cfg_value=gen.cfg_value, temperature=gen.temperature,
                                       seed=gen.seed, max_length=gen.max_length, timesteps=gen.timesteps,
                                       request_id=turn.request_id)
+        if self.tenant is not None:
+            kwargs["tenant"] = self.tenant
         if turn.prompt is not None:
             kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
         lead_ms = turn.buffered_ms(now)
@@ -578,6 +581,8 @@ class Session:
         except engine_errors.InvalidRequest as e:
             code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
             raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
+        except engine_errors.TenantOverloaded as e:
+            raise ProtocolError(ErrorCode.RATE_LIMITED, f"too many prompts of this API key queued: {e}") from None
         except engine_errors.EngineOverloaded as e:
             raise ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity, retry shortly: {e}") from None
         except engine_errors.EngineError as e:

@@ -77,6 +77,8 @@ async def add_voice(request: web.Request) -> web.Response:
         voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public)
     except VoiceRefused as e:
         return _refused(e)
+    except engine_errors.AudioTooLong as e:  # read from the file's header: nothing was decoded
+        return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, str(e))
     except engine_errors.UnknownLoRA as e:
         return error_response(404, ErrorCode.UNKNOWN_LORA, str(e))
     except engine_errors.InvalidRequest as e:

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def spec(rid: str, n: int, max_length: int = 50, voice_id: str | None = None, prefix_only: bool = False,
-         priority: int = 0) -> RequestSpec:
+         priority: int = 0, tenant: str | None = None) -> RequestSpec:
     return RequestSpec(rid, list(range(n)), torch.zeros(n, P, D), [0] * n, torch.zeros(P, D), None,
                        SamplingParams(max_length=max_length, min_length=0, priority=priority),
-                       voice_id=voice_id, prefix_only=prefix_only)
+                       voice_id=voice_id, prefix_only=prefix_only, tenant=tenant)
 
 
 def make(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, tokens: int = 64) -> Scheduler:
@@ -229,3 +229,82 @@ def test_split_step_scheduled_ahead_decodes_the_other_half_from_collected_patche
         assert (q.start, q.num_tokens, q.emit) == (q.request.num_computed, 1, True)
     late = next(q for q in ahead if q.request.request_id == "late")
     assert (late.start, late.num_tokens, late.emit) == (0, 3, True)
+
+
+def test_a_new_tenant_is_prefilled_in_the_next_step_although_another_queued_300():
+    s = make(num_blocks=4096, seqs=512, tokens=64)
+    for i in range(300):
+        s.add(spec(f"a{i}", 8, tenant="key-a"))
+    first = step(s)
+    assert {q.request.spec.tenant for q in first} == {"key-a"} and len(first) == 8  # the burst fills the step
+    s.add(spec("b", 8, tenant="key-b"))
+    seqs = step(s)
+    prefills = [q.request.request_id for q in seqs if q.num_tokens > 1]
+    assert prefills[0] == "b"  # B's prompt went first, not behind A's 292 waiting ones
+    assert sum(q.num_tokens for q in seqs) == 64 and len(prefills) > 1  # A's burst gets the rest of the room
+    # without a tenant (the shared one) the same burst is first come, first served
+    shared = make(num_blocks=4096, seqs=512, tokens=64)
+    for i in range(300):
+        shared.add(spec(f"a{i}", 8))
+    step(shared)
+    shared.add(spec("b", 8))
+    step(shared)
+    assert shared.requests["b"].status is Status.WAITING
+
+
+def test_tenants_share_prefill_room_by_positions_and_keep_their_own_order():
+    s = make(num_blocks=4096, seqs=512, tokens=40)
+    for i in range(20):
+        s.add(spec(f"a{i}", 10, tenant="a"))
+    for i in range(20):
+        s.add(spec(f"b{i}", 5, tenant="b", priority=1 if i == 7 else 0))
+    served = {"a": 0, "b": 0}
+    order_b = []
+    for _ in range(6):
+        for q in step(s):
+            if q.num_tokens > 1:
+                served[q.request.spec.tenant] += q.num_tokens
+                if q.request.spec.tenant == "b":
+                    order_b.append(q.request.request_id)
+    assert abs(served["a"] - served["b"]) <= 10  # equal positions (one chunk apart), not equal prompts
+    assert order_b[0] == "b7" and order_b[1:] == sorted(order_b[1:], key=lambda r: int(r[1:]))  # priority, then FIFO
+
+
+def test_schedule_ahead_admits_across_tenants_fairly():
+    s = make(num_blocks=4096, seqs=512, tokens=64)
+    s.add(spec("talker", 4))
+    running = step(s)
+    for i in range(50):
+        s.add(spec(f"a{i}", 8, tenant="a"))
+    s.add(spec("b", 8, tenant="b"))
+    ahead = s.schedule_ahead(running, admit=lambda r: True)
+    assert ahead is not None
+    admitted = [q.request.request_id for q in ahead if q.num_tokens > 1]
+    assert admitted[:2] in (["a0", "b"], ["b", "a0"])  # B is not queued behind A's 50
+
+
+def test_a_burst_from_idle_is_one_step_for_one_tenant_but_capped_while_another_waits():
+    def burst(second_tenant: bool) -> list:
+        s = Scheduler(max_num_seqs=512, max_num_batched_tokens=4096, num_blocks=4096, block_size=4, patch_ms=80.0,
+                      max_prefill_tokens_while_speaking=64)
+        for i in range(100):
+            s.add(spec(f"a{i}", 8, tenant="a"))
+        if second_tenant:
+            s.add(spec("b", 8, tenant="b"))
+        return step(s)
+
+    assert len(burst(False)) == 100  # nobody else waits: the whole burst in one step
+    first = burst(True)
+    assert sum(q.num_tokens for q in first) == 64  # a short step
+    assert "b" in [q.request.request_id for q in first[:2]]  # B's prompt shares it, one of its first two chunks
+
+
+def test_the_request_that_cannot_be_admitted_is_named_not_the_first_one_waiting():
+    s = make(num_blocks=8, block_size=4)  # 32 positions of KV
+    s.add(spec("small", 4, tenant="a"))
+    s.add(spec("huge", 40, tenant="b", priority=5))  # goes first (priority) and never fits
+    assert s.schedule() == []  # it holds the ones behind it, as admission is in order
+    # what the worker fails when nothing runs: the blocking request, not whichever waits first in the list
+    assert s.blocked is not None and s.blocked.request_id == "huge" and s.waiting[0].request_id == "small"
+    s.finish(s.blocked, "error")
+    assert [q.request.request_id for q in s.schedule()] == ["small"]

@@ -330,6 +330,22 @@ def three_adapters_two_slots() -> tuple[AdapterSlots, object]:
     return slots, model.base_lm.layers[0].self_attn.q_proj.lora
 
 
+def test_an_adapter_is_added_in_slices_and_its_requests_wait_for_it() -> None:
+    """A worker adds an adapter as a chore (`AdapterSlots.adding`): one weight pair per slice, then all at once."""
+    model = VoxCPMModel(ModelConfig.from_dict(tiny("voxcpm2"))).eval()
+    slots = AdapterSlots(attach_lora(model, num_adapters=1, max_rank=MAX_RANK))
+    paths = list(layout())[:3]
+    weights = {p: (torch.ones(4, layout()[p][0]), torch.ones(layout()[p][1], 4)) for p in paths}
+    chore = slots.adding(LoRAAdapter("w", 4, 4.0, weights))
+    slices = 0
+    for _ in chore:
+        slices += 1
+        assert slots.knows("w") and "w" not in slots.host
+        assert slots.acquire("w") is None  # its requests wait; nothing half-copied is ever used
+    assert slices == len(paths)
+    assert not slots.pending and slots.acquire("w") == 1
+
+
 def test_slots_evict_least_recently_used_never_held() -> None:
     slots, q = three_adapters_two_slots()
     sx = slots.acquire("x")

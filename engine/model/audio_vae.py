@@ -225,11 +225,15 @@ class Encoder(nn.Module):
         self.block = nn.ModuleList(layers)
         self.fc_mu = CausalConv1d(dim, config.latent_dim, 3)
         self.fc_logvar = CausalConv1d(dim, config.latent_dim, 3)  # unused (encode returns the mean); kept for loading
+        # the layers with history, for encoding in chunks (`AudioVAE.encode_stream`); fc_logvar never runs
+        self.stateful = [m for m in [*self.block.modules(), self.fc_mu] if isinstance(m, CausalConv1d) and m.context]
+        for slot, module in enumerate(self.stateful):
+            module.slot = slot
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, states: States = None) -> Tensor:
         for layer in self.block:
-            x = layer(x)
-        return self.fc_mu(x)
+            x = layer(x, states)
+        return self.fc_mu(x, states)
 
 
 class SampleRateCondition(nn.Module):
@@ -356,6 +360,21 @@ class AudioVAE(nn.Module):
             raise ValueError(f"encode expects mono audio [B, 1, T] with T > 0, got shape {tuple(audio.shape)}")
         pad = -audio.shape[-1] % self.encoder_hop
         return self.encoder(F.pad(audio, (0, pad)))
+
+    def encode_state(self, batch: int = 1) -> StreamState:
+        """Fresh encoder history (silence, as offline encoding's left padding) for `batch` streams, float32."""
+        weight = self.encoder.block[0].weight
+        return StreamState([torch.zeros(batch, m.in_channels, m.context, device=weight.device, dtype=weight.dtype)
+                            for m in self.encoder.stateful])
+
+    @torch.no_grad()
+    def encode_stream(self, audio: Tensor, state: StreamState) -> Tensor:
+        """Encode the next samples [B, 1, T] (T a multiple of `encoder_hop`) of B streams; updates state in place.
+        Fully causal, so the concatenated chunks equal `encode` of the whole audio (to float rounding)."""
+        if audio.ndim != 3 or audio.shape[1] != 1 or audio.shape[-1] % self.encoder_hop:
+            raise ValueError(f"encode_stream expects [B, 1, T] with T a multiple of {self.encoder_hop}, "
+                             f"got shape {tuple(audio.shape)}")
+        return self.encoder(audio, state.buffers)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
