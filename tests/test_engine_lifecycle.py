@@ -1,12 +1,11 @@
 """An engine's end frees what it holds: `async with Engine(...)` and `with SyncEngine` stop the worker processes and
-unlink their shared-memory audio rings, and a program that never stops its engine still exits quietly (no thread
+unmap their shared audio rings, and a program that never stops its engine still exits quietly (no thread
 traceback, no leaked shared memory) with its workers stopped. The real engine on the tiny VoxCPM2 checkpoint."""
 
 import os
 import subprocess
 import sys
 import textwrap
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ def assert_freed(workers: list) -> None:
     assert workers
     for w in workers:
         assert not w.process.is_alive()
-        with pytest.raises(FileNotFoundError):  # the ring was unlinked
-            SharedMemory(name=w.shm.name)
+        assert w.ring.shared is None  # unmapped: with the worker gone, the anonymous ring is freed
 
 
 async def test_async_with_stops_the_workers_and_frees_their_rings(tiny_v2_dir):
@@ -53,7 +51,7 @@ def test_a_program_that_never_stops_its_engine_exits_quietly(tiny_v2_dir, tmp_pa
             async for _ in engine.generate("Hello there.", max_length=2, min_length=2):
                 pass
             w = engine._workers[0]
-            print(w.process.pid, w.shm.name)
+            print(w.process.pid)
 
         if __name__ == "__main__":
             asyncio.run(main())  # the loop closes with the engine still running
@@ -65,8 +63,6 @@ def test_a_program_that_never_stops_its_engine_exits_quietly(tiny_v2_dir, tmp_pa
     assert done.returncode == 0, done.stderr
     for noise in ("Traceback", "Exception in thread", "leaked shared_memory", "terminate called"):
         assert noise not in done.stderr, done.stderr
-    pid, ring = done.stdout.split()
-    with pytest.raises(FileNotFoundError):
-        SharedMemory(name=ring)
+    pid = done.stdout.strip()
     with pytest.raises(ProcessLookupError):  # the worker is gone (reaped by its parent before it exited)
         os.kill(int(pid), 0)
