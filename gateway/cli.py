@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds turns may take to finish on SIGTERM (default 10)")
-    serve.add_argument("--web-client", help="folder of the browser client to serve at / (default: web_client/)")
+    serve.add_argument("--web-client",
+                       help="folder of the browser client to serve at / (default: the demo page, gateway/web_client/)")
     serve.add_argument("--config", help="TOML file of serve settings, keyed by these flags' names (max-sessions = "
                                         "500; deploy/voxgate.toml lists them all); flags given here override it")
     common(serve)
