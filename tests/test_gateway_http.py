@@ -116,7 +116,7 @@ async def test_graceful_shutdown_tells_clients_and_stops_their_turns(engine):
     assert engine.stats().in_flight == 0
 
 
-def test_the_demo_page_ships_inside_the_gateway_package():
+async def test_the_demo_page_ships_inside_the_gateway_package():
     """The wheel carries the page as the gateway's package data: no bare web_client/ at the top of site-packages."""
     import tomllib
 
