@@ -206,23 +206,26 @@ async def test_stored_voice_shares_prefix_kv_and_matches_recompute(engine):
     assert engine.list_voices() == []
 
 
-async def test_stress_random_cancels_closes_and_preemptions_return_everything(engine):
-    await stress(engine)
+@pytest.mark.parametrize("requests", [250, pytest.param(500, marks=pytest.mark.heavy)])
+async def test_stress_random_cancels_closes_and_preemptions_return_everything(engine, requests):
+    await stress(engine, requests)
 
 
-async def test_stress_with_split_decodes_and_prompts_admitted_ahead_returns_everything(tiny_v2_dir):
+# split steps make this churn ~4x slower on CPU than the plain one, hence fewer requests in the default run
+@pytest.mark.parametrize("requests", [120, pytest.param(500, marks=pytest.mark.heavy)])
+async def test_stress_with_split_decodes_and_prompts_admitted_ahead_returns_everything(tiny_v2_dir, requests):
     """The same churn while the decodes take turns by half (above 2 speaking streams) and steps launched ahead
     admit prompts: every request ends, and every block, slot and queue entry comes back."""
     engine = await start_mixed_ahead_engine(tiny_v2_dir, split_decodes_above=2, num_kv_blocks=48)
     try:
-        await stress(engine)
+        await stress(engine, requests)
         assert sum(w["stats"]["split_steps"] for w in engine.health()["workers"]) > 0
     finally:
         await engine.stop()
 
 
-async def stress(engine) -> None:
-    """500 random requests, at most 12 at once, cancelled, closed early or run to the end, on a KV pool small
+async def stress(engine, requests: int) -> None:
+    """`requests` random requests, at most 12 at once, cancelled, closed early or run to the end, on a KV pool small
     enough to force preemptions; then nothing may be left held."""
     rng = random.Random(0)
     words = ["hello", "world", "voice", "gateway", "speaking", "quickly", "the", "meeting", "was", "moved",
@@ -254,8 +257,8 @@ async def stress(engine) -> None:
                 assert chunks and chunks[-1].is_last
                 outcomes["done"] += 1
 
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(500))), 90)
-    assert sum(outcomes.values()) == 500 and outcomes["done"] > 300
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(requests))), 90)
+    assert sum(outcomes.values()) == requests and outcomes["done"] > 0.6 * requests
     assert engine.stats().preemptions > preempted_before  # the small KV pool forced recomputes
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
