@@ -14,6 +14,7 @@ import contextlib
 import mmap
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,6 +102,9 @@ def worker_main() -> None:
     """Entry point of a worker subprocess: argv holds the inherited descriptors (see `start_worker`)."""
     from engine.worker import AudioRing, run_worker
 
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides (it stops its workers at exit or on
+    # its own SIGINT handling), so the worker neither dies mid-step nor prints a second traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cmd_fd, res_fd, ring_fd, ring_size, life_fd = map(int, sys.argv[1:6])
     for fd in (cmd_fd, res_fd, life_fd):  # the worker's own subprocesses must not hold them open
         os.set_inheritable(fd, False)
