@@ -4,8 +4,10 @@ multiprocessing's spawn would re-run the caller's `__main__` in every worker (so
 `if __name__ == "__main__":` guard starts a second engine inside the worker, and `python - < script.py` cannot be
 re-read at all). The worker needs nothing from `__main__`: it imports `engine.worker` and reads its config from the
 command pipe. Its ring is an anonymous shared file (memfd on Linux), not a named segment: nothing can leak when
-either side dies, and no resource tracker is involved. The tensor-parallel followers start the same way
-(`engine.distributed`).
+either side dies. The named segments the pool does share (LoRA adapters, `engine.lora.SharedAdapter`) stay on this
+process's resource tracker, which the worker is handed as spawn would: a worker attaching one registers it there,
+not with a tracker of its own that would unlink it (and warn of a leak) when the worker exits. The tensor-parallel
+followers start as plain subprocesses too (`engine.distributed`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import weakref
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -78,11 +81,12 @@ class WorkerProcess:
 def start_worker(cfg: Any, ring_fd: int, ring_size: int, name: str) -> tuple[WorkerProcess, Connection, Connection]:
     """Start a worker on `cfg` (a `WorkerConfig`) writing audio into the shared file `ring_fd`: the process, the
     command pipe's sending end and the results pipe's receiving end."""
+    tracker_fd = resource_tracker.getfd()  # started if it is not running yet
     cmd_r, cmd_w = os.pipe()
     res_r, res_w = os.pipe()
     try:
-        process = WorkerProcess([str(cmd_r), str(res_w), str(ring_fd), str(ring_size)], [cmd_r, res_w, ring_fd],
-                                name)
+        process = WorkerProcess([str(cmd_r), str(res_w), str(ring_fd), str(ring_size), str(tracker_fd)],
+                                [cmd_r, res_w, ring_fd, tracker_fd], name)
     except BaseException:
         for fd in (cmd_r, cmd_w, res_r, res_w):
             os.close(fd)
@@ -105,9 +109,10 @@ def worker_main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the parent decides (it stops its workers at exit or on
     # its own SIGINT handling), so the worker neither dies mid-step nor prints a second traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cmd_fd, res_fd, ring_fd, ring_size, life_fd = map(int, sys.argv[1:6])
-    for fd in (cmd_fd, res_fd, life_fd):  # the worker's own subprocesses must not hold them open
+    cmd_fd, res_fd, ring_fd, ring_size, tracker_fd, life_fd = map(int, sys.argv[1:7])
+    for fd in (cmd_fd, res_fd, tracker_fd, life_fd):  # the worker's own subprocesses must not hold them open
         os.set_inheritable(fd, False)
+    resource_tracker._resource_tracker._fd = tracker_fd  # the parent's tracker, as multiprocessing.spawn hands it
     ring = AudioRing(mmap.mmap(ring_fd, ring_size))
     os.close(ring_fd)
     commands, results = Connection(cmd_fd, writable=False), Connection(res_fd, readable=False)
