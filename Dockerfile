@@ -22,7 +22,6 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY engine engine
 COPY gateway gateway
-COPY web_client web_client
 RUN pip install .
 
 FROM ${CUDA_IMAGE}

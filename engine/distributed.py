@@ -28,11 +28,12 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from engine.worker_process import child_env
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq, Scheduler
@@ -79,12 +80,10 @@ class TensorParallelLeader:
         port = _free_port()
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         host, listen_port = listener.address
         self.stopping = False
         entry = "from engine.distributed import follower_main; follower_main()"
-        self.procs = [subprocess.Popen([sys.executable, "-c", entry, f"{host}:{listen_port}"], env=env,
+        self.procs = [subprocess.Popen([sys.executable, "-c", entry, f"{host}:{listen_port}"], env=child_env(),
                                        stdin=subprocess.PIPE) for _ in range(1, self.world)]
         for proc in self.procs:
             assert proc.stdin is not None

@@ -34,6 +34,10 @@ SPECIAL_TOKENS = {0: "<unk>", 1: "<s>", 2: "</s>", 101: "<|audio_start|>", 102: 
                   103: "<|ref_audio_start|>", 104: "<|ref_audio_end|>"}
 FIRST_BYTE_ID = 105  # ids 0..104 are special or reserved, then the 256 byte-fallback tokens
 FIRST_LEARNED_ID = FIRST_BYTE_ID + 256
+# The decoder's O(1) activations times this gain give a waveform RMS of about 0.1 (-20 dBFS), well inside tanh's
+# linear range: random weights sound like honest noise, not clipped full-scale noise.
+VAE_OUTPUT_GAIN = 0.065
+DEMO_DIR_NAME = "demo-tiny-voxcpm2-v2"  # a new name whenever the demo's weights change: an old cache is not reused
 
 # Training text for the built-in tokenizer: English and Chinese so that multi-character CJK tokens exist.
 CORPUS = """\
@@ -173,7 +177,8 @@ def random_vae_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tenso
     """Random AudioVAE weights in the release form: float32, convs as old-style weight norm (`weight_g`, `weight_v`).
 
     Convs keep unit gain (std 1/sqrt(fan_in)) and residual branches end small, so activations stay O(1) through
-    the deep decoder instead of saturating the final tanh."""
+    the deep decoder; the decoder's last conv then scales them by `VAE_OUTPUT_GAIN`, so the waveform is noise at a
+    comfortable level (about -20 dBFS) in the final tanh's linear range, never clipped."""
     from engine.model.audio_vae import AudioVAE, ResidualUnit
 
     vae = AudioVAE(config.audio_vae)
@@ -186,6 +191,8 @@ def random_vae_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tenso
     for name, module in vae.named_modules():
         if isinstance(module, ResidualUnit):
             std[f"{name}.block.3"] *= 0.1
+    output_conv = f"decoder.model.{len(vae.decoder.model) - 1}"
+    std[output_conv] *= VAE_OUTPUT_GAIN
     gen = torch.Generator().manual_seed(seed + 1)
     out: dict[str, Tensor] = {}
     for name, value in vae.state_dict().items():  # buffers (sr_bin_boundaries) stay as built
@@ -195,7 +202,8 @@ def random_vae_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, Tenso
             out[name + "_g"] = v.norm(dim=(1, 2), keepdim=True)
             out[name + "_v"] = v
         elif name.endswith(".bias"):
-            out[name] = torch.randn(value.shape, generator=gen) * 0.02
+            out[name] = torch.randn(value.shape, generator=gen) * 0.02 * (VAE_OUTPUT_GAIN if module == output_conv
+                                                                           else 1.0)
         else:
             out[name] = value.clone()
     return out
@@ -230,7 +238,7 @@ def write_random_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], se
 def demo_model_dir() -> Path:
     """The tiny built-in VoxCPM2 demo model (written once, atomically, under ~/.cache/voxgate)."""
     cache = Path(os.environ.get("VOXGATE_CACHE", Path.home() / ".cache" / "voxgate"))
-    final = cache / "demo-tiny-voxcpm2"
+    final = cache / DEMO_DIR_NAME
     if (final / "audiovae.pth").is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)

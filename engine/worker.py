@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 import os
 import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -175,14 +175,24 @@ class StepStats:
 
 
 class AudioRing:
-    """A float32 ring in shared memory; positions are monotonic float counts (`pos % capacity` is the offset)."""
+    """A float32 ring in a shared map, after an int64 read cursor; positions are monotonic float counts
+    (`pos % capacity` is the offset). The reader advances the cursor, the writer never passes it."""
 
-    def __init__(self, shm: SharedMemory, read_pos: Any, owner: bool):
-        self.shm: SharedMemory | None = shm
-        self.read_pos, self.owner = read_pos, owner
-        self.buf = np.ndarray((shm.size // 4,), dtype=np.float32, buffer=shm.buf)
+    def __init__(self, shared: mmap.mmap):
+        self.shared: mmap.mmap | None = shared
+        self._read_pos = np.ndarray((1,), dtype=np.int64, buffer=shared)
+        self.buf = np.ndarray(((len(shared) - 8) // 4,), dtype=np.float32, buffer=shared, offset=8)
         self.capacity = self.buf.shape[0]
         self.write_pos = 0
+
+    @staticmethod
+    def size_for(floats: int) -> int:
+        """Bytes of a ring that holds `floats` samples."""
+        return 8 + 4 * floats
+
+    @property
+    def read_pos(self) -> int:
+        return int(self._read_pos[0])
 
     def write(self, audio: np.ndarray) -> tuple[int, int] | None:
         """Store `audio` contiguously; (start, end) positions, or None when the unread audio leaves no room."""
@@ -191,7 +201,7 @@ class AudioRing:
         if start % self.capacity + n > self.capacity:  # skip the tail so every step stays contiguous
             start += self.capacity - start % self.capacity
         end = start + n
-        if n > self.capacity or end - self.read_pos.value > self.capacity:
+        if n > self.capacity or end - self.read_pos > self.capacity:
             return None
         self.buf[start % self.capacity:start % self.capacity + n] = audio
         self.write_pos = end
@@ -201,29 +211,27 @@ class AudioRing:
         """Copy out [start, end) and release everything before `end` to the writer."""
         offset = start % self.capacity
         out = self.buf[offset:offset + end - start].copy()
-        self.read_pos.value = end
+        self._read_pos[0] = end
         return out
 
     def close(self) -> None:
-        if self.shm is None:
+        """Unmap the ring (the memory goes once both sides have closed it). Idempotent."""
+        if self.shared is None:
             return
-        shm, self.shm = self.shm, None
-        del self.buf
-        shm.close()
-        if self.owner:
-            shm.unlink()
+        shared, self.shared = self.shared, None
+        del self.buf, self._read_pos
+        shared.close()
 
 
-def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, shm_name: str,
-               read_pos: Any) -> None:
-    """Entry point of the spawned worker process."""
+def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing) -> None:
+    """The worker process's life (started by `engine.worker_process.worker_main`): load, then serve until stopped."""
     from engine.distributed import disable_nvls
 
     disable_nvls()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
     try:
-        worker = Worker(cfg, commands, results, AudioRing(SharedMemory(name=shm_name), read_pos, owner=False))
+        worker = Worker(cfg, commands, results, ring)
     except Exception as e:  # a load failure is reported once, then the process exits
         # the caller gets the message; with VOXGATE_LOG=DEBUG the worker logs the traceback too (which op failed)
         logging.getLogger(__name__).debug("worker start failed", exc_info=True)

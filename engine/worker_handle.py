@@ -1,4 +1,5 @@
-"""One worker process seen from the pool: spawn it, talk to it over two pipes, read its audio ring, notice its end.
+"""One worker process seen from the pool: start it (`engine.worker_process`), talk to it over two pipes, read its
+audio ring, notice its end.
 
 Two threads per worker: a sender, so the event loop never blocks on a full pipe, and a reader, which turns each step
 into `AudioChunk`s (one copy out of the shared audio ring) and also watches the process sentinel, so a crash wakes it
@@ -12,19 +13,18 @@ import asyncio
 import atexit
 import contextlib
 import itertools
-import multiprocessing as mp
 import queue
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from engine.api import AudioChunk
 from engine.config import ModelConfig
 from engine.errors import InvalidAudio, WorkerCrashed
-from engine.worker import AudioRing, WorkerConfig, run_worker
+from engine.worker import AudioRing, WorkerConfig
+from engine.worker_process import shared_file, start_worker
 
 RING_SECONDS = 20.0  # shared-memory audio ring per worker, in seconds of audio at the model's rate
 RESTART_WINDOW_S = 60.0
@@ -44,17 +44,10 @@ class WorkerHandle:
         self._sample_rate = config.sample_rate
         self._loop, self._on_event, self._on_exit = loop, on_event, on_exit
         ring_floats = int(RING_SECONDS * config.sample_rate) + cfg.max_num_seqs * config.samples_per_patch
-        ctx = mp.get_context("spawn")
-        self.shm = SharedMemory(create=True, size=4 * ring_floats)
-        read_pos = ctx.Value("q", 0, lock=False)
-        self.ring = AudioRing(self.shm, read_pos, owner=True)
-        cmd_recv, self.cmd_send = ctx.Pipe(duplex=False)
-        self.results, res_send = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_worker, args=(cfg, cmd_recv, res_send, self.shm.name, read_pos),
-                                   daemon=True, name=f"voxgate-worker-{index}")
-        self.process.start()
-        cmd_recv.close()
-        res_send.close()
+        size = AudioRing.size_for(ring_floats)
+        ring_fd, shared = shared_file(size)
+        self.ring = AudioRing(shared)
+        self.process, self.cmd_send, self.results = start_worker(cfg, ring_fd, size, f"voxgate-worker-{index}")
         self.info: dict[str, Any] = {}
         self.stats: dict[str, int] = {}
         self.ready = asyncio.Event()
@@ -67,8 +60,7 @@ class WorkerHandle:
         self._closed = False
         threading.Thread(target=self._send_loop, daemon=True, name=f"voxgate-send-{index}").start()
         threading.Thread(target=self._read_loop, daemon=True, name=f"voxgate-read-{index}").start()
-        # an engine its program never stopped: stop the worker and free the ring at exit, before multiprocessing's
-        # own exit handler (registered earlier, so run later) would kill the daemonic process and leak the ring
+        # an engine its program never stopped: stop the worker and unmap the ring at exit
         atexit.register(self.close, 2.0)
 
     def send(self, msg: tuple[Any, ...]) -> None:

@@ -45,12 +45,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a checkout that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("voxgate")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 class CliError(Exception):
     """A user-facing failure: printed as one line, no traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="voxgate", description="Real-time streaming speech from VoxCPM models.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                    help="print the installed voxgate version and exit")
     sub = ap.add_subparsers(required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -95,8 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the gateway")
     engine_args(serve)
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--host", default="0.0.0.0",
+                       help="address to listen on (default 0.0.0.0: every interface; 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port to listen on (default %(default)s)")
     serve.add_argument("--api-keys-file", help="file with one API key per line, optionally followed by flags: "
                        "operator (shares voices and adapters with every key, manages all), strict (unknown voice "
                        "ids are not-found errors) (default: no authentication)")
@@ -113,15 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--strict-voices", action="store_true",
                        help="ElevenLabs, Cartesia and Deepgram requests naming an unknown voice get the protocol's "
                             "not-found error (default: they speak with the default voice, logged)")
-    serve.add_argument("--max-sessions", type=int, default=1000)
-    serve.add_argument("--max-sessions-per-key", type=int, default=100)
+    serve.add_argument("--max-sessions", type=int, default=1000,
+                       help="concurrent sessions (WebSocket or HTTP) this server accepts; more are refused with "
+                            "an 'overloaded' error (default %(default)s)")
+    serve.add_argument("--max-sessions-per-key", type=int, default=100,
+                       help="concurrent sessions per API key, with --api-keys-file (default %(default)s)")
     serve.add_argument("--max-queued-per-key", type=int, default=None,
                        help="prompts of one API key waiting for their first audio at most; more are refused with "
                             "rate_limited (default: no limit; prefill is shared fairly between keys either way)")
     serve.add_argument("--idle-timeout", type=float, default=60.0, help="seconds without a message (default 60)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds turns may take to finish on SIGTERM (default 10)")
-    serve.add_argument("--web-client", help="folder of the browser client to serve at / (default: web_client/)")
+    serve.add_argument("--web-client",
+                       help="folder of the browser client to serve at / (default: the demo page, gateway/web_client/)")
     serve.add_argument("--config", help="TOML file of serve settings, keyed by these flags' names (max-sessions = "
                                         "500; deploy/voxgate.toml lists them all); flags given here override it")
     common(serve)
@@ -136,8 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--reference-wav", help="reference voice audio (VoxCPM2)")
     say.add_argument("--server", help="speak through a running gateway, e.g. ws://127.0.0.1:8080")
     say.add_argument("--api-key", help="API key for --server")
-    say.add_argument("--seed", type=int, default=None)
-    say.add_argument("--cfg", type=float, default=2.0)
+    say.add_argument("--seed", type=int, default=None,
+                     help="random seed: the same seed, text and voice give the same audio (default: a new one)")
+    say.add_argument("--cfg", type=float, default=2.0,
+                     help="classifier-free guidance: higher follows the text and voice more closely (default "
+                          "%(default)s)")
     say.add_argument("--normalize", choices=spoken.MODES, default="auto",
                      help="numbers, money, dates and units spoken as words (docs/PROTOCOL.md, generation.normalize)")
     common(say)

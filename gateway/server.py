@@ -28,7 +28,7 @@ from gateway.voices import Catalog, Unavailable, VoiceRefused
 
 log = logging.getLogger("voxgate.server")
 
-WEB_CLIENT_DIR = Path(__file__).resolve().parent.parent / "web_client"
+WEB_CLIENT_DIR = Path(__file__).resolve().parent / "web_client"  # package data: installed with the gateway
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ launchers when they change (launchers that dispatch on the device, such as Trito
 are called directly too). Every @triton.jit function found in engine/ must be launched here or called from a
 launched kernel.
 
-Run it with TRITON_INTERPRET=0 (tests/test_kernels_compile.py does, in a subprocess). Output, one JSON object:
+Run it with TRITON_INTERPRET=0 (tests/test_kernels_compile.py does, in a subprocess), with one argument: the dtype
+set (`DTYPE_SETS`), "serving" (what the GPU runs by default: bf16 stacks, the fp32 VAE), "other" (fp32 stacks, the
+bf16 VAE of --vae-dtype bfloat16) or "all". Output, one JSON object:
 {"kernels": [...], "uncovered": [...], "results": [{"kernel", "case", "error" (None when it compiled)}]}.
 """
 
@@ -49,7 +51,9 @@ from engine.model.attention_triton import TritonAttention, rope_store_kv_  # noq
 from engine.model_configs import voxcpm05b, voxcpm2, voxcpm15  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
-DTYPES = (torch.bfloat16, torch.float32)
+# dtype set -> (stack dtypes, VAE dtypes); "serving" and "other" split the compiles in two halves without overlap
+DTYPE_SETS = {"serving": ((torch.bfloat16,), (torch.float32,)), "other": ((torch.float32,), (torch.bfloat16,)),
+              "all": ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32))}
 MODELS = {"VoxCPM2": voxcpm2, "VoxCPM1.5": voxcpm15, "VoxCPM-0.5B": voxcpm05b}
 BLOCK_SIZE = 16  # the engine's default KV page (Engine(block_size=16))
 LORA_SLOTS = 5  # max_loras=4 plus slot 0
@@ -228,8 +232,11 @@ def launch_vae_residual_units(cfg: ModelConfig, dtype: torch.dtype) -> None:
             vae_triton.residual_unit(xv, alpha, dw_weight, bias, alpha, pw_weight, bias, 1, history, in_bias=bias)
 
 
-def launch_cases(recorder: Recorder) -> None:
+def launch_cases(recorder: Recorder, dtypes: str = "all") -> None:
+    """Every launch case with the stack and VAE dtypes of `DTYPE_SETS[dtypes]`."""
     from engine import kernels
+
+    stack_dtypes, vae_dtypes = DTYPE_SETS[dtypes]
 
     for model, make in MODELS.items():
         cfg = ModelConfig.from_dict(make())
@@ -238,7 +245,7 @@ def launch_cases(recorder: Recorder) -> None:
         recorder.case = f"{model} snake fp32 after a sample-rate condition's affine"
         c = cfg.audio_vae.decoder_dim
         kernels.snake(torch.randn(1, c, 7), torch.ones(1, c, 1), (torch.ones(c), torch.zeros(c)))
-        for dtype in DTYPES:
+        for dtype in stack_dtypes:
             dt = str(dtype).removeprefix("torch.")
             recorder.case = f"{model} CFG-Zero* Euler, LocDiT output {dt}"
             x = torch.randn(3, cfg.patch_size, cfg.feat_dim)
@@ -261,7 +268,7 @@ def launch_cases(recorder: Recorder) -> None:
                 recorder.case = f"{model} {stack_name} short attention {dt} ({length} tokens)"
                 launch_short_attention(stack, length, dtype)
     vae_model = ModelConfig.from_dict(voxcpm2())
-    for dtype in DTYPES:  # the engine runs the VAE in fp32; bf16 is supported too
+    for dtype in vae_dtypes:  # the engine runs the VAE in fp32; bf16 is supported too
         recorder.case = f"VoxCPM2 AudioVAE fused residual units {str(dtype).removeprefix('torch.')}"
         launch_vae_residual_units(vae_model, dtype)
 
@@ -284,13 +291,13 @@ def compile_one(i: int) -> str | None:
     return None
 
 
-def main() -> None:
+def main(dtypes: str) -> None:
     torch.set_num_threads(1)
     kernels = all_kernels()
     recorder = Recorder()
     JITFunction.run = lambda fn, *args, grid, warmup, **kw: recorder.run(fn, *args, grid=grid, warmup=warmup, **kw)
     with torch.no_grad():
-        launch_cases(recorder)
+        launch_cases(recorder, dtypes)
     unique: dict[str, Launch] = {}
     for launch in recorder.launches:  # the first case that needs each distinct compile names it
         unique.setdefault(launch.key(), launch)
@@ -310,4 +317,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")

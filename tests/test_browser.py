@@ -304,3 +304,23 @@ def test_reconnects_after_a_server_restart(browser, gateway):
         assert len(page_pcm(demo.page, done["context_id"])) > 0
     finally:
         demo.close()
+
+
+@pytest.mark.parametrize("response_format", ["wav", "flac", "mp3", "aac", "opus"])
+def test_every_speech_container_decodes_in_the_browser(browser, gateway, response_format):
+    """What POST /v1/audio/speech streams, as a page fetches it, decodes with Web Audio (docs/INTEGRATIONS.md)."""
+    page = browser.new_page()
+    try:
+        page.goto(gateway.url + "/")
+        seconds = page.evaluate("""async (format) => {
+            const r = await fetch("/v1/audio/speech", {method: "POST", headers: {"content-type": "application/json"},
+                body: JSON.stringify({model: "tts-1", voice: "alloy", input: "Hello there.", response_format: format,
+                                      generation: {seed: 1, max_length: 4}})});
+            if (!r.ok) return `HTTP ${r.status}: ${await r.text()}`;
+            const audio = await new OfflineAudioContext(1, 1, 48000).decodeAudioData(await r.arrayBuffer());
+            return audio.duration;
+        }""", response_format)
+    finally:
+        page.close()
+    assert isinstance(seconds, float), seconds
+    assert abs(seconds - 0.64) < 0.1, f"{response_format}: {seconds:.3f} s"  # 4 patches of 160 ms, give or take padding

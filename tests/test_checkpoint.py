@@ -16,7 +16,12 @@ from engine.checkpoint import CheckpointError, load_model, load_state_dict, load
 from engine.config import ConfigError
 from engine.model.audio_vae import fold_weight_norm
 from engine.model_configs import tiny
-from engine.random_checkpoint import demo_model_dir, random_model_state_dict, write_random_checkpoint
+from engine.random_checkpoint import (
+    DEMO_DIR_NAME,
+    demo_model_dir,
+    random_model_state_dict,
+    write_random_checkpoint,
+)
 
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "audiovae.pth")
 
@@ -206,9 +211,9 @@ def test_writer_is_deterministic_and_stop_never(tmp_path):
 def test_demo_model_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("VOXGATE_CACHE", str(tmp_path))
     d = demo_model_dir()
-    assert d == tmp_path / "demo-tiny-voxcpm2"
+    assert d == tmp_path / DEMO_DIR_NAME
     assert json.loads((d / "config.json").read_text())["voxgate_demo"] is True
     stamp = (d / "model.safetensors").stat().st_mtime_ns
     assert demo_model_dir() == d and (d / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-tiny-voxcpm2"]  # no temporary dirs left behind
+    assert [p.name for p in tmp_path.iterdir()] == [DEMO_DIR_NAME]  # no temporary dirs left behind
     assert load_model(d).config.is_v2

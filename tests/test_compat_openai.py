@@ -12,6 +12,7 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+import soundfile
 import soxr
 from compat_support import compat_server
 
@@ -51,6 +52,11 @@ async def test_sdk_streaming_pcm_is_the_engines_audio_at_24khz(client, engine):
     assert corr > 0.99, f"PCM body does not match the engine's audio (correlation {corr:.4f})"
 
 
+# libsndfile has no AAC, and takes a streamed FLAC's "length unknown" (total_samples 0) for 2^63 frames and fails:
+# both documented in docs/INTEGRATIONS.md; PyAV/ffmpeg and browsers read every format.
+SOUNDFILE_READS = ("mp3", "opus", "wav")
+
+
 @pytest.mark.parametrize("response_format, container, rate", [
     ("mp3", "mp3", 24000), ("opus", "ogg", 48000), ("aac", "aac", 24000), ("flac", "flac", 24000),
     ("wav", "wav", 24000),
@@ -66,6 +72,9 @@ async def test_sdk_containers_decode(client, response_format, container, rate):
         samples = sum(frame.samples for frame in f.decode(stream))
     # 4 patches of 160 ms, give or take codec padding
     assert abs(samples / rate - 0.64) < 0.1, f"{response_format}: {samples / rate:.3f} s of audio"
+    if response_format in SOUNDFILE_READS:  # the streamed body, saved as it came, opens in soundfile too
+        audio, sf_rate = soundfile.read(io.BytesIO(data), dtype="float32")
+        assert sf_rate == rate and len(audio) == samples
 
 
 async def test_sse_stream_carries_base64_deltas_and_usage(base_url):

@@ -207,23 +207,28 @@ async def test_stored_voice_shares_prefix_kv_and_matches_recompute(engine):
 
 
 async def test_stress_random_cancels_closes_and_preemptions_return_everything(engine):
-    await stress(engine)
+    assert await stress(engine, 500) > 0  # the small KV pool forced recomputes
 
 
-async def test_stress_with_split_decodes_and_prompts_admitted_ahead_returns_everything(tiny_v2_dir):
+# Split steps make this churn ~4x slower on CPU than the plain one, hence fewer requests in the default run. They
+# force a recompute in most runs, not all (a few per hundred requests): the full run (CI) asserts one.
+@pytest.mark.parametrize(("requests", "must_preempt"), [(120, False), pytest.param(500, True, marks=pytest.mark.heavy)])
+async def test_stress_with_split_decodes_and_prompts_admitted_ahead_returns_everything(tiny_v2_dir, requests,
+                                                                                      must_preempt):
     """The same churn while the decodes take turns by half (above 2 speaking streams) and steps launched ahead
     admit prompts: every request ends, and every block, slot and queue entry comes back."""
     engine = await start_mixed_ahead_engine(tiny_v2_dir, split_decodes_above=2, num_kv_blocks=48)
     try:
-        await stress(engine)
+        preempted = await stress(engine, requests)
         assert sum(w["stats"]["split_steps"] for w in engine.health()["workers"]) > 0
+        assert preempted > 0 or not must_preempt
     finally:
         await engine.stop()
 
 
-async def stress(engine) -> None:
-    """500 random requests, at most 12 at once, cancelled, closed early or run to the end, on a KV pool small
-    enough to force preemptions; then nothing may be left held."""
+async def stress(engine, requests: int) -> int:
+    """`requests` random requests, at most 12 at once, cancelled, closed early or run to the end, on a KV pool small
+    enough to force preemptions; then nothing may be left held. The preemptions it caused."""
     rng = random.Random(0)
     words = ["hello", "world", "voice", "gateway", "speaking", "quickly", "the", "meeting", "was", "moved",
              "to", "the", "second", "floor"]
@@ -254,9 +259,8 @@ async def stress(engine) -> None:
                 assert chunks and chunks[-1].is_last
                 outcomes["done"] += 1
 
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(500))), 90)
-    assert sum(outcomes.values()) == 500 and outcomes["done"] > 300
-    assert engine.stats().preemptions > preempted_before  # the small KV pool forced recomputes
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(requests))), 90)
+    assert sum(outcomes.values()) == requests and outcomes["done"] > 0.6 * requests
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
         s = engine.stats()
@@ -266,6 +270,7 @@ async def stress(engine) -> None:
     s = engine.stats()
     assert (s.running, s.waiting, s.in_flight) == (0, 0, 0)
     assert s.free_blocks == s.total_blocks and s.voice_blocks == 0
+    return s.preemptions - preempted_before
 
 
 async def test_killed_worker_fails_in_flight_requests_fast_and_is_restarted(engine):

@@ -1,5 +1,6 @@
 """The `voxgate` command as a user runs it (subprocesses): say locally, say through a gateway, serve + SIGTERM."""
 
+import argparse
 import asyncio
 import os
 import signal
@@ -108,3 +109,31 @@ def test_engine_switches_reach_the_engine_only_when_set():
                                     "fp8_prefill": True, "fp8_dit": True}
     assert _engine_kwargs(_parser().parse_args(["serve", "--split-decodes-above", "200"])) == {
         "split_decodes_above": 200}
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {name: p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            for name, p in a.choices.items()}
+
+
+def test_every_flag_of_every_subcommand_has_help_text():
+    from gateway.cli import _parser
+
+    parser = _parser()
+    commands = _subcommands(parser)
+    assert {"serve", "say"} <= set(commands)
+    for name, sub in [("voxgate", parser), *commands.items()]:
+        for action in sub._actions:
+            if action.option_strings or name != "voxgate":  # the subcommand choice itself is listed in its help
+                assert action.help and action.help.strip(), f"{name} {'/'.join(action.option_strings)}: no help text"
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"voxgate {version('voxgate')}"

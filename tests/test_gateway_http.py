@@ -3,6 +3,7 @@ real server with the real tiny engine."""
 
 import asyncio
 import io
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -113,3 +114,18 @@ async def test_graceful_shutdown_tells_clients_and_stops_their_turns(engine):
     while engine.stats().in_flight and asyncio.get_running_loop().time() < end:
         await asyncio.sleep(0.05)
     assert engine.stats().in_flight == 0
+
+
+async def test_the_demo_page_ships_inside_the_gateway_package():
+    """The wheel carries the page as the gateway's package data: no bare web_client/ at the top of site-packages."""
+    import tomllib
+
+    import gateway
+    from gateway.server import WEB_CLIENT_DIR
+
+    package = Path(gateway.__file__).resolve().parent
+    assert WEB_CLIENT_DIR.parent == package and (WEB_CLIENT_DIR / "index.html").is_file()
+    patterns = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert all(".." not in p for ps in patterns.values() for p in ps)  # nothing reaches outside its package
+    shipped = {p.name for pattern in patterns["gateway"] for p in package.glob(pattern)}
+    assert {"index.html", "demo.js", "voxgate.js", "player-worklet.js", "demo.css"} <= shipped
