@@ -20,6 +20,7 @@ import contextlib
 import gc
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -214,6 +215,18 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("VOXGATE_COMMIT")
     return commit.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a benchmark ran: cores, platform, Python, and the GPUs when nvidia-smi answers."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if smi.returncode == 0:
+            info["gpus"] = smi.stdout.strip().splitlines()
+    return info
 
 
 def save_probe(out: Path | None, started: float, device: str, **fields: Any) -> dict:
