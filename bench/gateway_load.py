@@ -604,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, help="patches per segment at most (random checkpoints whose stop head "
                     "never fires would otherwise speak to the length cap)")
     ap.add_argument("--json", help="write results here")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.engine == "paced" and not args.spawn_server:
         ap.error("--engine paced needs --spawn-server")
@@ -616,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         from gateway_proc import git_commit, machine_info
 
         doc = {"benchmark": "gateway end to end (bench/gateway_load.py)",
-               "command": " ".join(["python", *sys.argv]), "git_commit": git_commit(), "machine": machine_info(),
+               "command": " ".join(["python", "bench/gateway_load.py", *argv]), "git_commit": git_commit(),
+               "machine": machine_info(),
                "date": datetime.now(UTC).isoformat(timespec="seconds"), "config": config, "results": results}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))
