@@ -126,6 +126,11 @@ async def _serve(args: argparse.Namespace) -> None:
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
     runner, port = await start_server(app, args.host, args.port)
+    # the text normalisation grammars load in a thread at start-up (seconds of pure Python, holding the GIL): done
+    # before the port is announced, so no level measures it
+    from gateway import normalize
+
+    await asyncio.to_thread(normalize.preload)
     monitor = asyncio.create_task(lag.run())
     # what exists now (modules, the engine's config, the app) lives as long as the process: keep the cyclic
     # garbage collector from walking it again and again
