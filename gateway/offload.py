@@ -41,46 +41,6 @@ _Job = tuple[float, Callable[..., Any], tuple[Any, ...], asyncio.Future]
 _Result = tuple[asyncio.Future, Any, BaseException | None]
 
 
-class _Inbox:
-    """Results on their way back to one loop. While a delivery is already scheduled there, a worker adds its results
-    to it instead of scheduling another: each `call_soon_threadsafe` is a self-pipe write for the worker and a
-    wakeup read for the loop, and the worker retakes the GIL after the write while the loop may hold it; in a burst
-    (every stream's first chunk urgent at once) those hand-backs come one per call."""
-
-    __slots__ = ("loop", "lock", "results", "scheduled")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.results: list[_Result] = []
-        self.scheduled = False
-
-    def put(self, results: list[_Result]) -> None:
-        """From a worker thread: hand these back, with any still waiting for the loop."""
-        if not results:
-            return
-        with self.lock:
-            self.results += results
-            if self.scheduled:
-                return
-            self.scheduled = True
-        if not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
-                self.loop.call_soon_threadsafe(self.deliver)
-
-    def deliver(self) -> None:
-        """On the loop: resolve every result handed back so far."""
-        with self.lock:
-            results, self.results, self.scheduled = self.results, [], False
-        for fut, value, error in results:
-            if fut.done():
-                continue
-            if error is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(error)
-
-
 class OffloadPool:
     """`await pool.run(fn, *args)`: fn(*args) in a worker thread; calls of one loop iteration travel together, the
     most urgent (lowest `urgency`) first.
@@ -92,7 +52,6 @@ class OffloadPool:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Job]] = weakref.WeakKeyDictionary()
-        self._inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
 
     async def run(self, fn: Callable[..., Any], *args: Any, urgency: float = 0.0) -> Any:
         """fn(*args) in a worker thread; its result (or exception) here. Among the calls of one loop iteration,
@@ -113,13 +72,10 @@ class OffloadPool:
         if not jobs:
             return
         executor = self._get_executor()
-        inbox = self._inboxes.get(loop)
-        if inbox is None:
-            inbox = self._inboxes[loop] = _Inbox(loop)
         jobs.sort(key=_urgency)  # stable: equal urgency keeps arrival order
         size = min(MAX_PART, -(-len(jobs) // self.threads))
         for i in range(0, len(jobs), size):
-            executor.submit(_run_part, inbox, jobs[i:i + size])
+            executor.submit(_run_part, loop, jobs[i:i + size])
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -139,7 +95,7 @@ def _urgency(job: _Job) -> float:
     return job[0]
 
 
-def _run_part(inbox: _Inbox, jobs: list[_Job]) -> None:
+def _run_part(loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
     results: list[_Result] = []
     for urgency, fn, args, fut in jobs:
         if fut.cancelled():  # the caller is gone (turn cancelled): skip its work
@@ -149,9 +105,25 @@ def _run_part(inbox: _Inbox, jobs: list[_Job]) -> None:
         except BaseException as e:  # handed to the awaiting caller, as asyncio.to_thread would
             results.append((fut, None, e))
         if urgency < URGENT:
-            inbox.put(results)
+            _hand_back(loop, results)
             results = []
-    inbox.put(results)
+    _hand_back(loop, results)
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, results: list[_Result]) -> None:
+    if results and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
+            loop.call_soon_threadsafe(_deliver, results)
+
+
+def _deliver(results: list[_Result]) -> None:
+    for fut, value, error in results:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
 
 
 _shared: OffloadPool | None = None

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 
-from gateway import offload
 from gateway.offload import OffloadPool, default_threads
 
 pytestmark = pytest.mark.timeout(30)
@@ -46,38 +45,6 @@ async def test_the_most_urgent_calls_of_one_iteration_run_first():
     finally:
         pool.shutdown()
     assert order == sorted(urgencies)
-
-
-async def test_results_handed_back_while_the_loop_is_busy_arrive_in_one_wakeup(monkeypatch):
-    deliveries: list[int] = []
-    handed_back: list[int] = []
-    all_back = threading.Event()
-    deliver, put = offload._Inbox.deliver, offload._Inbox.put
-
-    def counted_deliver(self: offload._Inbox) -> None:
-        deliveries.append(len(self.results))
-        deliver(self)
-
-    def counted_put(self: offload._Inbox, results: list) -> None:
-        put(self, results)
-        handed_back.extend(r[1] for r in results)
-        if len(handed_back) == 8:
-            all_back.set()
-
-    monkeypatch.setattr(offload._Inbox, "deliver", counted_deliver)
-    monkeypatch.setattr(offload._Inbox, "put", counted_put)
-    pool = OffloadPool(threads=1)
-    try:
-        # urgent calls (a burst of first chunks) are each handed back as soon as they are done
-        calls = [asyncio.ensure_future(pool.run(lambda i: i * 10, i, urgency=0.0)) for i in range(8)]
-        await asyncio.sleep(0)  # the calls are collected
-        await asyncio.sleep(0)  # and go to the worker
-        assert all_back.wait(5)  # the loop is busy (blocked here) while the worker hands back all eight, one by one
-        results = await asyncio.gather(*calls)
-    finally:
-        pool.shutdown()
-    assert results == [i * 10 for i in range(8)]
-    assert deliveries == [8]
 
 
 @pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (4, 3), (8, 6), (16, 12), (64, 12)])
