@@ -517,6 +517,8 @@ async def _run(args: argparse.Namespace) -> list[dict]:
         url = f"ws://127.0.0.1:{port}/v1/stream"
     results = []
     try:
+        if not args.no_warmup:
+            await _warm_up(url, args)
         for level in args.sessions:
             if proc is not None:
                 await asyncio.to_thread(proc.reset)
@@ -548,6 +550,14 @@ async def _run(args: argparse.Namespace) -> list[dict]:
         if engine is not None:
             await engine.stop()
     return results
+
+
+async def _warm_up(url: str, args: argparse.Namespace) -> None:
+    """One short turn before the first level, so a fresh gateway's first-time costs (codec set-up, first engine
+    requests of a shape) are no level's."""
+    async with await VoxgateClient.connect(url, api_key=args.api_key) as client:
+        await client.start(output={"format": args.format}, generation={"max_length": args.max_length or 4})
+        await client.speak("Warming up. One more clause.", "warmup", timeout=120)
 
 
 def _worker_stats(engine: Any) -> list[dict]:
@@ -600,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta-ms", type=_range, default=(30, 50), help="llm: ms between deltas, LOW,HIGH")
     ap.add_argument("--format", default="opus", choices=("opus", "pcm_s16le", "mulaw", "alaw"))
     ap.add_argument("--cushion-ms", type=float, default=200.0, help="client playout start-up cushion")
+    ap.add_argument("--no-warmup", action="store_true", help="no short turn before the first level")
     ap.add_argument("--no-continuation", action="store_true", help="no previous-segment prompt (TTFB cost)")
     ap.add_argument("--max-length", type=int, help="patches per segment at most (random checkpoints whose stop head "
                     "never fires would otherwise speak to the length cap)")
