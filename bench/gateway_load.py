@@ -501,7 +501,8 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                                                                  else []),
                                            *(["--ms-per-char", "1000"] if args.max_length else []),
                                            "--compile-stall-ms", str(args.compile_stall_ms)]
-        proc = await asyncio.to_thread(GatewayProcess, *engine_args, "--max-num-seqs", str(args.max_num_seqs))
+        profile = ["--profile", args.profile] if args.profile else []
+        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, "--max-num-seqs", str(args.max_num_seqs))
         url = proc.url
     elif url is None:
         from engine import Engine
@@ -614,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-continuation", action="store_true", help="no previous-segment prompt (TTFB cost)")
     ap.add_argument("--max-length", type=int, help="patches per segment at most (random checkpoints whose stop head "
                     "never fires would otherwise speak to the length cap)")
+    ap.add_argument("--profile", help="--spawn-server: cProfile the gateway's event loop, pstats written here (it "
+                    "slows the loop: read it for where time goes, not for the latency figures)")
     ap.add_argument("--json", help="write results here")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

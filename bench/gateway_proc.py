@@ -9,7 +9,8 @@ two benchmark-only routes, and exits when its stdin closes (the parent died) or 
   percentiles since the last reset (a 10 ms timer's overshoot), the engine's counters and its workers' step-time
   histograms;
 - POST /bench/reset: start a new lag window.
-`GatewayProcess` starts and stops it from a benchmark.
+--profile PATH: cProfile of the event loop's thread while serving (it slows the loop: for where time goes, not for
+latency figures). `GatewayProcess` starts and stops it from a benchmark.
 """
 
 from __future__ import annotations
@@ -142,7 +143,16 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.buffer.read1(1) else None)
+    profiler = None
+    if args.profile:  # the event loop's thread only (cProfile is per thread): where its time goes, per call
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     await stop.wait()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     monitor.cancel()
     await runner.cleanup()
     await engine.stop()
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="paced engine: the first step that serves "
                     "a continuation request takes this much longer, once (a kernel compiled mid-serving)")
     ap.add_argument("--max-sessions", type=int, default=10000)
+    ap.add_argument("--profile", help="cProfile the event loop while serving; pstats written here at exit")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     asyncio.run(_serve(ap.parse_args(argv)))
