@@ -54,15 +54,15 @@ from gateway.protocol import AudioFrame  # noqa: E402
 
 # ~60-word paragraphs, as a voice agent's LLM answers
 TEXTS = [
-    "Sure, I can help with that. The quickest way is to restart the router: unplug it, wait about thirty seconds, "
-    "and plug it back in. Once the lights settle, try to connect again from your laptop. If that still does not "
-    "work, we can look at the wireless settings together, and I will stay on the line while you check them.",
-    "Your order shipped this morning from our warehouse in Denver, and it should arrive by Friday afternoon. The "
-    "tracking number is in the email we just sent you. If nobody is home, the driver will leave it with a neighbour "
-    "or at the front desk. Is there anything else I can do for you today, maybe about your next delivery?",
-    "I have moved your appointment to Tuesday at ten in the morning, with the same doctor as last time. Please arrive "
-    "fifteen minutes early to fill in the new forms, and bring your insurance card and a list of the medicines you "
-    "take. If you need to cancel, call us at least a day before, so that someone else can have the slot.",
+    "Sure thing, the quickest way is to restart the router first. Unplug it and wait about thirty seconds before you "
+    "plug it back in. Once the lights settle you can connect again from your laptop. If that still does not work we "
+    "can look at the wireless settings together. I will stay on the line while you check them for me.",
+    "Your order shipped this morning from our warehouse in Denver. It should arrive at your door by Friday afternoon. "
+    "The tracking number is in the email we just sent to you. If nobody is home the driver will leave it at the front "
+    "desk. Is there anything else I can do for you today?",
+    "I have moved your appointment to Tuesday at ten in the morning. You will see the same doctor as last time. "
+    "Please arrive fifteen minutes early to fill in the new forms. Bring your insurance card and a list of the "
+    "medicines you take. If you need to cancel please call us at least a day before.",
 ]
 MODES = ("whole", "llm", "mix")
 
