@@ -289,7 +289,7 @@ def _summary(level: Level, turns: list[TurnResult], wall_s: float, cpu_s: float,
     modes = sorted({t.mode for t in ok})
     return {
         "level": level.name, "sessions": level.sessions, "closed_loop": level.closed,
-        "mode": level.mode or args.mode, "turns": len(turns), "turns_counted": len(ok),
+        "mode": level.mode or args.mode, "turns": len(turns),
         "errors": len(turns) - len(done), "error_examples": sorted({t.error for t in turns if t.error})[:3],
         **_latency(ok),
         "by_mode": {m: _latency([t for t in ok if t.mode == m]) for m in modes} if len(modes) > 1 else None,
@@ -331,7 +331,7 @@ def _latency(turns: list[TurnResult]) -> dict:
                   if m.get("segment_log")]
     server_gaps = [t.server_metrics["max_gap_ms"] for t in turns if t.server_metrics.get("max_gap_ms") is not None]
     return {
-        "turns": len(turns),
+        "turns_counted": len(turns),
         "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
         "engine_ttfb_ms_p50": _pct(engine, 0.5), "engine_ttfb_ms_p90": _pct(engine, 0.9),
         "server_overhead_ms_p50": _pct(server_side, 0.5), "server_overhead_ms_p90": _pct(server_side, 0.9),
