@@ -4,7 +4,8 @@ A level is N sessions, either all at once (`64`: every session connects, then al
 same instant, `--turns` turns back to back) or in closed loop (`closed:400`: sessions start over `--ramp` seconds and
 speak turns back to back for `--duration` seconds after it; only turns that start after the ramp are counted). Each
 turn is a ~60-word paragraph, sent whole (one text.append + context.end) or as an LLM streams it (`llm`: a few words
-every 30-50 ms) or half the sessions each way (`mix`); a level may name its own mode (`256:llm`, `closed:400:mix`).
+every 30-50 ms) or half the sessions each way (`mix`); a level may name its own mode and output format (`256:llm`,
+`closed:400:mix`, `256:whole:pcm_s16le`: against the same level in Opus, what the encode pool adds).
 
 Measured on the client side: TTFB (first text sent -> first audio frame), inter-frame arrival gaps, late frames
 against a simulated playout buffer (each frame plays at its pts after a fixed cushion from the first frame; a frame
@@ -65,28 +66,31 @@ TEXTS = [
     "medicines you take. If you need to cancel please call us at least a day before.",
 ]
 MODES = ("whole", "llm", "mix")
+FORMATS = ("opus", "pcm_s16le", "mulaw", "alaw")
 
 
 @dataclass(frozen=True)
 class Level:
-    """N sessions all at once, or in closed loop (turns back to back for the duration); the text mode (None: the
-    command's --mode)."""
+    """N sessions all at once, or in closed loop (turns back to back for the duration); the text mode and the output
+    format (None: the command's --mode / --format)."""
 
     sessions: int
     closed: bool = False
     mode: str | None = None
+    format: str | None = None
 
     @property
     def name(self) -> str:
-        return ":".join(x for x in ("closed" if self.closed else "", str(self.sessions), self.mode or "") if x)
+        parts = ("closed" if self.closed else "", str(self.sessions), self.mode or "", self.format or "")
+        return ":".join(x for x in parts if x)
 
 
 def parse_levels(spec: str) -> list[Level]:
-    """`64,256,closed:400,256:llm`: comma-separated levels, each a session count with optional `closed` (else
-    `once`) and a mode (whole, llm, mix)."""
+    """`64,256,closed:400,256:llm,256:whole:pcm_s16le`: comma-separated levels, each a session count with optional
+    `closed` (else `once`), a mode (whole, llm, mix) and an output format (opus, pcm_s16le, mulaw, alaw)."""
     levels = []
     for item in spec.split(","):
-        n, closed, mode = 0, False, None
+        n, closed, mode, fmt = 0, False, None, None
         for part in item.strip().split(":"):
             if part.isdigit():
                 n = int(part)
@@ -94,12 +98,14 @@ def parse_levels(spec: str) -> list[Level]:
                 closed = part == "closed"
             elif part in MODES:
                 mode = part
+            elif part in FORMATS:
+                fmt = part
             else:
                 raise argparse.ArgumentTypeError(f"level {item!r}: {part!r} is not a session count, closed, once, "
-                                                 "whole, llm or mix")
+                                                 f"a mode ({', '.join(MODES)}) or a format ({', '.join(FORMATS)})")
         if n < 1:
             raise argparse.ArgumentTypeError(f"level {item!r}: no session count")
-        levels.append(Level(n, closed, mode))
+        levels.append(Level(n, closed, mode, fmt))
     return levels
 
 
@@ -249,7 +255,7 @@ async def _session(url: str, index: int, level: Level, args: argparse.Namespace)
             generation = {"continuation": not args.no_continuation, "seed": index}
             if args.max_length:
                 generation["max_length"] = args.max_length
-            await client.start(output={"format": args.format}, generation=generation)
+            await client.start(output={"format": level.format or args.format}, generation=generation)
         except ServerError as e:
             return [TurnResult(mode=mode, error=str(e))]
         await asyncio.sleep(max(0.0, go - time.monotonic()))
@@ -289,7 +295,7 @@ def _summary(level: Level, turns: list[TurnResult], wall_s: float, cpu_s: float,
     modes = sorted({t.mode for t in ok})
     return {
         "level": level.name, "sessions": level.sessions, "closed_loop": level.closed,
-        "mode": level.mode or args.mode, "turns": len(turns),
+        "mode": level.mode or args.mode, "format": level.format or args.format, "turns": len(turns),
         "errors": len(turns) - len(done), "error_examples": sorted({t.error for t in turns if t.error})[:3],
         **_latency(ok),
         "by_mode": {m: _latency([t for t in ok if t.mode == m]) for m in modes} if len(modes) > 1 else None,
@@ -598,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(default 0: in this process, sharing the event loop with an in-process gateway)")
     ap.add_argument("--sessions", type=parse_levels, default=parse_levels("1,4"),
                     help="comma-separated levels: N (all at once), closed:N (closed loop), optionally :whole, :llm "
-                    "or :mix (default: --mode), e.g. 64,256,closed:400:mix")
+                    "or :mix (default: --mode) and a format (default: --format), e.g. 64,256:pcm_s16le,closed:400:mix")
     ap.add_argument("--turns", type=int, default=2, help="turns per session of an at-once level")
     ap.add_argument("--ramp", type=float, default=6.0, help="closed loop: seconds over which the sessions start "
                     "(turns that start during it are not counted)")
@@ -609,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sessions each way")
     ap.add_argument("--delta-words", type=_range, default=(2, 4), help="llm: words per delta, LOW,HIGH")
     ap.add_argument("--delta-ms", type=_range, default=(30, 50), help="llm: ms between deltas, LOW,HIGH")
-    ap.add_argument("--format", default="opus", choices=("opus", "pcm_s16le", "mulaw", "alaw"))
+    ap.add_argument("--format", default="opus", choices=FORMATS, help="output format (a level may name its own)")
     ap.add_argument("--cushion-ms", type=float, default=200.0, help="client playout start-up cushion")
     ap.add_argument("--no-warmup", action="store_true", help="no short turn before the first level")
     ap.add_argument("--no-continuation", action="store_true", help="no previous-segment prompt (TTFB cost)")

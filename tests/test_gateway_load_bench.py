@@ -15,8 +15,10 @@ SHORT_TEXTS = ["One two three. Four five six seven.", "Eight nine ten. Eleven tw
 
 
 def test_levels_parse_counts_patterns_and_modes():
-    assert parse_levels("64,closed:400:mix,256:llm") == [Level(64), Level(400, True, "mix"), Level(256, False, "llm")]
-    assert [level.name for level in parse_levels("64,closed:400:mix")] == ["64", "closed:400:mix"]
+    assert parse_levels("64,closed:400:mix,256:llm,256:whole:pcm_s16le") == [
+        Level(64), Level(400, True, "mix"), Level(256, False, "llm"), Level(256, False, "whole", "pcm_s16le")]
+    assert [level.name for level in parse_levels("64,closed:400:mix,8:pcm_s16le")] == ["64", "closed:400:mix",
+                                                                                       "8:pcm_s16le"]
     for bad in ("closed", "64:loud", "0"):
         with pytest.raises(Exception, match="level"):
             parse_levels(bad)
@@ -43,9 +45,10 @@ def _run(tmp_path, monkeypatch, *args: str) -> dict:
 
 
 def test_at_once_and_closed_loop_levels_report_the_issues_figures(tmp_path, monkeypatch):
-    doc = _run(tmp_path, monkeypatch, "--tick-ms", "20", "--sessions", "2:mix,closed:2:whole", "--turns", "1",
-               "--ramp", "0.3", "--duration", "0.8")
+    doc = _run(tmp_path, monkeypatch, "--tick-ms", "20", "--sessions", "2:mix,closed:2:whole:pcm_s16le", "--turns",
+               "1", "--ramp", "0.3", "--duration", "0.8")
     at_once, closed = doc["results"]
+    assert (at_once["format"], closed["format"]) == ("opus", "pcm_s16le")
     assert (at_once["level"], at_once["turns_counted"], at_once["errors"]) == ("2:mix", 2, 0)
     assert set(at_once["by_mode"]) == {"whole", "llm"}  # one session each way
     assert closed["closed_loop"] and closed["turns"] >= 2 and closed["errors"] == 0
