@@ -25,7 +25,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import struct
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_proc import GatewayProcess, delta, git_commit  # noqa: E402
+from gateway_proc import GatewayProcess, delta, git_commit, machine_info  # noqa: E402
 
 HEADER = struct.Struct("!BBBBHII")  # the native protocol's 14-byte audio frame header (docs/PROTOCOL.md)
 TEXT = ("Thanks for calling. Your order shipped this morning and should arrive on Friday; the tracking number is in "
@@ -249,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"benchmark": "gateway capacity, paced stand-in engine (no model: bench/paced_engine.py)",
                "command": " ".join([Path(sys.executable).name, *sys.argv]),
                "git_commit": git_commit(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version()},
+               "machine": machine_info(),
                "config": vars(args), "results": results}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))

@@ -1,21 +1,31 @@
-"""Gateway load benchmark: N concurrent sessions speaking turns, text streamed at LLM speed or sent whole.
+"""Gateway load benchmark: N concurrent sessions speaking turns, paragraphs sent whole or streamed as LLM deltas.
 
-Measured on the client side: TTFB (first text sent -> first audio frame), inter-frame arrival gaps, underruns
-against a simulated playout clock (playback starts at the first frame plus a cushion and runs in real time; a frame
-that arrives after its play time is an underrun, and playback waits for it), errors. Prints a table; --json writes
-the results.
+A level is N sessions, either all at once (`64`: every session connects, then all send their first paragraph at the
+same instant, `--turns` turns back to back) or in closed loop (`closed:400`: sessions start over `--ramp` seconds and
+speak turns back to back for `--duration` seconds after it; only turns that start after the ramp are counted). Each
+turn is a ~60-word paragraph, sent whole (one text.append + context.end) or as an LLM streams it (`llm`: a few words
+every 30-50 ms) or half the sessions each way (`mix`); a level may name its own mode and output format (`256:llm`,
+`closed:400:mix`, `256:whole:pcm_s16le`: against the same level in Opus, what the encode pool adds).
+
+Measured on the client side: TTFB (first text sent -> first audio frame), inter-frame arrival gaps, late frames
+against a simulated playout buffer (each frame plays at its pts after a fixed cushion from the first frame; a frame
+that arrives after its play time is late, and playback waits for it), errors. From the server (`context.done`
+metrics): its own TTFB minus the engine's (the gateway's overhead) and `max_gap_ms` (the silence it caused). With
+--spawn-server, the gateway's CPU per stream-second (its process's CPU time / the sum of its turns' durations).
+Prints a table last; --json writes the results with the commit, machine, date and command.
 
     python bench/gateway_load.py --sessions 1,8,32 --turns 3               # in-process server, demo or --model
-    python bench/gateway_load.py --spawn-server --sessions 32,64 --mode whole  # gateway in its own process
+    python bench/gateway_load.py --spawn-server --engine paced --tick-ms 60 --max-length 12 \
+        --sessions 256,closed:256:mix --client-procs 2                     # the gateway alone over the stand-in
     python bench/gateway_load.py --url ws://host:8080/v1/stream --sessions 64 --mode whole
 
 In-process, the gateway and the load clients share one process and one event loop (its CPU figure is both) unless
 --client-procs moves the clients to child processes; with --spawn-server the gateway runs alone in a child process
-(bench/gateway_proc.py) and its own CPU per audio second, per thread, and its event-loop lag are reported
+(bench/gateway_proc.py) and its own CPU per stream-second, per thread, and its event-loop lag are reported
 (`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one).
 
 Where time goes, in the JSON: the overhead split into the server's share and the rest (`server_overhead_ms_*`,
-`outside_server_ms_*`); `underrun_detail` (each underrun's turn, pts, segment, time since the turn and the level
+`outside_server_ms_*`); `underrun_detail` (each late frame's turn, pts, segment, time since the turn and the level
 started, and what the server saw of that segment); `segment_detail` (from context.done's `segment_log`: the audio
 queued for the listener when each later segment went to the engine, how long after its predecessor's last chunk, the
 engine's TTFB and its longest mid-segment waits with when they happened); `engine_steps` (the engine's step times and
@@ -28,6 +38,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import random
 import re
 import statistics
 import sys
@@ -42,20 +53,96 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway.client import ServerError, VoxgateClient  # noqa: E402
 from gateway.protocol import AudioFrame  # noqa: E402
 
+# ~60-word paragraphs, as a voice agent's LLM answers
 TEXTS = [
-    "Hello world.",
-    "Sure, I can help with that. The quickest way is to restart the router, wait for the lights to settle, and "
-    "then connect again. If that does not work, we can look at the settings together.",
-    "Your order number 4521 shipped on March 3rd, and it should arrive by Friday. Is there anything else I can "
-    "do for you today?",
+    "Sure thing, the quickest way is to restart the router first. Unplug it and wait about thirty seconds before you "
+    "plug it back in. Once the lights settle you can connect again from your laptop. If that still does not work we "
+    "can look at the wireless settings together. I will stay on the line while you check them for me.",
+    "Your order shipped this morning from our warehouse in Denver. It should arrive at your door by Friday afternoon. "
+    "The tracking number is in the email we just sent to you. If nobody is home the driver will leave it at the front "
+    "desk. Is there anything else I can do for you today?",
+    "I have moved your appointment to Tuesday at ten in the morning. You will see the same doctor as last time. "
+    "Please arrive fifteen minutes early to fill in the new forms. Bring your insurance card and a list of the "
+    "medicines you take. If you need to cancel please call us at least a day before.",
 ]
+MODES = ("whole", "llm", "mix")
+FORMATS = ("opus", "pcm_s16le", "mulaw", "alaw")
+
+
+@dataclass(frozen=True)
+class Level:
+    """N sessions all at once, or in closed loop (turns back to back for the duration); the text mode and the output
+    format (None: the command's --mode / --format)."""
+
+    sessions: int
+    closed: bool = False
+    mode: str | None = None
+    format: str | None = None
+
+    @property
+    def name(self) -> str:
+        parts = ("closed" if self.closed else "", str(self.sessions), self.mode or "", self.format or "")
+        return ":".join(x for x in parts if x)
+
+
+def parse_levels(spec: str) -> list[Level]:
+    """`64,256,closed:400,256:llm,256:whole:pcm_s16le`: comma-separated levels, each a session count with optional
+    `closed` (else `once`), a mode (whole, llm, mix) and an output format (opus, pcm_s16le, mulaw, alaw)."""
+    levels = []
+    for item in spec.split(","):
+        n, closed, mode, fmt = 0, False, None, None
+        for part in item.strip().split(":"):
+            if part.isdigit():
+                n = int(part)
+            elif part in ("closed", "once"):
+                closed = part == "closed"
+            elif part in MODES:
+                mode = part
+            elif part in FORMATS:
+                fmt = part
+            else:
+                raise argparse.ArgumentTypeError(f"level {item!r}: {part!r} is not a session count, closed, once, "
+                                                 f"a mode ({', '.join(MODES)}) or a format ({', '.join(FORMATS)})")
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"level {item!r}: no session count")
+        levels.append(Level(n, closed, mode, fmt))
+    return levels
+
+
+def _range(spec: str) -> tuple[float, float]:
+    lo, _, hi = spec.partition(",")
+    a, b = float(lo), float(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected LOW[,HIGH] with 0 < LOW <= HIGH")
+    return a, b
+
+
+def llm_deltas(text: str, rng: random.Random, words: tuple[float, float]) -> list[str]:
+    """The text cut into deltas of `words` (low, high) words each, as an LLM's tokens arrive grouped by the
+    agent's framework; joined, they are the text."""
+    pieces = re.findall(r"\S+\s*", text)
+    out, i = [], 0
+    while i < len(pieces):
+        k = rng.randint(int(words[0]), int(words[1]))
+        out.append("".join(pieces[i:i + k]))
+        i += k
+    return out
+
+
+def session_mode(level_mode: str, index: int) -> str:
+    """A session's text mode: `mix` sends whole paragraphs from even sessions and LLM deltas from odd ones."""
+    if level_mode == "mix":
+        return "whole" if index % 2 == 0 else "llm"
+    return level_mode
 
 
 @dataclass
 class TurnResult:
     turn: str = ""
+    mode: str = "whole"
     start_s: float = 0.0  # when its text went out, seconds since the level started (one clock for all processes)
     ttfb_ms: float | None = None
+    wall_ms: float = 0.0  # first text sent -> context.done: the turn's stream time
     audio_ms: float = 0.0
     gaps_ms: list[float] = field(default_factory=list)
     underruns: int = 0
@@ -67,22 +154,24 @@ class TurnResult:
     error: str | None = None
 
 
-async def _stream_text(client: VoxgateClient, text: str, cid: str, mode: str, tokens_per_s: float) -> None:
+async def _stream_text(client: VoxgateClient, text: str, cid: str, mode: str, rng: random.Random,
+                       args: argparse.Namespace) -> None:
     if mode == "whole":
         await client.append(text, cid)
-    else:  # roughly one token per word piece, as an LLM streams it
-        for piece in re.findall(r"\S+\s*", text):
-            await client.append(piece, cid)
-            await asyncio.sleep(1.0 / tokens_per_s)
+    else:
+        for delta in llm_deltas(text, rng, args.delta_words):
+            await client.append(delta, cid)
+            await asyncio.sleep(rng.uniform(*args.delta_ms) / 1000.0)
     await client.end(cid)
 
 
-async def _turn(client: VoxgateClient, text: str, cid: str, args: argparse.Namespace) -> TurnResult:
-    result = TurnResult(turn=cid)
+async def _turn(client: VoxgateClient, text: str, cid: str, mode: str, rng: random.Random,
+                args: argparse.Namespace) -> TurnResult:
+    result = TurnResult(turn=cid, mode=mode)
     t0 = time.perf_counter()
     # time.monotonic is CLOCK_MONOTONIC, shared by the client processes: underruns of different processes line up
     result.start_s = time.monotonic() - args.level_t0
-    sender = asyncio.create_task(_stream_text(client, text, cid, args.mode, args.tokens_per_s))
+    sender = asyncio.create_task(_stream_text(client, text, cid, mode, rng, args))
     last_arrival = None
     play_start = None  # wall time at which pts 0 plays
     frame_ms = 0.0
@@ -124,6 +213,7 @@ async def _turn(client: VoxgateClient, text: str, cid: str, args: argparse.Names
                     result.segment_pts.append((event["segment"], event["pts_ms"]))
                 elif event.get("type") == "context.done" and event.get("context_id") == cid:
                     result.server_metrics = event["metrics"]
+                    result.wall_ms = (time.perf_counter() - t0) * 1000.0
                     _join_segment_log(result)
                     return result
     except (ServerError, TimeoutError, ConnectionError, OSError) as e:
@@ -148,22 +238,34 @@ def _join_segment_log(result: TurnResult) -> None:
                  prev_seg_done_ms=prev.get("done_ms"))
 
 
-async def _session(url: str, index: int, args: argparse.Namespace) -> list[TurnResult]:
+async def _session(url: str, index: int, level: Level, args: argparse.Namespace) -> list[TurnResult]:
+    """Connect and start, wait for the level's go (plus this session's place in the ramp, closed loop), then turns
+    back to back: `--turns` of them, or until the closed loop's end."""
+    mode = session_mode(level.mode or args.mode, index)
+    rng = random.Random(index)  # the same deltas at each run
+    go = args.level_t0 + (args.ramp * index / level.sessions if level.closed else 0.0)
+    end = args.level_t0 + args.ramp + args.duration
     results = []
     try:
         client = await VoxgateClient.connect(url, api_key=args.api_key)
     except Exception as e:
-        return [TurnResult(error=f"connect: {e}")]
+        return [TurnResult(mode=mode, error=f"connect: {e}")]
     async with client:
         try:
             generation = {"continuation": not args.no_continuation, "seed": index}
             if args.max_length:
                 generation["max_length"] = args.max_length
-            await client.start(output={"format": args.format}, generation=generation)
+            await client.start(output={"format": level.format or args.format}, generation=generation)
         except ServerError as e:
-            return [TurnResult(error=str(e))]
-        for turn in range(args.turns):
-            results.append(await _turn(client, TEXTS[(index + turn) % len(TEXTS)], f"s{index}t{turn}", args))
+            return [TurnResult(mode=mode, error=str(e))]
+        await asyncio.sleep(max(0.0, go - time.monotonic()))
+        turn = 0
+        while time.monotonic() < end if level.closed else turn < args.turns:
+            result = await _turn(client, TEXTS[(index + turn) % len(TEXTS)], f"s{index}t{turn}", mode, rng, args)
+            results.append(result)
+            turn += 1
+            if result.error is not None:
+                break
     return results
 
 
@@ -174,45 +276,78 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
-def _summary(n: int, turns: list[TurnResult], wall_s: float, cpu_s: float, gateway: dict | None = None) -> dict:
-    ok = [t for t in turns if t.error is None and t.ttfb_ms is not None]
-    ttfb = [t.ttfb_ms for t in ok]
-    # what the gateway adds to first audio: client-side TTFB minus the engine's own (request -> first chunk)
-    overhead = [t.ttfb_ms - t.server_metrics["engine_ttfb_ms"] for t in ok
-                if t.server_metrics.get("engine_ttfb_ms") is not None]
+def _summary(level: Level, turns: list[TurnResult], wall_s: float, cpu_s: float, args: argparse.Namespace,
+             gateway: dict | None = None) -> dict:
+    done = [t for t in turns if t.error is None and t.ttfb_ms is not None]
+    # closed loop: the steady state, turns that started after the ramp (all turns count towards the CPU figures:
+    # the CPU was measured over the whole level)
+    ok = [t for t in done if t.start_s >= args.ramp] if level.closed else done
     timed = [t for t in ok if t.server_metrics.get("ttfb_ms") is not None
              and t.server_metrics.get("engine_ttfb_ms") is not None]
-    server_side = [t.server_metrics["ttfb_ms"] - t.server_metrics["engine_ttfb_ms"] for t in timed]
     outside = [t.ttfb_ms - t.server_metrics["ttfb_ms"] for t in timed]
+    overhead = [t.ttfb_ms - t.server_metrics["engine_ttfb_ms"] for t in timed]
     gaps = [g for t in ok for g in t.gaps_ms]
     later = [t.server_metrics.get("later_segment_engine_ttfb_ms") for t in ok]
     later = [x for x in later if x is not None]
-    audio_s = sum(t.audio_ms for t in ok) / 1000.0
+    audio_s = sum(t.audio_ms for t in done) / 1000.0
+    stream_s = sum(t.wall_ms for t in done) / 1000.0
+    starts = [t.start_s for t in done if t.turn.endswith("t0")]
+    modes = sorted({t.mode for t in ok})
     return {
-        "sessions": n, "turns": len(turns), "errors": len(turns) - len(ok),
-        "error_examples": sorted({t.error for t in turns if t.error})[:3],
-        "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
+        "level": level.name, "sessions": level.sessions, "closed_loop": level.closed,
+        "mode": level.mode or args.mode, "format": level.format or args.format, "turns": len(turns),
+        "errors": len(turns) - len(done), "error_examples": sorted({t.error for t in turns if t.error})[:3],
+        **_latency(ok),
+        "by_mode": {m: _latency([t for t in ok if t.mode == m]) for m in modes} if len(modes) > 1 else None,
+        # what the gateway adds to first audio as the client sees it: client TTFB - engine TTFB, split into the
+        # server's share (server_overhead: text handled -> first audio written, minus the engine's) and what lies
+        # around the server (client TTFB - server TTFB: the client's send and receive, the server's input queue)
         "gateway_overhead_ms_p50": _pct(overhead, 0.5), "gateway_overhead_ms_p90": _pct(overhead, 0.9),
-        # per turn, the overhead split: inside the server (its TTFB: text handled -> first audio written, minus the
-        # engine's) and around it (client TTFB - server TTFB: the client's send and receive, the server's input
-        # queue, the network)
-        "server_overhead_ms_p50": _pct(server_side, 0.5), "server_overhead_ms_p90": _pct(server_side, 0.9),
         "outside_server_ms_p50": _pct(outside, 0.5), "outside_server_ms_p90": _pct(outside, 0.9),
-        # the server's own view (text in -> first audio sent), to split the overhead into server and delivery
-        "server_ttfb_ms_p50": _pct([t.server_metrics["ttfb_ms"] for t in ok if t.server_metrics.get("ttfb_ms")], 0.5),
-        "engine_ttfb_ms_p50": _pct([t.server_metrics["engine_ttfb_ms"] for t in ok
-                                    if t.server_metrics.get("engine_ttfb_ms")], 0.5),
-        "gap_ms_p50": _pct(gaps, 0.5), "gap_ms_p99": _pct(gaps, 0.99), "gap_ms_max": _pct(gaps, 1.0),
-        "underrun_turns": sum(t.underruns > 0 for t in ok), "underrun_ms_total": round(sum(t.underrun_ms for t in ok)),
+        "server_ttfb_ms_p50": _pct([t.server_metrics["ttfb_ms"] for t in timed], 0.5),
+        "client_gap_ms_p50": _pct(gaps, 0.5), "client_gap_ms_p99": _pct(gaps, 0.99),
+        "client_gap_ms_max": _pct(gaps, 1.0),
         "server_rtf_mean": round(statistics.mean(t.server_metrics["rtf"] for t in ok if t.server_metrics.get("rtf")),
                                  4) if ok else None,
         "later_segment_engine_ttfb_ms_mean": round(statistics.mean(later), 1) if later else None,
+        # an at-once level's first turns should start together: how far apart they went out
+        "first_turn_start_spread_ms": round(1000.0 * (max(starts) - min(starts)), 1) if starts else None,
         "underrun_detail": _underrun_detail(ok), "segment_detail": _segment_detail(ok),
-        "audio_s": round(audio_s, 2), "wall_s": round(wall_s, 2),
+        "audio_s": round(audio_s, 2), "stream_s": round(stream_s, 2), "wall_s": round(wall_s, 2),
+        "streams_mean": round(stream_s / wall_s, 1) if wall_s else None,
         "audio_s_per_s": round(audio_s / wall_s, 2) if wall_s else None,
         # this process's CPU (the in-process gateway and the load clients together) per second of audio delivered
         "process_cpu_ms_per_audio_s": round(1000.0 * cpu_s / audio_s, 2) if audio_s else None,
-        **_gateway_summary(gateway, audio_s),
+        **_gateway_summary(gateway, audio_s, stream_s),
+    }
+
+
+def _latency(turns: list[TurnResult]) -> dict:
+    """The issue's figures over these turns: client TTFB, the server's overhead (its TTFB - the engine's), the
+    silence the server caused (`max_gap_ms` per turn) and the frames that came after their play time."""
+    ttfb = [t.ttfb_ms for t in turns if t.ttfb_ms is not None]
+    engine = [t.server_metrics["engine_ttfb_ms"] for t in turns if t.server_metrics.get("engine_ttfb_ms") is not None]
+    timed = [t.server_metrics for t in turns if t.server_metrics.get("ttfb_ms") is not None
+             and t.server_metrics.get("engine_ttfb_ms") is not None]
+    server_side = [m["ttfb_ms"] - m["engine_ttfb_ms"] for m in timed]
+    # LLM deltas: the first segment leaves once the segmenter has a clause (or its max delay passed); that wait for
+    # text is in the server's TTFB, so the overhead is also given without it (the first segment's submit time)
+    text_wait = [m["segment_log"][0]["submit_ms"] for m in timed if m.get("segment_log")]
+    after_text = [m["ttfb_ms"] - m["engine_ttfb_ms"] - m["segment_log"][0]["submit_ms"] for m in timed
+                  if m.get("segment_log")]
+    server_gaps = [t.server_metrics["max_gap_ms"] for t in turns if t.server_metrics.get("max_gap_ms") is not None]
+    return {
+        "turns_counted": len(turns),
+        "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
+        "engine_ttfb_ms_p50": _pct(engine, 0.5), "engine_ttfb_ms_p90": _pct(engine, 0.9),
+        "server_overhead_ms_p50": _pct(server_side, 0.5), "server_overhead_ms_p90": _pct(server_side, 0.9),
+        "text_wait_ms_p50": _pct(text_wait, 0.5),
+        "server_overhead_after_text_ms_p50": _pct(after_text, 0.5),
+        "server_overhead_after_text_ms_p90": _pct(after_text, 0.9),
+        "server_gap_ms_p99": _pct(server_gaps, 0.99), "server_gap_ms_max": _pct(server_gaps, 1.0),
+        "server_gap_turns_over_100ms": sum(g > 100.0 for g in server_gaps),
+        "late_frames": sum(t.underruns for t in turns), "late_ms_total": round(sum(t.underrun_ms for t in turns)),
+        "underrun_turns": sum(t.underruns > 0 for t in turns),
     }
 
 
@@ -311,31 +446,35 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
 
-def _gateway_summary(gateway: dict | None, audio_s: float) -> dict:
-    """--spawn-server: the gateway process's own CPU (per audio second and per thread) and event-loop lag."""
+def _gateway_summary(gateway: dict | None, audio_s: float, stream_s: float) -> dict:
+    """--spawn-server: the gateway process's own CPU (per stream-second, per audio second and per thread) and
+    event-loop lag."""
     if gateway is None:
         return {}
     used = gateway["used"]
-    return {"gateway_cpu_ms_per_audio_s": round(1000.0 * used["cpu_s"] / audio_s, 2) if audio_s else None,
+    return {"gateway_cpu_ms_per_stream_s": round(1000.0 * used["cpu_s"] / stream_s, 2) if stream_s else None,
+            "gateway_cpu_ms_per_audio_s": round(1000.0 * used["cpu_s"] / audio_s, 2) if audio_s else None,
+            "gateway_cores_used": round(used["cpu_s"] / used["wall_s"], 3) if used.get("wall_s") else None,
             "gateway_threads_cpu_s": used["threads_cpu_s"], "gateway_loop_lag_ms": gateway["loop_lag"]}
 
 
-def _client_proc(conn: Any, url: str, indexes: list[int], args: argparse.Namespace) -> None:
+def _client_proc(conn: Any, url: str, indexes: list[int], level: Level, args: argparse.Namespace) -> None:
     """--client-procs: one process's share of the sessions; its turns go back through `conn`."""
 
     async def run() -> list[list[TurnResult]]:
-        return await asyncio.gather(*(_session(url, i, args) for i in indexes))
+        return await asyncio.gather(*(_session(url, i, level, args) for i in indexes))
 
     conn.send([asdict(t) for s in asyncio.run(run()) for t in s])
     conn.close()
 
 
-def _sessions_in_processes(url: str, n: int, args: argparse.Namespace) -> list[TurnResult]:
+def _sessions_in_processes(url: str, level: Level, args: argparse.Namespace) -> list[TurnResult]:
     ctx = mp.get_context("spawn")
     workers = []
+    n = level.sessions
     for p in range(min(args.client_procs, n)):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_proc, args=(send, url, list(range(p, n, args.client_procs)), args),
+        proc = ctx.Process(target=_client_proc, args=(send, url, list(range(p, n, args.client_procs)), level, args),
                            daemon=True)
         proc.start()
         send.close()
@@ -350,10 +489,10 @@ def _sessions_in_processes(url: str, n: int, args: argparse.Namespace) -> list[T
     return turns
 
 
-async def _level(url: str, n: int, args: argparse.Namespace) -> list[TurnResult]:
+async def _level(url: str, level: Level, args: argparse.Namespace) -> list[TurnResult]:
     if args.client_procs:  # off this process (and its event loop, which may be the gateway's)
-        return await asyncio.to_thread(_sessions_in_processes, url, n, args)
-    per_session = await asyncio.gather(*(_session(url, i, args) for i in range(n)))
+        return await asyncio.to_thread(_sessions_in_processes, url, level, args)
+    per_session = await asyncio.gather(*(_session(url, i, level, args) for i in range(level.sessions)))
     return [t for s in per_session for t in s]
 
 
@@ -368,7 +507,8 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                                                                  else []),
                                            *(["--ms-per-char", "1000"] if args.max_length else []),
                                            "--compile-stall-ms", str(args.compile_stall_ms)]
-        proc = await asyncio.to_thread(GatewayProcess, *engine_args, "--max-num-seqs", str(args.max_num_seqs))
+        profile = ["--profile", args.profile] if args.profile else []
+        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, "--max-num-seqs", str(args.max_num_seqs))
         url = proc.url
     elif url is None:
         from engine import Engine
@@ -384,14 +524,17 @@ async def _run(args: argparse.Namespace) -> list[dict]:
         url = f"ws://127.0.0.1:{port}/v1/stream"
     results = []
     try:
-        for n in args.sessions:
+        if not args.no_warmup:
+            await _warm_up(url, args)
+        for level in args.sessions:
             if proc is not None:
                 await asyncio.to_thread(proc.reset)
                 before = await asyncio.to_thread(proc.stats)
             steps0 = _worker_stats(engine)
             t0, cpu0 = time.perf_counter(), time.process_time()
-            args.level_t0 = time.monotonic()
-            turns = await _level(url, n, args)
+            # the instant the level's turns begin: client processes start and sessions connect meanwhile
+            args.level_t0 = time.monotonic() + args.start_delay
+            turns = await _level(url, level, args)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             gateway = None
             if proc is not None:
@@ -402,9 +545,10 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                 steps = _step_detail(before["engine"].get("workers", []), after["engine"].get("workers", []))
             else:
                 if runner is not None and args.client_procs:  # this process is the gateway alone
-                    gateway = {"used": {"cpu_s": cpu, "threads_cpu_s": None}, "loop_lag": None}
+                    gateway = {"used": {"cpu_s": cpu, "wall_s": wall, "threads_cpu_s": None}, "loop_lag": None}
                 steps = _step_detail(steps0, _worker_stats(engine))
-            results.append({**_summary(n, turns, wall, cpu, gateway), "engine_steps": steps})
+            results.append({**_summary(level, turns, wall, cpu, args, gateway), "engine_steps": steps})
+            print(_table(results[-1:], header=len(results) == 1), file=sys.stderr, flush=True)  # progress
     finally:
         if proc is not None:
             await asyncio.to_thread(proc.close)
@@ -415,21 +559,28 @@ async def _run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+async def _warm_up(url: str, args: argparse.Namespace) -> None:
+    """One short turn before the first level, so a fresh gateway's first-time costs (codec set-up, first engine
+    requests of a shape) are no level's."""
+    async with await VoxgateClient.connect(url, api_key=args.api_key) as client:
+        await client.start(output={"format": args.format}, generation={"max_length": args.max_length or 4})
+        await client.speak("Warming up. One more clause.", "warmup", timeout=120)
+
+
 def _worker_stats(engine: Any) -> list[dict]:
     """The in-process engine's workers' stats (their step-time histograms); [] without one."""
     return [] if engine is None else [w.get("stats", {}) for w in engine.health()["workers"]]
 
 
-def _table(results: list[dict]) -> str:
-    cols = [("sessions", "N"), ("ttfb_ms_p50", "TTFB p50"), ("ttfb_ms_p90", "p90"),
-            ("gateway_overhead_ms_p50", "gateway +ms p50"), ("gateway_overhead_ms_p90", "p90"),
-            ("server_overhead_ms_p50", "in server p50"),
-            ("process_cpu_ms_per_audio_s", "CPU ms/audio s"), ("gateway_cpu_ms_per_audio_s", "gateway CPU ms/audio s"),
-            ("gap_ms_p99", "gap p99"),
-            ("gap_ms_max", "gap max"), ("underrun_turns", "underrun turns"), ("errors", "errors"),
-            ("server_rtf_mean", "RTF"), ("later_segment_engine_ttfb_ms_mean", "later seg TTFB"),
-            ("audio_s_per_s", "audio s/s")]
-    lines = [" | ".join(h for _, h in cols)]
+def _table(results: list[dict], header: bool = True) -> str:
+    cols = [("level", "level"), ("turns_counted", "turns"), ("ttfb_ms_p50", "TTFB p50"), ("ttfb_ms_p90", "p90"),
+            ("engine_ttfb_ms_p50", "engine p50"), ("engine_ttfb_ms_p90", "p90"),
+            ("server_overhead_ms_p50", "server +ms p50"), ("server_overhead_ms_p90", "p90"),
+            ("server_gap_ms_p99", "server gap p99"), ("server_gap_ms_max", "max"),
+            ("late_frames", "late frames"), ("late_ms_total", "late ms"), ("underrun_turns", "underrun turns"),
+            ("gateway_cpu_ms_per_stream_s", "gateway CPU ms/stream s"), ("streams_mean", "streams"),
+            ("errors", "errors")]
+    lines = [" | ".join(h for _, h in cols)] if header else []
     lines += [" | ".join(str(r.get(k)) for k, _ in cols) for r in results]
     return "\n".join(lines)
 
@@ -437,44 +588,62 @@ def _table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running gateway (default: start one in-process)")
-    ap.add_argument("--spawn-server", action="store_true", help="start the gateway (real engine) in a child process "
-                    "and report its own CPU and event-loop lag")
+    ap.add_argument("--spawn-server", action="store_true", help="start the gateway in a child process "
+                    "(bench/gateway_proc.py) and report its own CPU and event-loop lag")
     ap.add_argument("--model", help="model for the in-process server (default: demo / VoxCPM2 on GPU)")
     ap.add_argument("--engine", choices=("real", "paced"), default="real", help="--spawn-server: the real engine, or "
                     "the paced stand-in (bench/paced_engine.py: a patch per request per tick, no model)")
-    ap.add_argument("--tick-ms", type=float, help="--engine paced: ms per patch (default 160: real time; 35 is an "
-                    "RTF of 0.22); with --max-length every segment speaks exactly that many patches")
+    ap.add_argument("--tick-ms", type=float, help="--engine paced: ms per patch (default 160: real time; 60 is the "
+                    "real engine's RTF of ~0.37 at 256 streams); with --max-length every segment speaks exactly "
+                    "that many patches")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="--engine paced: the first step serving a "
                     "continuation segment stalls this long, once (as a kernel compiled mid-serving would)")
     ap.add_argument("--api-key")
     ap.add_argument("--client-procs", type=int, default=0, help="run the sessions in this many client processes "
                     "(default 0: in this process, sharing the event loop with an in-process gateway)")
-    ap.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
-                    help="comma-separated concurrency levels")
-    ap.add_argument("--turns", type=int, default=2, help="turns per session")
-    ap.add_argument("--mode", choices=("llm", "whole"), default="llm", help="text at LLM speed, or all at once")
-    ap.add_argument("--tokens-per-s", type=float, default=40.0)
-    ap.add_argument("--format", default="opus", choices=("opus", "pcm_s16le", "mulaw", "alaw"))
-    ap.add_argument("--cushion-ms", type=float, default=100.0, help="client playout start-up cushion")
+    ap.add_argument("--sessions", type=parse_levels, default=parse_levels("1,4"),
+                    help="comma-separated levels: N (all at once), closed:N (closed loop), optionally :whole, :llm "
+                    "or :mix (default: --mode) and a format (default: --format), e.g. 64,256:pcm_s16le,closed:400:mix")
+    ap.add_argument("--turns", type=int, default=2, help="turns per session of an at-once level")
+    ap.add_argument("--ramp", type=float, default=6.0, help="closed loop: seconds over which the sessions start "
+                    "(turns that start during it are not counted)")
+    ap.add_argument("--duration", type=float, default=20.0, help="closed loop: seconds of turns after the ramp")
+    ap.add_argument("--start-delay", type=float, default=3.0, help="seconds from a level's start to its first "
+                    "turns, for the client processes to start and connect (at once means at once)")
+    ap.add_argument("--mode", choices=MODES, default="llm", help="text as LLM deltas, whole paragraphs, or half the "
+                    "sessions each way")
+    ap.add_argument("--delta-words", type=_range, default=(2, 4), help="llm: words per delta, LOW,HIGH")
+    ap.add_argument("--delta-ms", type=_range, default=(30, 50), help="llm: ms between deltas, LOW,HIGH")
+    ap.add_argument("--format", default="opus", choices=FORMATS, help="output format (a level may name its own)")
+    ap.add_argument("--cushion-ms", type=float, default=200.0, help="client playout start-up cushion")
+    ap.add_argument("--no-warmup", action="store_true", help="no short turn before the first level")
     ap.add_argument("--no-continuation", action="store_true", help="no previous-segment prompt (TTFB cost)")
     ap.add_argument("--max-length", type=int, help="patches per segment at most (random checkpoints whose stop head "
                     "never fires would otherwise speak to the length cap)")
+    ap.add_argument("--profile", help="--spawn-server: cProfile the gateway's event loop, pstats written here (it "
+                    "slows the loop: read it for where time goes, not for the latency figures)")
     ap.add_argument("--json", help="write results here")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.engine == "paced" and not args.spawn_server:
         ap.error("--engine paced needs --spawn-server")
     results = asyncio.run(_run(args))
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "level_t0")}
+    config["sessions"] = [level.name for level in args.sessions]
     if args.json:
         from datetime import UTC, datetime
 
-        from gateway_proc import git_commit
+        from gateway_proc import git_commit, machine_info
 
-        doc = {"command": " ".join(["python", *sys.argv]), "git_commit": git_commit(),
+        doc = {"benchmark": "gateway end to end (bench/gateway_load.py)",
+               "command": " ".join(["python", "bench/gateway_load.py", *argv]), "git_commit": git_commit(),
+               "machine": machine_info(),
                "date": datetime.now(UTC).isoformat(timespec="seconds"), "config": config, "results": results}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))
-    print(json.dumps(results))
+    else:
+        print(json.dumps(results))
     print(_table(results))
     return 0 if all(r["errors"] == 0 for r in results) else 1
 

@@ -9,7 +9,8 @@ two benchmark-only routes, and exits when its stdin closes (the parent died) or 
   percentiles since the last reset (a 10 ms timer's overshoot), the engine's counters and its workers' step-time
   histograms;
 - POST /bench/reset: start a new lag window.
-`GatewayProcess` starts and stops it from a benchmark.
+--profile PATH: cProfile of the event loop's thread while serving (it slows the loop: for where time goes, not for
+latency figures). `GatewayProcess` starts and stops it from a benchmark.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import gc
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -125,6 +127,11 @@ async def _serve(args: argparse.Namespace) -> None:
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
     runner, port = await start_server(app, args.host, args.port)
+    # the text normalisation grammars load in a thread at start-up (seconds of pure Python, holding the GIL): done
+    # before the port is announced, so no level measures it
+    from gateway import normalize
+
+    await asyncio.to_thread(normalize.preload)
     monitor = asyncio.create_task(lag.run())
     # what exists now (modules, the engine's config, the app) lives as long as the process: keep the cyclic
     # garbage collector from walking it again and again
@@ -136,7 +143,16 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.buffer.read1(1) else None)
+    profiler = None
+    if args.profile:  # the event loop's thread only (cProfile is per thread): where its time goes, per call
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     await stop.wait()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     monitor.cancel()
     await runner.cleanup()
     await engine.stop()
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="paced engine: the first step that serves "
                     "a continuation request takes this much longer, once (a kernel compiled mid-serving)")
     ap.add_argument("--max-sessions", type=int, default=10000)
+    ap.add_argument("--profile", help="cProfile the event loop while serving; pstats written here at exit")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     asyncio.run(_serve(ap.parse_args(argv)))
@@ -214,6 +231,18 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("VOXGATE_COMMIT")
     return commit.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a benchmark ran: cores, platform, Python, and the GPUs when nvidia-smi answers."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if smi.returncode == 0:
+            info["gpus"] = smi.stdout.strip().splitlines()
+    return info
 
 
 def save_probe(out: Path | None, started: float, device: str, **fields: Any) -> dict:

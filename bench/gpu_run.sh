@@ -15,7 +15,9 @@
 #   RACE_RUNS=3 (race: the async/VAE-lane race tests, each run in a fresh pytest)
 #   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
 #   TWO_KEY_LEVELS=twokey:256 (two_key: key A's 256 streams at once against key B's one new stream)
-#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_capacity v15 kernels two_key soak
+#   GATEWAY_E2E_LEVELS=64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix GATEWAY_E2E_DURATION=30
+#   GATEWAY_E2E_ARGS="--cushion-ms 100" (gateway_e2e; ARGS come after bench/gateway_load.py's own, so they win)
+#   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_e2e gateway_capacity v15 kernels two_key soak
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/voxgate-out}
@@ -211,6 +213,16 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
             --sessions 64 --mode whole --format pcm_s16le --client-procs 4 --max-length 20} \
             --json "$OUT/gateway_load_64.json" >"$OUT/gateway.log" 2>&1
         tail -12 "$OUT/gateway.log" ;;
+    gateway_e2e)  # issue 34: Opus sessions through the gateway (its own process, as `voxgate serve`) over the real
+        # engine, 8 client processes, ~60-word paragraphs at 12 patches a segment (~6 segments, ~11.5 s of audio a
+        # turn): 64 and 256 at once (text whole; 256 again in PCM: what the Opus pool adds), then 400 in closed loop
+        # (half whole, half LLM deltas) for 6 s of ramp and GATEWAY_E2E_DURATION s; ~3 min with the engine's start
+        levels=${GATEWAY_E2E_LEVELS:-64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix}
+        stage 150 270 "gateway end to end: $levels" $PY bench/gateway_load.py --model $V2 --spawn-server \
+            --max-num-seqs 512 --client-procs 8 --format opus --max-length 12 --turns 1 --ramp 6 \
+            --duration "${GATEWAY_E2E_DURATION:-30}" --sessions "$levels" ${GATEWAY_E2E_ARGS:-} \
+            --json "$OUT/gateway_e2e.json" >"$OUT/gateway_e2e.log" 2>&1
+        tail -5 "$OUT/gateway_e2e.log" ;;
     gateway_capacity)  # Opus sessions over the stand-in engine (no GPU): the gateway's own CPU per stream
         stage 60 120 "gateway capacity, Opus sessions over the stand-in" $PY bench/gateway_capacity.py \
             ${CAP_ARGS:---sessions 250,500} --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
