@@ -313,7 +313,11 @@ class Engine:
             if reference_latents is not None else None
         if v is not None:
             ref_patches = v.latents if v.info.mode == "reference" else None
-            if v.text is not None:
+            given_prompt = prompt_patches is not None or prompt_audio is not None
+            if v.info.mode == "prompt" and given_prompt:
+                raise InvalidParameter(f"stored voice {voice!r} is a prompt voice ({self.config.architecture}): it is "
+                                       "the request's prompt and takes no other (continuation) prompt")
+            if v.text is not None and not given_prompt:  # a given prompt (a continuation) replaces the voice's own
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
         adapter = self._lora(lora)

@@ -161,6 +161,7 @@ class Turn:
     # released segment goes to the engine from the handler that released it (`Session._release`)
     idle: bool = True
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
+    continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
     tasks: list[asyncio.Task] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
@@ -229,6 +230,7 @@ class Session:
         self.closed = False
         self.draining = False
         self.voice: str | None = None
+        self.voice_is_prompt = False  # the voice is a prompt voice: segments do not continue from each other
         self.fmt = OutputFormat.from_dict({})
         self.chunking = ChunkingConfig()
         self.generation = p.GenerationSettings()
@@ -378,16 +380,24 @@ class Session:
         if generation is not None:
             p.check_generation(generation, ranges=self.sampling_ranges)
         gen = self.generation if generation is None else self.generation.merged(generation)
-        if set_voice and voice is not None and await self._resolve_voice(voice) is None:
+        resolved = await self._resolve_voice(voice) if set_voice and voice is not None else None
+        if set_voice and voice is not None and resolved is None:
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
         self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
         if set_voice:
             self.voice = voice
+            self.voice_is_prompt = resolved is not None and resolved[1]
 
-    async def _resolve_voice(self, voice: str) -> str | None:
-        if self.voices is not None:
-            return await self.voices(voice)
-        return voice if voice in await stored_voices(self.engine) else None
+    async def _resolve_voice(self, voice: str) -> tuple[str, bool] | None:
+        """The engine voice this session may speak with under `voice`, and whether it is a prompt voice (VoxCPM
+        0.5B/1.5: every segment's prompt itself, so its turns take no continuation prompt); None if unknown."""
+        found = await self.voices(voice) if self.voices is not None else voice
+        if found is None:
+            return None
+        modes = await stored_voices(self.engine)
+        if self.voices is None and found not in modes:
+            return None
+        return found, modes.get(found) == "prompt"
 
     def is_live(self, context_id: str) -> bool:
         """Whether the context is a turn still running: after an error naming it, False when the error ended it."""
@@ -432,6 +442,7 @@ class Session:
         index, self.next_index = self.next_index, (self.next_index + 1) & 0xFFFF
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
+                    continues=self.generation.continuation and not self.voice_is_prompt,
                     segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize), max_lead_ms=lead,
                     frames=asyncio.Queue(self.config.pipeline_chunks),
                     offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
@@ -526,7 +537,7 @@ class Session:
                 turn.audio.append(seg_audio)
                 latents = await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
-                if gen.continuation and latents:
+                if turn.continues and latents:
                     turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
@@ -913,12 +924,13 @@ def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -
     return " ".join(t for t in heard if t), " ".join(t for t in rest if t)
 
 
-async def stored_voices(engine: Any) -> set[str]:
-    """Ids of the engine's stored voices (`list_voices` may be sync or async, of VoiceInfo objects or plain ids)."""
+async def stored_voices(engine: Any) -> dict[str, str | None]:
+    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown). `list_voices` may
+    be sync or async, of VoiceInfo objects or plain ids."""
     voices = engine.list_voices()
     if asyncio.iscoroutine(voices):
         voices = await voices
-    return {getattr(v, "voice_id", v) for v in voices}
+    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in voices}
 
 
 @functools.lru_cache(maxsize=64)
