@@ -19,6 +19,7 @@ from gateway.audio import (  # noqa: F401 (re-exported)
 from gateway.normalize import MODES as NORMALIZE_MODES
 
 PROTOCOL_VERSION = 1
+MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
 
 
 class ErrorCode(StrEnum):
@@ -99,6 +100,7 @@ class GenerationSettings:
     continuation: bool = True  # prompt each segment with the previous segment's tail, so a turn sounds like one
     continuation_patches: int = 12
     normalize: str = "auto"  # numbers, money, dates, units as words: gateway.normalize (auto / on / off)
+    instruction: str | None = None  # style instruction (VoxCPM2 voice design): a turn's first segment is "(it)text"
 
     def merged(self, update: dict[str, Any]) -> GenerationSettings:
         return GenerationSettings(**{**asdict(self), **update})
@@ -115,6 +117,8 @@ _GENERATION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "continuation": ((bool,), lambda v: True, "a boolean"),
     "continuation_patches": ((int,), lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
     "normalize": ((str,), lambda v: v in NORMALIZE_MODES, f"one of {', '.join(NORMALIZE_MODES)}"),
+    "instruction": ((str, type(None)), lambda v: v is None or len(v) <= MAX_INSTRUCTION_CHARS,
+                    f"null or a string of at most {MAX_INSTRUCTION_CHARS} characters"),
 }
 
 

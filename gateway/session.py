@@ -383,10 +383,14 @@ class Session:
         resolved = await self._resolve_voice(voice) if set_voice and voice is not None else None
         if set_voice and voice is not None and resolved is None:
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
+        is_prompt = (resolved is not None and resolved[1]) if set_voice else self.voice_is_prompt
+        if is_prompt and gen.instruction and gen.instruction.strip():
+            raise ProtocolError(ErrorCode.INVALID_VALUE, "generation.instruction cannot be used with a prompt voice "
+                                "(VoxCPM 0.5B/1.5): the voice is a prompt, and an instruction never comes with one")
         self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
         if set_voice:
             self.voice = voice
-            self.voice_is_prompt = resolved is not None and resolved[1]
+            self.voice_is_prompt = is_prompt
 
     async def _resolve_voice(self, voice: str) -> tuple[str, bool] | None:
         """The engine voice this session may speak with under `voice`, and whether it is a prompt voice (VoxCPM
@@ -481,6 +485,10 @@ class Session:
             kwargs["tenant"] = self.tenant
         if turn.prompt is not None:
             kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
+        elif gen.instruction and gen.instruction.strip():
+            # only segments without a continuation prompt (the official rule): a turn's first, or every one with
+            # continuation off; later ones continue from the designed voice's audio
+            kwargs["instruction"] = gen.instruction
         lead_ms = turn.buffered_ms(now)
         try:
             stream = self.engine.generate(seg.speak(), **kwargs)

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 import torch
+from engine_calls import recorded_calls
 from oracle import injected_noise
 
 from engine.errors import InvalidParameter
@@ -31,20 +32,6 @@ def _wav(seconds: float, freq: float) -> bytes:
     sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t * (1 + t))).astype(np.float32), 16000, format="WAV",
              subtype="FLOAT")
     return buf.getvalue()
-
-
-class Recorder:
-    """The engine with its `generate` calls recorded (text, kwargs): what the gateway asked the engine for."""
-
-    def __init__(self, engine):
-        self.calls: list[tuple[str, dict]] = []
-        self._generate = engine.generate
-
-        def generate(text, **kwargs):
-            self.calls.append((text, kwargs))
-            return self._generate(text, **kwargs)
-
-        engine.generate = generate
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -110,7 +97,6 @@ async def test_prompt_voice_takes_no_other_prompt(v1_engine):
 
 async def _three_segments(engine, voice_audio: bytes, voice_text: str | None) -> tuple[list, dict, str]:
     """A 3-segment turn with a stored voice over the native socket: (the engine requests, context.done, voice id)."""
-    recorder = Recorder(engine)
     runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None)))
     try:
         async with aiohttp.ClientSession() as http:
@@ -121,18 +107,18 @@ async def _three_segments(engine, voice_audio: bytes, voice_text: str | None) ->
             async with http.post(f"http://127.0.0.1:{port}/v1/voices", data=data) as r:
                 assert r.status == 201, await r.text()
                 voice = (await r.json())["voice_id"]
-        async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
-            await c.start(voice=voice, output={"format": "pcm_s16le"}, generation={"seed": SEED, "max_length": 4})
-            utt = await c.speak(LONG_TURN, "t")
+        with recorded_calls(engine) as calls:
+            async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
+                await c.start(voice=voice, output={"format": "pcm_s16le"}, generation={"seed": SEED, "max_length": 4})
+                utt = await c.speak(LONG_TURN, "t")
     finally:
         await runner.cleanup()
-        del engine.generate  # the instance attribute: back to the class's method
     errors = [e for e in utt.events if e["type"] == "error"]
     assert not errors, errors
     segments = [e for e in utt.events if e["type"] == "segment.started"]
-    assert len(segments) == 3 == len(recorder.calls)
+    assert len(segments) == 3 == len(calls)
     assert " ".join(s["text"] for s in segments) == LONG_TURN
-    return recorder.calls, utt.done, voice
+    return calls, utt.done, voice
 
 
 async def test_three_segment_turn_with_a_reference_voice_continues(engine):
