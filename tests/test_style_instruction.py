@@ -6,6 +6,7 @@ what the client is told was spoken. OpenAI's `instructions` map onto it. Real se
 import contextlib
 import io
 
+import aiohttp
 import numpy as np
 import openai
 import pytest
@@ -139,3 +140,45 @@ async def test_openai_instructions_are_the_instruction(port, engine):
         await client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT,
                                          instructions="y" * (MAX_INSTRUCTION_CHARS + 1))
     assert e.value.body["param"] == "instructions"
+
+
+async def test_a_voice_designed_from_a_description_is_stored_for_its_key(engine):
+    from gateway.auth import Auth
+    from gateway.server import ServerConfig, create_app, start_server
+
+    other = "sk-other"
+    runner, port = await start_server(create_app(engine, ServerConfig(web_client_dir=None),
+                                                 auth=Auth({KEY: [], other: []})))
+    url = f"http://127.0.0.1:{port}/v1/voices"
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"description": STYLE, "text": "A short sample.", "seed": SEED}
+            async with http.post(url, json=body, headers=_bearer(KEY)) as r:
+                assert r.status == 201, await r.text()
+                made = await r.json()
+            assert made["mode"] == "reference" and made["description"] == STYLE and not made["public"]
+            # the voice is the sample the instruction made: its latents, as the engine speaks them
+            sample = [c.latents async for c in engine.generate("A short sample.", instruction=STYLE, seed=SEED)]
+            assert np.allclose(engine.voice_latents(made["voice_id"]), np.stack(sample), atol=1e-5)
+            async with http.get(url, headers=_bearer(KEY)) as r:
+                assert made in (await r.json())["voices"]
+            async with http.get(url, headers=_bearer(other)) as r:  # the key that made it owns it
+                assert made["voice_id"] not in {v["voice_id"] for v in (await r.json())["voices"]}
+            for bad in ({}, {"description": ""}, {"description": STYLE, "speed": 2}, {"description": STYLE, "seed": -1},
+                        {"description": "z" * (MAX_INSTRUCTION_CHARS + 1)}, [STYLE]):
+                async with http.post(url, json=bad, headers=_bearer(KEY)) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_value", bad
+            json_type = {**_bearer(KEY), "Content-Type": "application/json"}
+            async with http.post(url, data=b"{not json", headers=json_type) as r:
+                assert r.status == 400
+        async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key=KEY) as c:
+            await c.start(voice=made["voice_id"], output={"format": "pcm_s16le"},
+                          generation={"seed": SEED, "max_length": 3})
+            assert (await c.speak("Spoken with the designed voice.", "t")).done["audio_ms"] > 0
+    finally:
+        await runner.cleanup()
+    await engine.remove_voice(made["voice_id"])
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
