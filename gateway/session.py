@@ -50,6 +50,8 @@ class SessionClosed(Exception):
 
 # a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
 VoiceResolver = Callable[[str], Awaitable[str | None]]
+# pronunciation dictionary ids -> the rewrite they make (None for none); ProtocolError for an id the key may not use
+PronunciationResolver = Callable[[list[str]], Awaitable[Callable[[str], str] | None]]
 
 
 class Transport(Protocol):
@@ -209,13 +211,16 @@ class Session:
 
     def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
                  metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 session_id: str | None = None, voices: VoiceResolver | None = None):
+                 session_id: str | None = None, voices: VoiceResolver | None = None,
+                 pronunciations: PronunciationResolver | None = None):
         self.engine = engine
         # the stored voices this session's key may use (the gateway's catalog); None: every voice of the engine
         self.voices = voices
         # the sampling settings the engine takes (one definition: `engine.guards.SamplingRanges`); a stand-in engine
         # without one leaves them to its own `generate`
         self.sampling_ranges = getattr(engine, "sampling_ranges", None)
+        self.pronunciations = pronunciations
+        self.rewrite: Callable[[str], str] | None = None  # the selected pronunciation dictionaries' rules
         self.transport = transport
         self.config = config
         self.limits = config.limits
@@ -387,10 +392,20 @@ class Session:
         if is_prompt and gen.instruction and gen.instruction.strip():
             raise ProtocolError(ErrorCode.INVALID_VALUE, "generation.instruction cannot be used with a prompt voice "
                                 "(VoxCPM 0.5B/1.5): the voice is a prompt, and an instruction never comes with one")
-        self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
+        rewrite = self.rewrite
+        if generation is not None and "pronunciations" in generation:
+            rewrite = await self._resolve_pronunciations(list(gen.pronunciations))
+        self.fmt, self.chunking, self.generation, self.rewrite = fmt, chunk_cfg, gen, rewrite
         if set_voice:
             self.voice = voice
             self.voice_is_prompt = is_prompt
+
+    async def _resolve_pronunciations(self, ids: list[str]) -> Callable[[str], str] | None:
+        if not ids:
+            return None
+        if self.pronunciations is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_PRONUNCIATION, "this server keeps no pronunciation dictionaries")
+        return await self.pronunciations(ids)
 
     async def _resolve_voice(self, voice: str) -> tuple[str, bool] | None:
         """The engine voice this session may speak with under `voice`, and whether it is a prompt voice (VoxCPM
@@ -447,7 +462,8 @@ class Session:
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
                     continues=self.generation.continuation and not self.voice_is_prompt,
-                    segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize), max_lead_ms=lead,
+                    segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
+                    max_lead_ms=lead,
                     frames=asyncio.Queue(self.config.pipeline_chunks),
                     offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
         self.finished.pop(context_id, None)
