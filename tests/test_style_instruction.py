@@ -182,3 +182,26 @@ async def test_a_voice_designed_from_a_description_is_stored_for_its_key(engine)
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+async def test_cartesia_emotion_is_the_instruction(port, engine):
+    import json
+
+    import websockets
+
+    request = {"model_id": "sonic-3", "voice": {"mode": "id", "id": "any"}, "context_id": "c", "transcript": "Hi.",
+               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000},
+               "generation_config": {"emotion": ["excited", "curious"]}}
+    with recorded_calls(engine) as calls:
+        async with websockets.connect(f"ws://127.0.0.1:{port}/tts/websocket?api_key={KEY}") as ws:
+            await ws.send(json.dumps(request))
+            while (m := json.loads(await ws.recv()))["type"] != "done":
+                assert m["type"] != "error", m
+            await ws.send(json.dumps({**request, "context_id": "d", "generation_config": {"emotion": 3}}))
+            m = json.loads(await ws.recv())
+            assert m["type"] == "error" and "emotion" in m["message"]
+        body = {k: v for k, v in request.items() if k != "context_id"}
+        async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/tts/bytes", json=body,
+                                                              headers={"X-API-Key": KEY}) as r:
+            assert r.status == 200 and len(await r.read()) > 0
+    assert [(text, kw.get("instruction")) for text, kw in calls] == [("Hi.", "excited, curious")] * 2
