@@ -111,6 +111,11 @@ async def _three_segments(engine, voice_audio: bytes, voice_text: str | None) ->
             async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
                 await c.start(voice=voice, output={"format": "pcm_s16le"}, generation={"seed": SEED, "max_length": 4})
                 utt = await c.speak(LONG_TURN, "t")
+                if voice_text:  # a prompt voice is the prompt: a style instruction never comes with one
+                    await c.update(generation={"instruction": "cheerful"})
+                    reply = await c.recv(10)
+                    assert reply["type"] == "error" and reply["code"] == "invalid_value", reply
+                    assert "prompt voice" in reply["message"]
     finally:
         await runner.cleanup()
     errors = [e for e in utt.events if e["type"] == "error"]
