@@ -75,6 +75,7 @@ class Segment:
     lang: spoken.Lang = "en"  # the language it is read in
     spoken: str | None = None  # what `speak` made of it
     rewrite: Callable[[str], str] | None = field(default=None, repr=False)  # pronunciation rules, before normalising
+    respelled: bool = False  # the rules changed the text (known once `speak` ran)
 
     def speak(self) -> str:
         """The text the model speaks: the pronunciation rules applied (gateway.pronunciation), then numbers and
@@ -83,8 +84,19 @@ class Segment:
         once in the handler that released them."""
         if self.spoken is None:
             text = self.text if self.rewrite is None else self.rewrite(self.text)
-            self.spoken = text if self.mode == "off" else speak(text, self.mode, self.lang)
+            self.respelled = text != self.text
+            self.spoken = self._normalized(text)
         return self.spoken
+
+    def shown(self) -> str:
+        """What clients are told is spoken (`segment.started`, alignments, an agent's transcript): as `speak`, but
+        words instead of the pronunciation rules' phonemes and aliases (normalised once more only where a rule
+        changed the text)."""
+        spoken = self.speak()
+        return self._normalized(self.text) if self.respelled else spoken
+
+    def _normalized(self, text: str) -> str:
+        return text if self.mode == "off" else speak(text, self.mode, self.lang)
 
 
 # --- normalisation --------------------------------------------------------------------------------------------------

@@ -723,7 +723,7 @@ class Session:
                 await self._send_packets(turn, item)
             elif isinstance(item, _SegmentMark):
                 turn.segment_released_at = item.released_at
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.speak(),
+                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
                                                   round(item.pts_ms, 1)))
             elif isinstance(item, _FlushMark):
                 await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))

@@ -71,7 +71,9 @@ def test_rules_apply_before_normalisation_and_phonemes_pass_it():
     out = seg.push("Try v2 of voxgate, {HH AH0 L OW1} tomato. ") + seg.end()
     spoken = " ".join(s.speak() for s in out)
     assert "version two of vox gate" in spoken and "{HH AH0 L OW1}" in spoken and "{T AH0 M EY1 T OW2}" in spoken
-    assert " ".join(s.text for s in out) == "Try v2 of voxgate, {HH AH0 L OW1} tomato."  # as written, for clients
+    assert " ".join(s.text for s in out) == "Try v2 of voxgate, {HH AH0 L OW1} tomato."
+    shown = " ".join(s.shown() for s in out)  # for clients: normalised, without the rules' respellings
+    assert "v two of voxgate" in shown and "{HH AH0 L OW1}" in shown and "T AH0" not in shown
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -102,8 +104,8 @@ async def test_a_sessions_dictionaries_rewrite_what_the_engine_speaks(server, en
                 "seed": 1, "max_length": 2, "normalize": "off", "pronunciations": [made["pronunciation_id"]]})
             utt = await c.speak("Voxgate says tomato.", "t")
     assert [text for text, _ in calls] == ["vox gate says {T AH0 M EY1 T OW2}."]
-    # segment.started says what is spoken (as with normalisation): the rules' words
-    assert [e["text"] for e in utt.events if e["type"] == "segment.started"] == [calls[0][0]]
+    # segment.started (what an agent's transcript takes) has the words, not the rules' phonemes
+    assert [e["text"] for e in utt.events if e["type"] == "segment.started"] == ["Voxgate says tomato."]
 
     async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key=B) as c:
         with pytest.raises(ServerError) as e:  # another key's dictionary: as if it did not exist
@@ -149,3 +151,14 @@ async def test_compat_server_without_keys_keeps_dictionaries_shared(engine):
         assert status == 201
         async with http.get(f"http://127.0.0.1:{port}/v1/pronunciations") as r:
             assert made in (await r.json())["pronunciations"]
+
+
+@on_server
+async def test_phonemes_reach_the_engine_untouched_through_normalisation(server, engine):
+    port, _ = server
+    with recorded_calls(engine) as calls:
+        async with await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key=A) as c:
+            await c.start(output={"format": "pcm_s16le"}, generation={"seed": 1, "max_length": 2, "normalize": "on"})
+            await c.speak("Say {HH AH0 L OW1} 3 times, then {ni3}{hao3}.", "t")
+    spoken = " ".join(text for text, _ in calls)
+    assert "{HH AH0 L OW1}" in spoken and "{ni3}{hao3}" in spoken and "three" in spoken
