@@ -140,3 +140,18 @@ async def test_three_segment_turn_with_a_prompt_voice_keeps_its_own_prompt(v1_en
     calls, done, voice = await _three_segments(v1_engine, _wav(0.3, 200), "A prompt voice.")
     assert all(kw["voice"] == voice and "prompt_latents" not in kw for _, kw in calls)
     assert done["audio_ms"] > 0
+
+
+async def test_a_designed_voice_on_voxcpm1_is_a_prompt_voice_of_its_sample(v1_engine):
+    from gateway.auth import Caller
+    from gateway.store import open_store
+    from gateway.voice_design import Design
+    from gateway.voices import Catalog
+
+    made = await Catalog(v1_engine, open_store(None, None)).create_voice(
+        Caller("k", "tenant-k"), design=Design("a calm voice", "A short sample.", seed=SEED))
+    assert made["mode"] == "prompt" and made["text"] == "A short sample." and made["description"] == "a calm voice"
+    audio = [c.audio async for c in v1_engine.generate("Spoken with it.", voice=made["voice_id"], seed=SEED,
+                                                       max_length=3)]
+    assert audio
+    await v1_engine.remove_voice(made["voice_id"])
