@@ -122,14 +122,26 @@ async def test_a_sessions_dictionaries_rewrite_what_the_engine_speaks(server, en
 
 @on_server
 async def test_elevenlabs_locators_select_dictionaries(server, engine):
+    from elevenlabs import AsyncElevenLabs
+    from elevenlabs.core import ApiError
+
     port, http = server
-    _, made = await _post(http, port, A, {"rules": [{"word": "tomato", "alias": "tomahto"}]})
-    locators = [{"pronunciation_dictionary_id": made["pronunciation_id"], "version_id": "v1"}]
+    sdk = AsyncElevenLabs(api_key=A, base_url=f"http://127.0.0.1:{port}")
+    made = await sdk.pronunciation_dictionaries.create_from_rules(  # the ElevenLabs SDK makes it
+        name="tomatoes", rules=[{"type": "alias", "string_to_replace": "tomato", "alias": "tomahto"},
+                                {"type": "phoneme", "string_to_replace": "basil", "phoneme": "B EY1 Z AH0 L",
+                                 "alphabet": "cmu-arpabet"}])
+    assert made.version_rules_num == 2
+    with pytest.raises(ApiError) as e:
+        await sdk.pronunciation_dictionaries.create_from_rules(
+            name="ipa", rules=[{"type": "phoneme", "string_to_replace": "a", "phoneme": "ə", "alphabet": "ipa"}])
+    assert e.value.status_code == 422 and "cmu-arpabet" in str(e.value.body)
+    locators = [{"pronunciation_dictionary_id": made.id, "version_id": made.version_id}]
     url = f"ws://127.0.0.1:{port}/v1/text-to-speech/any/stream-input?output_format=pcm_24000"
     with recorded_calls(engine) as calls:
         async with websockets.connect(url, additional_headers={"xi-api-key": A}) as ws:
             await ws.send(json.dumps({"text": " ", "pronunciation_dictionary_locators": locators}))
-            await ws.send('{"text": "A tomato. ", "flush": true}')
+            await ws.send('{"text": "A tomato with basil. ", "flush": true}')
             await ws.send('{"text": ""}')
             async for _ in ws:  # to its isFinal and close
                 pass
@@ -138,7 +150,7 @@ async def test_elevenlabs_locators_select_dictionaries(server, engine):
         async with http.post(f"http://127.0.0.1:{port}/v1/text-to-speech/any?output_format=pcm_24000", json=body,
                              headers={"xi-api-key": A}) as r:
             assert r.status == 200 and len(await r.read()) > 0
-    assert [text for text, _ in calls] == ["A tomahto.", "One tomahto."]
+    assert [text for text, _ in calls] == ["A tomahto with {B EY1 Z AH0 L}.", "One tomahto."]
     body["pronunciation_dictionary_locators"] = [{"version_id": "v1"}]
     async with http.post(f"http://127.0.0.1:{port}/v1/text-to-speech/any", json=body, headers={"xi-api-key": A}) as r:
         assert r.status == 422
