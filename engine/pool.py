@@ -319,7 +319,10 @@ class Engine:
             if v.info.mode == "prompt" and given_prompt:
                 raise InvalidParameter(f"stored voice {voice!r} is a prompt voice ({self.config.architecture}): it is "
                                        "the request's prompt and takes no other (continuation) prompt")
-            if v.text is not None and not given_prompt:  # a given prompt (a continuation) replaces the voice's own
+            # a given prompt (a continuation) replaces a voice's own; so does an instruction a reference voice's
+            # (the two never come together, and the reference alone still carries the voice)
+            styled = v.info.mode == "reference" and bool(instruction and instruction.strip())
+            if v.text is not None and not given_prompt and not styled:
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
         adapter = self._lora(lora)

@@ -205,3 +205,19 @@ async def test_cartesia_emotion_is_the_instruction(port, engine):
                                                               headers={"X-API-Key": KEY}) as r:
             assert r.status == 200 and len(await r.read()) > 0
     assert [(text, kw.get("instruction")) for text, kw in calls] == [("Hi.", "excited, curious")] * 2
+
+
+async def test_a_reference_voice_with_a_transcript_takes_an_instruction_without_its_own_prompt(engine):
+    t = np.arange(6000) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.2 * np.sin(2 * np.pi * 170 * t)).astype(np.float32), 16000, format="WAV")
+    voice = await engine.add_voice(audio=buf.getvalue(), text="Its transcript.", voice_id="ref-with-text")
+    try:
+        own = engine.generate(TEXT, voice=voice, seed=SEED, max_length=2)
+        styled = engine.generate(TEXT, voice=voice, instruction=STYLE, seed=SEED, max_length=2)
+        for gen in (own, styled):
+            assert [c async for c in gen]
+        assert styled._spec.token_ids[-1] == 101  # reference + (instruction)text, no prompt audio after it
+        assert own._spec.token_ids[-1] == 0  # its own prompt's audio ends the prompt
+    finally:
+        await engine.remove_voice(voice)
