@@ -3,9 +3,10 @@ text before normalisation, stored like voices (gateway.store, kind "pronunciatio
 
 Phonemes are what VoxCPM reads natively with normalisation off or on: braces, `{HH AH0 L OW1}` (CMUdict) or
 `{ni3}{hao3}` (pinyin); a rule's phonemes without braces get one pair around them. Rules run in order, each over the
-text the rules before it left; text inside braces (the client's own phonemes, or an earlier rule's) is never
-rewritten. A regex gets a time budget per segment (the `regex` library's timeout): one that runs away is skipped
-for that segment, and logged."""
+text the rules before it left, except that consecutive word rules (of one case sensitivity) are one scan of the
+text: hundreds of words cost about what one does, and where several start at one place the longest wins. Text
+inside braces (the client's own phonemes, or an earlier rule's) is never rewritten. A regex gets a time budget per
+segment (the `regex` library's timeout): one that runs away is skipped for that segment, and logged."""
 
 from __future__ import annotations
 
@@ -43,8 +44,13 @@ class RuleError(ValueError):
 
 @dataclass(frozen=True)
 class Rule:
+    """One pass over a segment: a regex rule, or a run of word rules matched together (`words`: the matched word,
+    case-folded when `fold`, -> its replacement)."""
+
     pattern: regex.Pattern
-    replacement: str
+    replacement: str = ""
+    words: dict[str, str] | None = None
+    fold: bool = False
 
 
 def check_rules(body: Any) -> tuple[str | None, list[dict[str, Any]]]:
@@ -109,16 +115,49 @@ def _compile(rule: dict[str, Any], where: str = "rule") -> Rule:
     return Rule(pattern, rule.get("phonemes") or rule["alias"])
 
 
+def _word_pass(run: list[dict[str, Any]]) -> Rule:
+    """Consecutive word rules of one case sensitivity as one pattern: one scan of the segment, however many words
+    (the longest word wins where several start; the first rule of a word wins over a later one)."""
+    fold = not run[0].get("case_sensitive", True)
+    words: dict[str, str] = {}
+    for rule in run:
+        words.setdefault(rule["word"].casefold() if fold else rule["word"], rule.get("phonemes") or rule["alias"])
+    alternatives = "|".join(regex.escape(w) for w in sorted(words, key=len, reverse=True))
+    flags = regex.V0 | (regex.IGNORECASE if fold else 0)
+    return Rule(regex.compile(rf"(?<!\w)(?:{alternatives})(?!\w)|{_BRACES}", flags), words=words, fold=fold)
+
+
 def compile_rules(rules: list[dict[str, Any]]) -> list[Rule]:
-    """Stored rules -> compiled ones (checked when stored)."""
-    return [_compile(r) for r in rules]
+    """Stored rules -> the passes that apply them, in order (checked when stored)."""
+    passes: list[Rule] = []
+    run: list[dict[str, Any]] = []
+    for rule in [*rules, None]:
+        if rule is not None and "word" in rule and (not run or run[0].get("case_sensitive", True)
+                                                      == rule.get("case_sensitive", True)):
+            run.append(rule)
+            continue
+        if run:
+            passes.append(_word_pass(run))
+            run = []
+        if rule is None:
+            break
+        if "word" in rule:
+            run.append(rule)
+        else:
+            passes.append(_compile(rule))
+    return passes
 
 
 def apply(rules: list[Rule], text: str) -> str:
     """`text` with every rule applied in order, braces left as they are."""
     for rule in rules:
-        def swap(m: regex.Match, replacement: str = rule.replacement) -> str:
-            return m.group(0) if m.group("_braced") is not None else replacement
+        def swap(m: regex.Match, rule: Rule = rule) -> str:
+            if m.group("_braced") is not None:
+                return m.group(0)
+            if rule.words is None:
+                return rule.replacement
+            word = m.group(0)
+            return rule.words.get(word.casefold() if rule.fold else word, word)
 
         try:
             text = rule.pattern.sub(swap, text, timeout=REGEX_TIMEOUT_S)

@@ -61,6 +61,15 @@ def test_bad_rules_are_named(body, problem):
         check_rules(body)
 
 
+def test_consecutive_word_rules_are_one_scan_longest_first():
+    rewrite = _rewrite({"rules": [{"word": "New York", "alias": "N Y"}, {"word": "New York City", "alias": "N Y C"},
+                                  {"word": "N Y", "alias": "never"}, {"word": "new york", "alias": "first",
+                                                                      "case_sensitive": False}]})
+    # one scan: the alias "N Y" is not matched again by the later "N Y" rule of the same run
+    assert rewrite("New York City and New York") == "N Y C and N Y"
+    assert rewrite("NEW YORK") == "first"  # a run of another case sensitivity is the next pass
+
+
 def test_a_runaway_regex_is_skipped_not_hung():
     rewrite = _rewrite({"rules": [{"regex": "(x+x+)+y", "alias": "z"}, {"word": "end", "alias": "fin"}]})
     assert rewrite("x" * 40 + " end") == "x" * 40 + " fin"
