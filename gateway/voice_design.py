@@ -58,9 +58,10 @@ def parse_design(body: bytes) -> Design:
     return Design(description.strip(), text.strip(), seed, public)
 
 
-async def design_latents(engine: Any, design: Design) -> np.ndarray:
-    """Speak the sample with the description as its instruction: its patches [T, P, D] (engine errors pass)."""
-    stream = engine.generate(design.text, instruction=design.description, seed=design.seed)
+async def design_latents(engine: Any, design: Design, tenant: str | None = None) -> np.ndarray:
+    """Speak the sample with the description as its instruction: its patches [T, P, D] (engine errors pass). The
+    request is the caller's `tenant`'s, shared fairly with other keys' like its turns."""
+    stream = engine.generate(design.text, instruction=design.description, seed=design.seed, tenant=tenant)
     try:
         patches = [np.asarray(chunk.latents) async for chunk in stream]
     finally:

@@ -174,7 +174,7 @@ class Catalog:
         if audio is not None:
             kwargs.update(audio=audio, text=text)
         elif design is not None:  # a prompt voice (no reference mode) keeps the sample's text as its transcript
-            kwargs["latents"] = await design_latents(self.engine, design)
+            kwargs["latents"] = await design_latents(self.engine, design, caller.tenant or None)
             if self.engine.model_info().architecture != "voxcpm2":
                 kwargs["text"] = design.text
         await self.engine.add_voice(**kwargs)
