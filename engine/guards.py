@@ -150,10 +150,9 @@ def request_id_or_new(request_id: Any, in_flight: dict[str, Any]) -> str:
 def check_prompt_sources(config: ModelConfig, *, voice: bool, prompt_audio: Any, prompt_latents: Any,
                          prompt_text: str | None, reference_audio: Any, reference_latents: Any) -> None:
     """At most one source for each of the prompt and the reference, the prompt with its transcript, and reference
-    audio only on VoxCPM2; a stored `voice` replaces both."""
-    if voice and (prompt_audio is not None or prompt_latents is not None or reference_audio is not None
-                  or reference_latents is not None):
-        raise InvalidParameter("give either a stored voice or prompt/reference audio, not both")
+    audio only on VoxCPM2; a stored `voice` is the reference (a prompt may follow it: reference + continuation)."""
+    if voice and (reference_audio is not None or reference_latents is not None):
+        raise InvalidParameter("give either a stored voice or reference audio, not both")
     if (prompt_audio is not None) + (prompt_latents is not None) > 1 or \
             (reference_audio is not None) + (reference_latents is not None) > 1:
         raise InvalidParameter("give audio or latents, not both")

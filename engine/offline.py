@@ -44,28 +44,28 @@ class Synthesizer:
         return encode_prompt_audio(self.vae, samples, sr, patch_size=self.config.patch_size, pad=pad)
 
     def prompt(self, text: str, *, prompt_audio: AudioInput | None = None, prompt_text: str | None = None,
-               reference_audio: AudioInput | None = None) -> Prompt:
+               reference_audio: AudioInput | None = None, instruction: str | None = None) -> Prompt:
         return build_prompt(
-            self.config, self.loaded.tokenizer, text, prompt_text=prompt_text,
+            self.config, self.loaded.tokenizer, text, prompt_text=prompt_text, instruction=instruction,
             prompt_patches=None if prompt_audio is None else self.encode_audio(prompt_audio, "left"),
             reference_patches=None if reference_audio is None else self.encode_audio(reference_audio, "right"))
 
     def stream(self, text: str, *, prompt_audio: AudioInput | None = None, prompt_text: str | None = None,
-               reference_audio: AudioInput | None = None, cfg_value: float = 2.0, timesteps: int = 10,
-               temperature: float = 1.0, seed: int | None = None, min_len: int = 2,
+               reference_audio: AudioInput | None = None, instruction: str | None = None, cfg_value: float = 2.0,
+               timesteps: int = 10, temperature: float = 1.0, seed: int | None = None, min_len: int = 2,
                max_len: int | None = None) -> Iterator[np.ndarray]:
         """Audio at `sample_rate`, one chunk of `samples_per_patch` per generated patch, as it is generated.
 
         The streaming VAE starts from the prompt's last patches in continuation, so the chunks join seamlessly to
         the prompt and their concatenation equals `generate` (offline decode)."""
         prompt = self.prompt(text, prompt_audio=prompt_audio, prompt_text=prompt_text,
-                             reference_audio=reference_audio)
+                             reference_audio=reference_audio, instruction=instruction)
         steps = self._patches(prompt, cfg_value, timesteps, temperature, seed, min_len, max_len)
         return self._stream_audio(prompt, steps)
 
     def generate(self, text: str, **kwargs) -> np.ndarray:
         """The whole utterance (same arguments as `stream`), decoded offline in one pass."""
-        keys = ("prompt_audio", "prompt_text", "reference_audio")
+        keys = ("prompt_audio", "prompt_text", "reference_audio", "instruction")
         prompt = self.prompt(text, **{k: kwargs.pop(k) for k in keys if k in kwargs})
         patches = list(self._patches(prompt, **kwargs))
         latents = torch.cat([prompt.context_patches.to(self.device), *patches]).float()  # [C + T, P, D]

@@ -286,14 +286,16 @@ class Engine:
                  reference_audio: Any = None, reference_latents: Any = None, cfg_value: float = 2.0,
                  temperature: float = 1.0, seed: int | None = None, max_length: int | None = None,
                  min_length: int = 2, timesteps: int | None = None, priority: int = 0,
-                 request_id: str | None = None, lora: str | None = None, tenant: str | None = None) -> Generation:
+                 request_id: str | None = None, lora: str | None = None, tenant: str | None = None,
+                 instruction: str | None = None) -> Generation:
         """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.
 
         The request leaves from this call when it has no audio to encode and its worker is up, else on the first
         read: close the iterator or read it to its end (one dropped unread is cancelled only when collected).
         `lora` names a registered adapter (default: the stored voice's adapter, if it names one). `tenant` (the
         caller's API key; None or "": the shared tenant) shares prefill fairly with other tenants and holds at most
-        `max_queued_per_tenant` requests without audio yet (`TenantOverloaded` beyond)."""
+        `max_queued_per_tenant` requests without audio yet (`TenantOverloaded` beyond). `instruction`: a
+        style instruction (VoxCPM2 voice design), spoken as `(instruction)text`; never with a prompt."""
         params = guards.sampling_params(
             text=text, cfg_value=cfg_value, temperature=temperature,
             timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
@@ -313,7 +315,14 @@ class Engine:
             if reference_latents is not None else None
         if v is not None:
             ref_patches = v.latents if v.info.mode == "reference" else None
-            if v.text is not None:
+            given_prompt = prompt_patches is not None or prompt_audio is not None
+            if v.info.mode == "prompt" and given_prompt:
+                raise InvalidParameter(f"stored voice {voice!r} is a prompt voice ({self.config.architecture}): it is "
+                                       "the request's prompt and takes no other (continuation) prompt")
+            # a given prompt (a continuation) replaces a voice's own; so does an instruction a reference voice's
+            # (the two never come together, and the reference alone still carries the voice)
+            styled = v.info.mode == "reference" and bool(instruction and instruction.strip())
+            if v.text is not None and not given_prompt and not styled:
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
         adapter = self._lora(lora)
@@ -323,7 +332,7 @@ class Engine:
         shared = v is not None and v.prefix is not None and lora == v.info.lora
         args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt_patches, ref_patches=ref_patches,
                     params=params, request_id=request_id, voice_id=voice if shared else None, lora=lora,
-                    tenant=tenant)
+                    tenant=tenant, instruction=instruction)
         spec = None
         if prompt_audio is None and reference_audio is None:
             spec = self._spec(**args)  # all checks done before the caller iterates

@@ -5,6 +5,8 @@ A prompt is one position per text token or per audio patch:
   continuation                  [prompt_text + text, 101, prompt patches]
   v2 reference                  [103, reference patches, 104, text, 101]
   v2 reference + continuation   [103, reference patches, 104, prompt_text + text, 101, prompt patches]
+A style instruction (VoxCPM2 voice design) is a text prefix: the text spoken is `(instruction)text`, as the official
+`build_final_text` (voxcpm/cli.py) makes it; like the official CLI, it never comes with a prompt (continuation).
 Audio becomes patches through the AudioVAE encoder: mono, resampled to the VAE's input rate, padded to whole patches
 (left for prompt audio, whose end must touch the generated speech; right for v2 reference audio). Prompt audio is at
 most `engine.guards.MAX_PROMPT_AUDIO_S` long, checked from a file's header before anything is decoded; a worker
@@ -49,6 +51,12 @@ class Prompt:
 def length_cap(n_target_tokens: int, max_len: int) -> int:
     """The official cap on generated patches: 6 per target token plus 10, at most `max_len`."""
     return min(int(6 * n_target_tokens + 10), max_len)
+
+
+def build_final_text(text: str, instruction: str | None) -> str:
+    """`(instruction)text`, exactly as the official CLI builds it (a blank instruction leaves the text as it is)."""
+    instruction = (instruction or "").strip()
+    return f"({instruction}){text}" if instruction else text
 
 
 def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
@@ -191,7 +199,8 @@ class PromptLayout:
 
 
 def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None) -> PromptLayout:
+                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
+                  instruction: str | None = None) -> PromptLayout:
     """The positions of one request's prefill (see the module docstring for the four layouts), checked; plain
     lists, so a text-only request costs no tensor work here."""
     if not isinstance(text, str):
@@ -199,6 +208,12 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     target = normalize_text(text)
     if not target.strip():
         raise EmptyText("text is empty")
+    if instruction is not None and not isinstance(instruction, str):
+        raise InvalidRequest(f"instruction must be a string (got {type(instruction).__name__})")
+    if instruction and instruction.strip():
+        if prompt_text is not None:
+            raise InvalidRequest("an instruction cannot come with a prompt (continuation), as in the official CLI")
+        target = normalize_text(build_final_text(text, instruction))  # the official normalises the final text
     if (prompt_patches is None) != (prompt_text is None):
         raise InvalidRequest("prompt audio and prompt text must be given together")
     if reference_patches is not None and not config.is_v2:
@@ -249,10 +264,11 @@ def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = No
 
 
 def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                 prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None) -> Prompt:
+                 prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
+                 instruction: str | None = None) -> Prompt:
     """The prefill sequence of one request (see the module docstring for the four layouts)."""
     layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
-                           reference_patches=reference_patches)
+                           reference_patches=reference_patches, instruction=instruction)
     patches = layout_patches(config, layout)
     return Prompt(
         token_ids=torch.tensor(layout.token_ids, dtype=torch.long),
@@ -269,5 +285,5 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
     return max(0, config.max_length - prompt_len)
 
 
-__all__ = ["Prompt", "PromptLayout", "build_prompt", "encode_in_slices", "encode_prompt_audio",
+__all__ = ["Prompt", "PromptLayout", "build_final_text", "build_prompt", "encode_in_slices", "encode_prompt_audio",
            "layout_patches", "length_cap", "positions_left", "prompt_layout", "prompt_samples", "read_audio"]

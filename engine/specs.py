@@ -21,12 +21,13 @@ from engine.text import Tokenizer
 def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
                  prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
                  params: SamplingParams, request_id: str, voice_id: str | None,
-                 lora: str | None = None, tenant: str | None = None) -> RequestSpec:
+                 lora: str | None = None, tenant: str | None = None,
+                 instruction: str | None = None) -> RequestSpec:
     """The prompt of one request; `params.max_length` becomes the official cap, bounded by the model's positions
     and the `kv_positions` a worker's KV cache holds."""
     try:
         layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
-                               reference_patches=ref_patches)
+                               reference_patches=ref_patches, instruction=instruction)
     except EngineError:
         raise
     except ValueError as e:

@@ -151,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--prompt-wav", help="voice prompt audio (continuation: also give --prompt-text)")
     say.add_argument("--prompt-text", help="transcript of --prompt-wav")
     say.add_argument("--reference-wav", help="reference voice audio (VoxCPM2)")
+    say.add_argument("--instruction", help="style instruction, VoxCPM2 voice design (\"warm female voice, slow\"): "
+                     "spoken as (instruction)text, as `voxcpm design --control`; not with --prompt-wav")
     say.add_argument("--server", help="speak through a running gateway, e.g. ws://127.0.0.1:8080")
     say.add_argument("--api-key", help="API key for --server")
     say.add_argument("--seed", type=int, default=None,
@@ -332,6 +334,8 @@ async def _say_local(args: argparse.Namespace, text: str) -> tuple[np.ndarray, i
             kwargs.update(prompt_audio=_read_file(args.prompt_wav), prompt_text=args.prompt_text)
         if args.reference_wav:
             kwargs["reference_audio"] = _read_file(args.reference_wav)
+        if args.instruction:
+            kwargs["instruction"] = args.instruction
         chunks: list[np.ndarray] = []
         t0 = time.perf_counter()
         ttfb = 0.0
@@ -377,7 +381,7 @@ async def _say_remote(args: argparse.Namespace, text: str) -> tuple[np.ndarray, 
         try:
             started = await client.start(voice=voice, output={"format": "pcm_s16le", "sample_rate": rate},
                                          generation={"cfg_value": args.cfg, "seed": args.seed,
-                                                     "normalize": args.normalize})
+                                                     "normalize": args.normalize, "instruction": args.instruction})
             t0 = time.perf_counter()
             utt = await client.speak(text, "say", timeout=600)
         except ServerError as e:

@@ -19,6 +19,8 @@ from gateway.audio import (  # noqa: F401 (re-exported)
 from gateway.normalize import MODES as NORMALIZE_MODES
 
 PROTOCOL_VERSION = 1
+MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
+MAX_PRONUNCIATIONS = 8  # pronunciation dictionaries one session selects (gateway.pronunciation)
 
 
 class ErrorCode(StrEnum):
@@ -38,6 +40,7 @@ class ErrorCode(StrEnum):
     BUFFER_FULL = "buffer_full"
     UNKNOWN_VOICE = "unknown_voice"
     UNKNOWN_LORA = "unknown_lora"
+    UNKNOWN_PRONUNCIATION = "unknown_pronunciation"
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     UNAUTHORIZED = "unauthorized"
@@ -99,9 +102,13 @@ class GenerationSettings:
     continuation: bool = True  # prompt each segment with the previous segment's tail, so a turn sounds like one
     continuation_patches: int = 12
     normalize: str = "auto"  # numbers, money, dates, units as words: gateway.normalize (auto / on / off)
+    instruction: str | None = None  # style instruction (VoxCPM2 voice design): a turn's first segment is "(it)text"
+    pronunciations: tuple[str, ...] = ()  # ids of pronunciation dictionaries, applied in this order
 
     def merged(self, update: dict[str, Any]) -> GenerationSettings:
-        return GenerationSettings(**{**asdict(self), **update})
+        merged = {**asdict(self), **update}
+        merged["pronunciations"] = tuple(merged["pronunciations"])
+        return GenerationSettings(**merged)
 
 
 # name -> (accepted types, check, description of the valid range). The sampling settings' ranges are the engine's
@@ -115,6 +122,10 @@ _GENERATION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "continuation": ((bool,), lambda v: True, "a boolean"),
     "continuation_patches": ((int,), lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
     "normalize": ((str,), lambda v: v in NORMALIZE_MODES, f"one of {', '.join(NORMALIZE_MODES)}"),
+    "instruction": ((str, type(None)), lambda v: v is None or len(v) <= MAX_INSTRUCTION_CHARS,
+                    f"null or a string of at most {MAX_INSTRUCTION_CHARS} characters"),
+    "pronunciations": ((list,), lambda v: len(v) <= MAX_PRONUNCIATIONS and all(
+        isinstance(i, str) and 0 < len(i) <= 128 for i in v), f"a list of at most {MAX_PRONUNCIATIONS} dictionary ids"),
 }
 
 

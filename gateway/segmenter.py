@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import Any
 
@@ -74,14 +74,29 @@ class Segment:
     mode: str = "off"  # gateway.normalize mode that `speak` applies
     lang: spoken.Lang = "en"  # the language it is read in
     spoken: str | None = None  # what `speak` made of it
+    rewrite: Callable[[str], str] | None = field(default=None, repr=False)  # pronunciation rules, before normalising
+    respelled: bool = False  # the rules changed the text (known once `speak` ran)
 
     def speak(self) -> str:
-        """The text the model speaks: numbers and symbols in words, sentence by sentence (gateway.normalize). Made
-        once, when the segment goes to the engine: a burst of released segments costs its normalisation one segment
-        at a time, paced by synthesis, not all at once in the handler that released them."""
+        """The text the model speaks: the pronunciation rules applied (gateway.pronunciation), then numbers and
+        symbols in words, sentence by sentence (gateway.normalize). Made once, when the segment goes to the engine:
+        a burst of released segments costs its normalisation one segment at a time, paced by synthesis, not all at
+        once in the handler that released them."""
         if self.spoken is None:
-            self.spoken = self.text if self.mode == "off" else speak(self.text, self.mode, self.lang)
+            text = self.text if self.rewrite is None else self.rewrite(self.text)
+            self.respelled = text != self.text
+            self.spoken = self._normalized(text)
         return self.spoken
+
+    def shown(self) -> str:
+        """What clients are told is spoken (`segment.started`, alignments, an agent's transcript): as `speak`, but
+        words instead of the pronunciation rules' phonemes and aliases (normalised once more only where a rule
+        changed the text)."""
+        spoken = self.speak()
+        return self._normalized(self.text) if self.respelled else spoken
+
+    def _normalized(self, text: str) -> str:
+        return text if self.mode == "off" else speak(text, self.mode, self.lang)
 
 
 # --- normalisation --------------------------------------------------------------------------------------------------
@@ -323,8 +338,9 @@ class Segmenter:
     """One turn's text -> segments. push/flush/end return segments ready now; poll() at next_deadline()."""
 
     def __init__(self, config: ChunkingConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 normalize: str = "off"):
+                 normalize: str = "off", rewrite: Callable[[str], str] | None = None):
         self.config = config or ChunkingConfig()
+        self._rewrite = rewrite  # pronunciation rules each segment's `speak` applies
         self._clock = clock
         self._mode = spoken.check_mode(normalize)  # gateway.normalize: how segments become what is spoken
         self._lang: spoken.Lang = "en"  # Chinese from the turn's first Chinese character on
@@ -431,7 +447,7 @@ class Segmenter:
         self._buf = rest.lstrip()
         if self._mode != "off" and self._lang == "en" and spoken.contains_chinese(text + self._buf):
             self._lang = "zh"
-        segment = Segment(text, len(self.segments), reason, self._mode, self._lang)
+        segment = Segment(text, len(self.segments), reason, self._mode, self._lang, rewrite=self._rewrite)
         self.segments.append(segment)
         self._since = self._clock() if self.pending_text else None
         return segment

@@ -19,6 +19,7 @@ from gateway import normalize
 from gateway.auth import Auth, AuthError
 from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
+from gateway.pronunciation import Pronunciations
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.refusals import log_refusal
@@ -59,6 +60,7 @@ class Gateway:
     def __init__(self, engine: Any, config: ServerConfig, auth: Auth, metrics: GatewayMetrics, store: Store):
         self.engine, self.config, self.auth, self.metrics, self.store = engine, config, auth, metrics, store
         self.voices = Catalog(engine, store, strict=config.strict_voices)
+        self.pronunciations = Pronunciations(store)
         self.leases = Leases(store, config.lease_ttl_s)
         self.sessions: set[Session] = set()
         self.draining = False
@@ -102,8 +104,16 @@ class Gateway:
             except VoiceRefused as e:  # the engine could not load it
                 raise ProtocolError(ErrorCode.ENGINE_ERROR, e.message) from None
 
+        async def pronunciations(ids: list[str]) -> Callable[[str], str] | None:
+            try:
+                return await self.pronunciations.rewrite(ids, caller)
+            except Unavailable as e:
+                raise ProtocolError(ErrorCode.STORE_UNAVAILABLE, e.message) from None
+            except VoiceRefused as e:
+                raise ProtocolError(ErrorCode.UNKNOWN_PRONUNCIATION, e.message) from None
+
         session = Session(self.engine, transport, config or self.config.session, metrics=self.metrics,
-                          voices=voices, session_id=session_id)
+                          voices=voices, session_id=session_id, pronunciations=pronunciations)
         session.tenant = caller.tenant or None  # the engine shares prefill fairly and limits queued prompts per key
         return session
 
@@ -130,9 +140,10 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", prometheus)
-    from gateway import voice_api  # imports this module: only here
+    from gateway import pronunciation_api, voice_api  # import this module: only here
 
     voice_api.register(app)
+    pronunciation_api.register(app)
     if compat:
         from gateway import compat as adapters  # imports this module: only here
 

@@ -50,6 +50,8 @@ class SessionClosed(Exception):
 
 # a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
 VoiceResolver = Callable[[str], Awaitable[str | None]]
+# pronunciation dictionary ids -> the rewrite they make (None for none); ProtocolError for an id the key may not use
+PronunciationResolver = Callable[[list[str]], Awaitable[Callable[[str], str] | None]]
 
 
 class Transport(Protocol):
@@ -161,6 +163,7 @@ class Turn:
     # released segment goes to the engine from the handler that released it (`Session._release`)
     idle: bool = True
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
+    continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
     tasks: list[asyncio.Task] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
@@ -208,13 +211,16 @@ class Session:
 
     def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
                  metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 session_id: str | None = None, voices: VoiceResolver | None = None):
+                 session_id: str | None = None, voices: VoiceResolver | None = None,
+                 pronunciations: PronunciationResolver | None = None):
         self.engine = engine
         # the stored voices this session's key may use (the gateway's catalog); None: every voice of the engine
         self.voices = voices
         # the sampling settings the engine takes (one definition: `engine.guards.SamplingRanges`); a stand-in engine
         # without one leaves them to its own `generate`
         self.sampling_ranges = getattr(engine, "sampling_ranges", None)
+        self.pronunciations = pronunciations
+        self.rewrite: Callable[[str], str] | None = None  # the selected pronunciation dictionaries' rules
         self.transport = transport
         self.config = config
         self.limits = config.limits
@@ -229,6 +235,7 @@ class Session:
         self.closed = False
         self.draining = False
         self.voice: str | None = None
+        self.voice_is_prompt = False  # the voice is a prompt voice: segments do not continue from each other
         self.fmt = OutputFormat.from_dict({})
         self.chunking = ChunkingConfig()
         self.generation = p.GenerationSettings()
@@ -378,16 +385,38 @@ class Session:
         if generation is not None:
             p.check_generation(generation, ranges=self.sampling_ranges)
         gen = self.generation if generation is None else self.generation.merged(generation)
-        if set_voice and voice is not None and await self._resolve_voice(voice) is None:
+        resolved = await self._resolve_voice(voice) if set_voice and voice is not None else None
+        if set_voice and voice is not None and resolved is None:
             raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice!r}; create one with POST /v1/voices")
-        self.fmt, self.chunking, self.generation = fmt, chunk_cfg, gen
+        is_prompt = (resolved is not None and resolved[1]) if set_voice else self.voice_is_prompt
+        if is_prompt and gen.instruction and gen.instruction.strip():
+            raise ProtocolError(ErrorCode.INVALID_VALUE, "generation.instruction cannot be used with a prompt voice "
+                                "(VoxCPM 0.5B/1.5): the voice is a prompt, and an instruction never comes with one")
+        rewrite = self.rewrite
+        if generation is not None and "pronunciations" in generation:
+            rewrite = await self._resolve_pronunciations(list(gen.pronunciations))
+        self.fmt, self.chunking, self.generation, self.rewrite = fmt, chunk_cfg, gen, rewrite
         if set_voice:
             self.voice = voice
+            self.voice_is_prompt = is_prompt
 
-    async def _resolve_voice(self, voice: str) -> str | None:
-        if self.voices is not None:
-            return await self.voices(voice)
-        return voice if voice in await stored_voices(self.engine) else None
+    async def _resolve_pronunciations(self, ids: list[str]) -> Callable[[str], str] | None:
+        if not ids:
+            return None
+        if self.pronunciations is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_PRONUNCIATION, "this server keeps no pronunciation dictionaries")
+        return await self.pronunciations(ids)
+
+    async def _resolve_voice(self, voice: str) -> tuple[str, bool] | None:
+        """The engine voice this session may speak with under `voice`, and whether it is a prompt voice (VoxCPM
+        0.5B/1.5: every segment's prompt itself, so its turns take no continuation prompt); None if unknown."""
+        found = await self.voices(voice) if self.voices is not None else voice
+        if found is None:
+            return None
+        modes = await stored_voices(self.engine)
+        if self.voices is None and found not in modes:
+            return None
+        return found, modes.get(found) == "prompt"
 
     def is_live(self, context_id: str) -> bool:
         """Whether the context is a turn still running: after an error naming it, False when the error ended it."""
@@ -432,7 +461,9 @@ class Session:
         index, self.next_index = self.next_index, (self.next_index + 1) & 0xFFFF
         lead = self.config.max_lead_ms_telephony if self.fmt.format in TELEPHONY_FORMATS else self.config.max_lead_ms
         turn = Turn(id=context_id, index=index, fmt=self.fmt, voice=self.voice, generation=self.generation,
-                    segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize), max_lead_ms=lead,
+                    continues=self.generation.continuation and not self.voice_is_prompt,
+                    segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
+                    max_lead_ms=lead,
                     frames=asyncio.Queue(self.config.pipeline_chunks),
                     offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
         self.finished.pop(context_id, None)
@@ -470,6 +501,10 @@ class Session:
             kwargs["tenant"] = self.tenant
         if turn.prompt is not None:
             kwargs.update(prompt_latents=turn.prompt[0], prompt_text=turn.prompt[1])
+        elif gen.instruction and gen.instruction.strip():
+            # only segments without a continuation prompt (the official rule): a turn's first, or every one with
+            # continuation off; later ones continue from the designed voice's audio
+            kwargs["instruction"] = gen.instruction
         lead_ms = turn.buffered_ms(now)
         try:
             stream = self.engine.generate(seg.speak(), **kwargs)
@@ -526,7 +561,7 @@ class Session:
                 turn.audio.append(seg_audio)
                 latents = await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
-                if gen.continuation and latents:
+                if turn.continues and latents:
                     turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
@@ -688,7 +723,7 @@ class Session:
                 await self._send_packets(turn, item)
             elif isinstance(item, _SegmentMark):
                 turn.segment_released_at = item.released_at
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.speak(),
+                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
                                                   round(item.pts_ms, 1)))
             elif isinstance(item, _FlushMark):
                 await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))
@@ -913,12 +948,13 @@ def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -
     return " ".join(t for t in heard if t), " ".join(t for t in rest if t)
 
 
-async def stored_voices(engine: Any) -> set[str]:
-    """Ids of the engine's stored voices (`list_voices` may be sync or async, of VoiceInfo objects or plain ids)."""
+async def stored_voices(engine: Any) -> dict[str, str | None]:
+    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown). `list_voices` may
+    be sync or async, of VoiceInfo objects or plain ids."""
     voices = engine.list_voices()
     if asyncio.iscoroutine(voices):
         voices = await voices
-    return {getattr(v, "voice_id", v) for v in voices}
+    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in voices}
 
 
 @functools.lru_cache(maxsize=64)

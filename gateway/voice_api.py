@@ -12,6 +12,7 @@ from gateway.auth import AuthError, Caller
 from gateway.protocol import ErrorCode
 from gateway.server import GATEWAY, error_response
 from gateway.store import StoreUnavailable
+from gateway.voice_design import parse_design
 from gateway.voices import LORA, VOICE, VoiceRefused
 
 
@@ -47,15 +48,23 @@ async def create_token(request: web.Request) -> web.Response:
 async def add_voice(request: web.Request) -> web.Response:
     """POST /v1/voices: multipart (`audio` file + optional `text`, `lora`, `public`) or a raw WAV/FLAC body (+
     `?text=`, `?lora=`, `?public=`). `lora` names an adapter the voice's requests use; with it the audio is
-    optional. `public=true` (operator keys only) shares the voice with every key."""
+    optional. `public=true` (operator keys only) shares the voice with every key. A JSON body
+    `{"description", "text"?, "seed"?, "public"?}` designs the voice from a description (gateway.voice_design)."""
     caller = _caller(request)
     if isinstance(caller, web.Response):
         return caller
     gw = request.app[GATEWAY]
     text, lora, public = request.query.get("text"), request.query.get("lora"), _flag(request.query.get("public"))
     data = b""
+    design = None
     try:
-        if request.content_type.startswith("multipart/"):
+        if request.content_type == "application/json":
+            try:
+                design = parse_design(await request.read())
+            except ValueError as e:
+                return error_response(400, ErrorCode.INVALID_VALUE, str(e))
+            public = design.public
+        elif request.content_type.startswith("multipart/"):
             form = await request.post()
             upload = form.get("audio") or form.get("file")
             lora = form.get("lora") if isinstance(form.get("lora"), str) else lora
@@ -71,10 +80,11 @@ async def add_voice(request: web.Request) -> web.Response:
             data = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
-    if not data and not lora:
+    if not data and not lora and design is None:
         return error_response(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
     try:  # the file as is: the engine reads it (and says what is wrong with it)
-        voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public)
+        voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public,
+                                             design=design)
     except VoiceRefused as e:
         return _refused(e)
     except engine_errors.AudioTooLong as e:  # read from the file's header: nothing was decoded

@@ -22,6 +22,7 @@ import numpy as np
 from engine import errors as engine_errors
 from gateway.auth import Caller
 from gateway.store import Item, Store, StoreUnavailable
+from gateway.voice_design import Design, design_latents
 
 log = logging.getLogger("voxgate.voices")
 
@@ -158,9 +159,11 @@ class Catalog:
 
     # ---- voices ----------------------------------------------------------------------------------------------
     async def create_voice(self, caller: Caller, *, audio: bytes | None = None, text: str | None = None,
-                           lora: str | None = None, public: bool = False) -> dict[str, Any]:
-        """Encode and store a voice from an audio file's bytes (or an adapter-only voice); returns its listing. It
-        is in the store before this returns: acknowledged voices survive restarts. Engine errors pass through."""
+                           lora: str | None = None, public: bool = False,
+                           design: Design | None = None) -> dict[str, Any]:
+        """Encode and store a voice from an audio file's bytes (or an adapter-only voice, or one designed from a
+        description: gateway.voice_design); returns its listing. It is in the store before this returns:
+        acknowledged voices survive restarts. Engine errors pass through."""
         if public and not caller.operator:
             raise NotAllowed("only an operator key may make a voice public")
         adapter = await self.resolve_lora(lora, caller) if lora else None
@@ -170,11 +173,16 @@ class Catalog:
         kwargs: dict[str, Any] = {"voice_id": voice_id, "lora": adapter}
         if audio is not None:
             kwargs.update(audio=audio, text=text)
+        elif design is not None:  # a prompt voice (no reference mode) keeps the sample's text as its transcript
+            kwargs["latents"] = await design_latents(self.engine, design, caller.tenant or None)
+            if self.engine.model_info().architecture != "voxcpm2":
+                kwargs["text"] = design.text
         await self.engine.add_voice(**kwargs)
         info = (await self._engine_voices())[voice_id]
         latents = self.engine.voice_latents(voice_id)
         item = Item(VOICE, voice_id, caller.tenant, public, created=time.time(), meta={
-            "mode": info.mode, "num_patches": info.num_patches, "text": info.text, "lora": lora, "lora_id": adapter})
+            "mode": info.mode, "num_patches": info.num_patches, "text": info.text, "lora": lora, "lora_id": adapter,
+            "description": design.description if design is not None else None})
         try:
             await self.store.put(item, {"latents": _npy(latents)} if latents is not None else {})
         except StoreUnavailable as e:
@@ -188,7 +196,8 @@ class Catalog:
     def voice_view(item: Item) -> dict[str, Any]:
         m = item.meta
         return {"voice_id": item.id, "mode": m.get("mode"), "num_patches": m.get("num_patches"),
-                "text": m.get("text"), "lora": m.get("lora"), "public": item.public}
+                "text": m.get("text"), "lora": m.get("lora"), "public": item.public,
+                "description": m.get("description")}
 
     async def list_voices(self, caller: Caller) -> list[dict[str, Any]]:
         """The voices this caller may use: its own, public ones and the operator's."""

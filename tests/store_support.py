@@ -91,11 +91,9 @@ class Node:
 
 
 async def speak(node: Node, key: str | None, text: str, *, voice: str | None = None, seed: int = 7) -> bytes:
-    """One turn's PCM through the native socket (segments without continuation prompts: the engine takes a stored
-    voice or a prompt, not both; at most 40 patches each)."""
+    """One turn's PCM through the native socket (at most 40 patches per segment)."""
     async with await VoxgateClient.connect(f"{node.ws}/v1/stream", api_key=key) as c:
-        await c.start(voice=voice, output={"format": "pcm_s16le"},
-                      generation={"seed": seed, "continuation": False, "max_length": 40})
+        await c.start(voice=voice, output={"format": "pcm_s16le"}, generation={"seed": seed, "max_length": 40})
         utt = await c.speak(text, "t")
     return b"".join(utt.payloads)
 

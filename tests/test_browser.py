@@ -324,3 +324,28 @@ def test_every_speech_container_decodes_in_the_browser(browser, gateway, respons
         page.close()
     assert isinstance(seconds, float), seconds
     assert abs(seconds - 0.64) < 0.1, f"{response_format}: {seconds:.3f} s"  # 4 patches of 160 ms, give or take padding
+
+
+def test_style_field_and_designed_voice(browser, gateway):
+    demo = Demo(browser, gateway)
+    try:
+        demo.page.fill("#style", "warm and slow")
+        demo.page.dispatch_event("#style", "change")
+        updated = demo.event("session.updated")
+        assert updated["generation"]["instruction"] == "warm and slow"
+        demo.page.fill("#design-description", "A calm, deep voice")
+        demo.page.fill("#design-text", "A short sample.")
+        demo.page.click("#design button[type=submit]")
+        voice_id = demo.wait("() => document.querySelector('#voice').value || null")
+        listed = demo.page.evaluate("async () => (await (await fetch('/v1/voices')).json()).voices")
+        assert {"voice_id": voice_id, "description": "A calm, deep voice"}.items() <= \
+            next(v for v in listed if v["voice_id"] == voice_id).items()
+        demo.wait("(id) => window.__voxgateTest.events.some((e) => e.type === 'session.updated' "
+                  "&& e.detail.voice === id)", voice_id)
+        demo.say("Spoken in the designed voice, in the chosen style.")
+        assert demo.event("turn.finished")["audio_ms"] > 0
+        assert demo.events("error") == [] and demo.page_errors == []
+        spoken = " ".join(e["text"] for e in demo.events("segment.started"))
+        assert "warm" not in spoken  # the instruction is never reported as spoken
+    finally:
+        demo.close()

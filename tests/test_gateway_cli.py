@@ -59,6 +59,20 @@ async def test_say_through_the_gateway(gateway_url, tmp_path):
 
 
 @in_module_loop
+async def test_say_with_a_style_instruction(gateway_url, tiny_v2_dir, tmp_path):
+    out = tmp_path / "styled.wav"
+    code, text = await _voxgate("say", "Hello in style.", "-o", str(out), "--server", gateway_url,
+                                "--instruction", "warm and slow")
+    assert code == 0, text
+    assert len(soundfile.read(out)[0]) > 0
+    wav = tmp_path / "prompt.wav"
+    soundfile.write(wav, [0.1] * 8000, 16000)
+    code, text = await _voxgate("say", "Hi.", "-o", str(out), "--model", str(tiny_v2_dir), "--instruction", "warm",
+                                "--prompt-wav", str(wav), "--prompt-text", "A prompt.")
+    assert code == 2 and "instruction" in text and "Traceback" not in text
+
+
+@in_module_loop
 async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
     code, text = await _voxgate("say", "  ", "-o", str(tmp_path / "x.wav"), "--server", gateway_url)
     assert code == 2 and "no text" in text and "Traceback" not in text

@@ -28,10 +28,18 @@ if TYPE_CHECKING:  # gateway.server may import this package from its app factory
 def register(app: web.Application) -> None:
     """Add the compat routes to an application made by `gateway.server.create_app` (before it starts, and before
     any catch-all static route)."""
-    from gateway.compat import cartesia, deepgram, elevenlabs, openai, twilio  # here: they import this module
+    from gateway.compat import (  # here: they import this module
+        cartesia,
+        deepgram,
+        elevenlabs,
+        elevenlabs_pronunciation,
+        openai,
+        twilio,
+    )
 
     openai.register(app)
     elevenlabs.register(app)
+    elevenlabs_pronunciation.register(app)
     cartesia.register(app)
     deepgram.register(app)
     twilio.register(app)

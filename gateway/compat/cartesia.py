@@ -47,7 +47,7 @@ from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, un
 from gateway.auth import AuthError
 from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object, share_span
 from gateway.compat.oneshot import NativeError, OneTurn
-from gateway.protocol import ErrorCode, Limits
+from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode, Limits
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
@@ -127,9 +127,11 @@ class CartesiaBridge(SocketBridge):
         if ctx is None:
             voice = await _voice(m.get("voice"), self.gw, self.key)
             output, encoding = _output_format(m.get("output_format"))
-            settings = (voice, json.dumps(output, sort_keys=True))
+            style = _style(m)
+            settings = (voice, json.dumps(output, sort_keys=True), style)
             if settings != self.settings:  # contexts already speaking keep theirs
-                await self.to_session("session.update", voice=voice, output=output)
+                await self.to_session("session.update", voice=voice, output=output,
+                                      generation={"instruction": style})
                 self.settings = settings
             ctx = self.contexts[cid] = _Context(encoding, m.get("add_timestamps") is True)
         elif ctx.ended:
@@ -254,6 +256,22 @@ def voice_id(voice: Any) -> str | None:
                         "\"<id>\"} (or {\"mode\": \"embedding\", \"embedding\": [numbers]})")
 
 
+def _style(m: dict[str, Any]) -> str | None:
+    """`generation_config.emotion` ("excited", or a list of them) -> the native style instruction ("(excited)text");
+    Cartesia's other generation settings (speed, volume) have no VoxCPM equivalent."""
+    config = m.get("generation_config")
+    emotion = config.get("emotion") if isinstance(config, dict) else None
+    if emotion is None:
+        return None
+    emotions = [emotion] if isinstance(emotion, str) else emotion
+    if not isinstance(emotions, list) or not all(isinstance(e, str) and e.strip() for e in emotions):
+        raise CartesiaError("generation_config.emotion must be a string or a list of strings")
+    style = ", ".join(e.strip() for e in emotions)
+    if len(style) > MAX_INSTRUCTION_CHARS:
+        raise CartesiaError(f"generation_config.emotion is over {MAX_INSTRUCTION_CHARS} characters")
+    return style
+
+
 async def _voice(voice: Any, gw: Gateway, key: str | None) -> str | None:
     """A stored voice id this key may use, or None (the default voice) for any other id or an embedding; in strict
     mode an unknown id is Cartesia's 404."""
@@ -354,12 +372,13 @@ async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str,
 
 
 @contextlib.asynccontextmanager
-async def _spoken(request: web.Request, key: str, transcript: str, voice: str | None,
-                  out: OutputFormat) -> AsyncIterator[tuple[OneTurn, dict[str, Any] | bytes]]:
+async def _spoken(request: web.Request, key: str, transcript: str, voice: str | None, out: OutputFormat,
+                  style: str | None) -> AsyncIterator[tuple[OneTurn, dict[str, Any] | bytes]]:
     """The request's turn and its first audio, for the block; a refusal (unknown voice, ...) as CartesiaError."""
     async with OneTurn.open(request, key) as turn:
         try:
-            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate)
+            first = await turn.speak(transcript, voice=voice, sample_rate=out.sample_rate,
+                                     generation={"instruction": style})
         except NativeError as e:
             raise CartesiaError.of(e) from None
         yield turn, first
@@ -370,7 +389,7 @@ async def tts_bytes(request: web.Request) -> web.StreamResponse:
     try:
         key, body, transcript, voice = await _http_request(request)
         out, encoding, content_type = _http_format(body.get("output_format"))
-        async with _spoken(request, key, transcript, voice, out) as (turn, first):
+        async with _spoken(request, key, transcript, voice, out, _style(body)) as (turn, first):
             return await turn.respond(request, first, Transcoder(out), {"Content-Type": content_type},
                                       frame=_f32 if encoding == "pcm_f32le" else None)
     except CartesiaError as e:
@@ -386,7 +405,7 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
             raise CartesiaError("output_format.container must be raw for server-sent events")
         timestamps = body.get("add_timestamps") is True
         cid = body["context_id"] if isinstance(body.get("context_id"), str) else str(uuid.uuid4())
-        async with _spoken(request, key, transcript, voice, out) as (turn, first):
+        async with _spoken(request, key, transcript, voice, out, _style(body)) as (turn, first):
             return await _sse_response(request, turn, first, out, encoding, cid, timestamps)
     except CartesiaError as e:
         return e.response()

@@ -12,7 +12,8 @@ segment's last audio message, which is held back until the segment's end is know
 times count from that segment's start, or from the context's start with `?sync_alignment=true` (`socket_alignment`);
 context.done / context.cancelled -> {"isFinal": true, "contextId"}; error -> {"message", "error", "code"} and a close
 with that code (1008 for the client's mistakes and auth, 1011 for server faults). `apply_text_normalization` (the
-query; HTTP: the body) -> generation.normalize. `voice_settings` (stability, similarity, style, speed) have no VoxCPM
+query; HTTP: the body) -> generation.normalize; `pronunciation_dictionary_locators` (the init message; HTTP: the
+body) -> generation.pronunciations. `voice_settings` (stability, similarity, style, speed) have no VoxCPM
 equivalent and are accepted and ignored; a `voice_id` that is not a stored voice speaks with the default voice.
 
 HTTP (below): `POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`, one request one text (compat.oneshot)."""
@@ -168,7 +169,8 @@ class Bridge(SocketBridge):
             raise ElevenLabsError("invalid_message", str(e)) from None
         for name, types in (("text", str), ("context_id", str), ("flush", bool), ("close_context", bool),
                             ("close_socket", bool), ("try_trigger_generation", bool), ("voice_settings", dict),
-                            ("generation_config", dict), ("xi_api_key", str)):
+                            ("generation_config", dict), ("xi_api_key", str),
+                            ("pronunciation_dictionary_locators", list)):
             if message.get(name) is not None and not isinstance(message[name], types):
                 raise ElevenLabsError("invalid_message", f"field '{name}' must be a {types.__name__}")
         return message
@@ -194,7 +196,8 @@ class Bridge(SocketBridge):
         assert self.key is not None
         voice = await _voice(self.gw, self.voice_id, self.key)
         await self.start_session(limits, voice=voice, output=self.wire.native, chunking=chunking,
-                                 generation={"normalize": self.normalize})
+                                 generation={"normalize": self.normalize,
+                                             **_pronunciations(first.get("pronunciation_dictionary_locators"))})
 
     async def _dispatch(self, m: dict[str, Any]) -> None:
         if m.get("close_socket"):
@@ -426,9 +429,22 @@ async def _speech_request(request: web.Request) -> tuple[str, str, str | None, d
                               f"{gw.config.limits.max_buffered_chars}", status=400)
     if seed is not None and (type(seed) is not int or not 0 <= seed <= 4294967295):
         raise ElevenLabsError("invalid_request", "seed must be an integer from 0 to 4294967295", status=422)
-    generation = {"seed": seed, "normalize": _text_normalization(body.get("apply_text_normalization"), status=422)}
+    generation = {"seed": seed, "normalize": _text_normalization(body.get("apply_text_normalization"), status=422),
+                  **_pronunciations(body.get("pronunciation_dictionary_locators"), status=422)}
     voice = await _voice(gw, request.match_info["voice_id"], key)
     return key, text, voice, generation, wire.container or OutputFormat.from_dict(wire.native)
+
+
+def _pronunciations(locators: Any, status: int = 400) -> dict[str, Any]:
+    """`pronunciation_dictionary_locators` ([{pronunciation_dictionary_id, version_id}], at most 3 as on ElevenLabs)
+    -> the native `generation.pronunciations` (ids of `POST /v1/pronunciations`; a dictionary has one version)."""
+    if locators is None:
+        return {}
+    if not isinstance(locators, list) or len(locators) > 3 or not all(
+            isinstance(loc, dict) and isinstance(loc.get("pronunciation_dictionary_id"), str) for loc in locators):
+        raise ElevenLabsError("invalid_request", "pronunciation_dictionary_locators must be a list of at most 3 "
+                              "{pronunciation_dictionary_id, version_id} objects", status=status)
+    return {"pronunciations": [loc["pronunciation_dictionary_id"] for loc in locators]}
 
 
 def _text_normalization(value: Any, status: int = 400) -> str:

@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.audio import OutputFormat, av_available
 from gateway.compat import AuthError, Transcoder, gateway_of
 from gateway.compat.oneshot import NativeError, OneTurn
-from gateway.protocol import ErrorCode
+from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
@@ -123,6 +123,12 @@ def parse_speech_request(body: Any, stored_voices: set[str]) -> SpeechRequest:
     generation = body.get("generation", {})
     if not isinstance(generation, dict):
         raise OpenAIError(400, "generation must be an object", param="generation", code="invalid_type")
+    instructions = body.get("instructions")
+    if instructions and instructions.strip():  # the native style instruction: "(instructions)input"
+        if len(instructions) > MAX_INSTRUCTION_CHARS:
+            raise OpenAIError(400, f"instructions has {len(instructions)} characters; the maximum is "
+                              f"{MAX_INSTRUCTION_CHARS}", param="instructions", code="string_above_max_length")
+        generation = {"instruction": instructions, **generation}
     return SpeechRequest(model, text, voice_id, fmt, stream_format, generation)
 
 

@@ -17,7 +17,7 @@ class Item:
     """A stored voice or adapter: who owns it, whether every key may use it, and what rebuilds it (`meta`, plus
     blobs kept beside it)."""
 
-    kind: str  # "voice" or "lora"
+    kind: str  # "voice", "lora" or "pronunciation"
     id: str  # a voice id, or an adapter's engine name (its owner's namespace + its name)
     owner: str  # the owning key's tenant id ("" when the server has no API keys: shared by all)
     public: bool = False

@@ -25,6 +25,10 @@ function setStatus(text, ok = false) {
   $("status").classList.toggle("ok", ok);
 }
 
+function chosenStyle() {
+  return $("style").value.trim() || null;
+}
+
 function chosenOutput() {
   return { format: $("format").value };
 }
@@ -38,6 +42,7 @@ async function start() {
     token: params.get("token") ?? undefined,
     voice: $("voice").value || null,
     output: chosenOutput(),
+    generation: { instruction: chosenStyle() },
     capture: testMode,
   });
   watch(client);
@@ -145,7 +150,8 @@ async function loadVoices() {
     for (const voice of voices) {
       const id = typeof voice === "string" ? voice : voice.id ?? voice.voice_id ?? voice.name;
       if (!id || [...select.options].some((o) => o.value === id)) continue;
-      select.add(new Option(voice.name && voice.name !== id ? `${voice.name} (${id})` : id, id));
+      const name = voice.name ?? voice.description;
+      select.add(new Option(name && name !== id ? `${name} (${id})` : id, id));
     }
   } catch {
     // the list is a convenience; the default voice always works
@@ -167,6 +173,25 @@ async function uploadVoice(event) {
   await loadVoices();
   $("voice").value = id;
   client.update({ voice: id });
+}
+
+async function designVoice(event) {
+  event.preventDefault();
+  const body = { description: $("design-description").value.trim() };
+  if ($("design-text").value.trim()) body.text = $("design-text").value.trim();
+  log("designing a voice…");
+  const response = await fetch("/v1/voices", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+  const made = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    log(`design failed: ${made.error?.message ?? made.message ?? response.statusText}`);
+    return;
+  }
+  log(`voice designed and stored: ${made.voice_id} (${made.description})`);
+  await loadVoices();
+  $("voice").value = made.voice_id;
+  client.update({ voice: made.voice_id });
 }
 
 function drawMeter(c) {
@@ -231,4 +256,6 @@ $("rate").addEventListener("input", () => ($("rate-value").value = $("rate").val
 $("voice").addEventListener("change", guarded(() => client.update({ voice: $("voice").value || null })));
 $("format").addEventListener("change", guarded(() => client.update({ output: chosenOutput() })));
 $("upload").addEventListener("submit", (e) => guarded(() => uploadVoice(e))());
+$("design").addEventListener("submit", (e) => guarded(() => designVoice(e))());
+$("style").addEventListener("change", guarded(() => client.update({ generation: { instruction: chosenStyle() } })));
 start();

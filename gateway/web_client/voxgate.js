@@ -313,11 +313,13 @@ export class VoxgateClient extends EventTarget {
     return Promise.all(live.map((id) => this.contexts.get(id).finished));
   }
 
-  /** Change voice and/or output for turns opened from now on (session.update); kept across reconnects. */
-  update({ voice, output } = {}) {
+  /** Change voice, output and/or generation settings (e.g. { instruction: "cheerful" }) for turns opened from now on
+   *  (session.update); kept across reconnects. */
+  update({ voice, output, generation } = {}) {
     const msg = { type: "session.update" };
     if (voice !== undefined) msg.voice = this.options.voice = voice;
     if (output !== undefined) msg.output = this.output = this.chooseOutput(output);
+    if (generation !== undefined) msg.generation = this.options.generation = { ...this.options.generation, ...generation };
     this.sendJson(msg);
   }
 

@@ -1,0 +1,63 @@
+"""HTTP API for pronunciation dictionaries (`/v1/pronunciations`): parse requests, answer them; the rules and who
+may use what are gateway.pronunciation's job."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from gateway.pronunciation import RuleError
+from gateway.protocol import ErrorCode
+from gateway.server import GATEWAY, error_response
+from gateway.voice_api import _caller, _refused
+from gateway.voices import VoiceRefused
+
+
+async def add_dictionary(request: web.Request) -> web.Response:
+    """POST /v1/pronunciations: `{"name"?, "rules": [{"word" | "regex", "phonemes" | "alias", "case_sensitive"?}]}`
+    -> 201 `{pronunciation_id, name, rules, public}`, owned by the calling key."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(400, ErrorCode.BAD_JSON, f"not valid JSON: {e}")
+    try:
+        view = await request.app[GATEWAY].pronunciations.create(caller, body)
+    except RuleError as e:
+        return error_response(400, ErrorCode.INVALID_VALUE, str(e))
+    except VoiceRefused as e:
+        return _refused(e)
+    return web.json_response(view, status=201)
+
+
+async def list_dictionaries(request: web.Request) -> web.Response:
+    """GET /v1/pronunciations: the dictionaries this key may use."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        return web.json_response({"pronunciations": await request.app[GATEWAY].pronunciations.list(caller)})
+    except VoiceRefused as e:
+        return _refused(e)
+
+
+async def remove_dictionary(request: web.Request) -> web.Response:
+    """DELETE /v1/pronunciations/{id}: 204; another key's dictionary is a 404, as if it did not exist."""
+    caller = _caller(request)
+    if isinstance(caller, web.Response):
+        return caller
+    try:
+        await request.app[GATEWAY].pronunciations.delete(caller, request.match_info["pronunciation_id"])
+    except VoiceRefused as e:
+        return _refused(e)
+    return web.Response(status=204)
+
+
+def register(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/pronunciations", add_dictionary)
+    r.add_get("/v1/pronunciations", list_dictionaries)
+    r.add_delete("/v1/pronunciations/{pronunciation_id}", remove_dictionary)
