@@ -213,10 +213,7 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
     if size > limits.max_message_bytes:
         raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
                             f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {e}") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a JSON object")
     kind = data.get("type")
@@ -226,6 +223,52 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
     if parser is None:
         return Unknown(kind)
     return parser(_Fields(kind, data, limits))
+
+
+def load_json(raw: str | bytes) -> Any:
+    """One client JSON document, every string in it valid Unicode text: the one way client JSON is read, by the
+    native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the field whose
+    string holds a lone surrogate (`"\\ud800"` is valid JSON but not text: nothing downstream can encode it)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
+        raise ProtocolError(ErrorCode.BAD_JSON, f"invalid JSON: {e}") from None
+    where = _invalid_text(data, "")
+    if where is not None:
+        cid = data.get("context_id") if isinstance(data, dict) else None
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"field '{where or '(message)'}' is not valid Unicode text "
+                            "(a lone surrogate)", context_id=cid if isinstance(cid, str) and _is_text(cid) else None)
+    return data
+
+
+def _invalid_text(value: Any, path: str) -> str | None:
+    """The path of the first string (value or key) in a JSON value that is not valid Unicode, or None."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                if not _is_text(key):
+                    return path or "(a key)"
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    """No lone surrogate (the only way a Python str from JSON can fail to be text); ASCII is the common fast path."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Fields:

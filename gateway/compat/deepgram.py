@@ -37,9 +37,10 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, OutputFormat, av_available
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
+from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_body, json_object
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
+from gateway.sockets import open_socket
 from gateway.voices import VoiceRefused
 
 log = logging.getLogger("voxgate.compat.deepgram")
@@ -306,9 +307,8 @@ async def speak(request: web.Request) -> web.StreamResponse:
         voice, output = await _settings(request, key, stream=True)
     except DeepgramError as e:
         return e.response()
-    ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
-                               autoping=True, protocols=("token",))
-    await ws.prepare(request)
+    config = gateway_of(request).config
+    ws = await open_socket(request, config.limits.ws_max_msg_size, config.socket_send_buffer, protocols=("token",))
     await DeepgramBridge(request, ws, key, voice, {"format": output.format, "sample_rate": output.sample_rate}).serve()
     return ws
 
@@ -320,7 +320,7 @@ async def speak_rest(request: web.Request) -> web.StreamResponse:
         key = await _admit(request)
         voice, output = await _settings(request, key, stream=False)
         try:
-            text = json_object(await request.text()).get("text")
+            text = (await json_body(request)).get("text")
         except ValueError as e:
             raise DeepgramError(400, "INVALID_BODY", str(e)) from None
         if not isinstance(text, str) or not text.strip():
