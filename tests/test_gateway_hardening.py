@@ -407,3 +407,17 @@ async def test_a_socket_bug_gets_the_protocols_error_and_the_server_serves_on(po
     assert error["type"] == "error" and error["error_code"] == "internal_error" and error["done"] is True
     assert len([r for r in caplog.records if r.exc_info]) == 1
     assert (await _get(port, "/healthz"))[0] == 200
+
+
+async def test_digits_that_are_not_ascii_in_query_parameters_are_refused_cleanly(port):
+    """"²".isdigit() is true but int("²") fails: such parameters are the protocol's 4xx, not a server error."""
+    async with aiohttp.ClientSession() as http:
+        for path in ("/v1/speak?sample_rate=²", "/v1/speak?encoding=mp3&bit_rate=²"):
+            async with http.post(f"http://127.0.0.1:{port}{path}", json={"text": "hi"},
+                                 headers={"Authorization": f"Token {KEY}"}) as r:
+                assert r.status == 400 and (await r.json())["err_code"] == "INVALID_QUERY_PARAMETER"
+    path = "/v1/text-to-speech/v/stream-input?output_format=pcm_16000&inactivity_timeout=²"
+    async with connect(f"ws://127.0.0.1:{port}{path}", additional_headers={"xi-api-key": KEY}) as ws:
+        answers, code = await _replies(ws, 2.0)
+    assert code == 1008 and json.loads(answers[0])["error"] == "invalid_request"
+    assert await _metric(port, r'voxgate_errors_total\{code="internal_error"\}') == 0

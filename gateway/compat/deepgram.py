@@ -268,7 +268,7 @@ async def _settings(request: web.Request, key: str, stream: bool) -> tuple[str |
                             f"{'on the stream' if stream else 'here'}; use {', '.join(encodings)}")
     default_rate, rates, containers, default_container = ENCODINGS[encoding]
     rate = q.get("sample_rate", str(default_rate))
-    if not rate.isdigit() or int(rate) not in rates:
+    if not (rate.isascii() and rate.isdigit()) or int(rate) not in rates:  # "²".isdigit(), int("²") fails
         raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate!r} is not supported for {encoding}; "
                             f"use {', '.join(map(str, rates))}")
     container = q.get("container", "none" if stream else default_container)
@@ -281,7 +281,7 @@ async def _settings(request: web.Request, key: str, stream: bool) -> tuple[str |
         raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs PyAV on the server (`pip install av`); ask for "
                             "linear16, mulaw, alaw or opus")
     if "bit_rate" in q:
-        if not q["bit_rate"].isdigit():
+        if not (q["bit_rate"].isascii() and q["bit_rate"].isdigit()):
             raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"bit_rate {q['bit_rate']!r} is not a number")
         spec["bitrate"] = int(q["bit_rate"])
     try:

@@ -122,7 +122,7 @@ def parse_output_format(name: str) -> WireFormat:
 def _inactivity(value: str | None) -> float:
     if value is None:
         return DEFAULT_INACTIVITY_S
-    if not value.isdigit() or not 1 <= int(value) <= MAX_INACTIVITY_S:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_INACTIVITY_S:  # "²".isdigit()
         raise ElevenLabsError("invalid_request", f"inactivity_timeout must be an integer from 1 to {MAX_INACTIVITY_S}")
     return float(value)
 
