@@ -242,6 +242,8 @@ async def test_an_idle_client_that_stops_reading_is_dropped_too(engine):
     limits = Limits(slow_consumer_timeout_s=0.5)
     runner, port = await _serve(engine, session=SessionConfig(limits=limits))
     try:
+        healthy = await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream")  # reads (and pongs) by itself
+        await healthy.start()
         slow = await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/stream", max_queue=1)
         await slow.start()
         await slow.ping("a")
@@ -250,6 +252,11 @@ async def test_an_idle_client_that_stops_reading_is_dropped_too(engine):
         while await _metric(port, r'voxgate_errors_total\{code="slow_consumer"\}') < 1:
             assert time.monotonic() - t0 < 3.0
             await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # several probe periods more: a client that reads is never taken for a slow one
+        await healthy.ping("still")
+        assert (await healthy.expect("pong"))["id"] == "still"
+        assert await _metric(port, r'voxgate_errors_total\{code="slow_consumer"\}') == 1
+        await healthy.close()
     finally:
         await runner.cleanup()
 
