@@ -69,6 +69,7 @@ class Gateway:
         self.leases = Leases(store, config.lease_ttl_s)
         self.sessions: set[Session] = set()
         self.pending = 0  # open sockets not yet bound to a session (`pending_socket`)
+        self.metrics_auth = Auth({config.metrics_key}) if config.metrics_key is not None else None
         self.draining = False
 
     def full(self, *, pending: bool = False) -> ProtocolError | None:
@@ -334,8 +335,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def prometheus(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text; with `metrics_key` set, only for `Authorization: Bearer <metrics_key>`."""
     gw = request.app[GATEWAY]
-    if gw.config.metrics_key is not None and not Auth({gw.config.metrics_key}).accepts(
-            request.headers.get("Authorization")):
+    if gw.metrics_auth is not None and not gw.metrics_auth.accepts(request.headers.get("Authorization")):
         return error_response(401, ErrorCode.UNAUTHORIZED, "GET /metrics needs Authorization: Bearer <metrics key>")
     body = gw.metrics.render()
     return web.Response(body=body, content_type="text/plain", charset="utf-8")
