@@ -2,10 +2,11 @@
 
 Parsers: random and mutated messages (valid ones with a field replaced, dropped or added; any JSON value, strings
 with lone surrogates included) only ever raise the parser's own typed error. Sockets, against a real server and the
-real tiny engine: random sequences of mutated messages, junk text, binary frames, pings, frames over the size cap and
-pauses, ended by a close, a TCP abort or nothing at a random point; the server answers only with documented error
-codes and close codes, stays up, and leaks nothing (no session, pending socket, call or engine request outlives the
-client; the KV cache is all free again). Bounded for the CPU suite (profile "fast"); `-m soak` runs the same
+real tiny engine: random sequences of mutated messages, junk text, binary frames, fragmented messages, pings and
+unsolicited pongs, frames over the size cap and pauses, ended by a close, a TCP abort or nothing at a random point;
+the server answers only with documented error codes and close codes, stays up, and leaks nothing (no session, pending
+socket, call or engine request outlives the client; the KV cache is all free again). HTTP speech endpoints: mutated
+bodies, junk and bytes that are not UTF-8 get audio or a typed 4xx, never a 5xx. Bounded for the CPU suite (profile "fast"); `-m soak` runs the same
 properties with many more examples (profile "soak") for a nightly or the GPU machine."""
 
 import asyncio
@@ -201,6 +202,8 @@ def plans(valid: list[dict]) -> st.SearchStrategy[tuple[list[tuple[str, Any]], s
         st.binary(max_size=64).map(lambda b: ("binary", b)),
         st.integers(OVERSIZE, OVERSIZE + 4096).map(lambda n: ("text", "x" * n)),
         st.just(("ping", b"")),
+        st.just(("pong", b"")),  # unsolicited
+        st.lists(st.text(max_size=8), min_size=1, max_size=3).map(lambda parts: ("fragments", parts)),
         st.floats(0.0, 0.2).map(lambda s: ("sleep", s)),
     )
     return st.tuples(st.lists(frame, max_size=8), st.sampled_from(["close", "abort", "wait"]))
@@ -252,6 +255,10 @@ async def _play(ws, plan: list[tuple[str, Any]], ending: str, reply_ok) -> None:
                 await asyncio.sleep(data)
             elif kind == "ping":
                 await ws.ping()
+            elif kind == "pong":
+                await ws.pong()
+            elif kind == "fragments":  # one text message in several frames
+                await ws.send(iter(data))
             else:
                 await ws.send(data)
         if ending == "wait":
@@ -333,3 +340,35 @@ async def test_no_internal_error_was_ever_sent(server):
     _, port = server
     async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
         assert 'code="internal_error"' not in await r.text()
+
+
+# ------------------------------------------------------------------------------------------------ HTTP bodies
+
+HTTP_BODIES = {  # path -> a valid body; headers are the same for all
+    "/v1/audio/speech": OPENAI,
+    "/v1/text-to-speech/v?output_format=pcm_16000": {"text": "Hello.", "seed": 1, "model_id": "m"},
+    "/v1/text-to-speech/v/stream/with-timestamps?output_format=pcm_16000": {"text": "Hello.", "seed": 1},
+    "/tts/bytes": {"transcript": "Hello.", "voice": {"mode": "id", "id": "v"}, "model_id": "m",
+                   "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000}},
+    "/tts/sse": {"transcript": "Hello.", "voice": {"mode": "id", "id": "v"}, "context_id": "c", "add_timestamps": True,
+                 "output_format": {"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16000}},
+    "/v1/speak?encoding=linear16&container=none": {"text": "Hello."},
+}
+
+
+@ON_SERVER
+@pytest.mark.parametrize("path", list(HTTP_BODIES))
+@settings(FAST, max_examples=10)
+@given(data=st.data())
+async def test_fuzz_http_bodies(server, engine, path, data):
+    """Mutated bodies (and junk) get audio or the protocol's typed 4xx, never a 5xx."""
+    app, port = server
+    body = data.draw(st.one_of(mutated([HTTP_BODIES[path]]).map(json.dumps), text, st.binary(max_size=32)))
+    if isinstance(body, str):  # lone surrogates go out as the bytes they would be: not UTF-8
+        body = body.encode("utf-8", "surrogatepass")
+    async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}{path}", data=body) as r:
+        answer = await r.read()
+        assert r.status == 200 or 400 <= r.status < 500, (r.status, answer[:200])
+        if r.status != 200:
+            assert isinstance(json.loads(answer), dict)
+    await _released(app, engine)
