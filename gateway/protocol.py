@@ -17,6 +17,7 @@ from gateway.audio import (  # noqa: F401 (re-exported)
     unpack_frame_header,
 )
 from gateway.normalize import MODES as NORMALIZE_MODES
+from gateway.unicode_text import first_invalid, is_text
 
 PROTOCOL_VERSION = 1
 MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
@@ -226,49 +227,19 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
 
 
 def load_json(raw: str | bytes) -> Any:
-    """One client JSON document, every string in it valid Unicode text: the one way client JSON is read, by the
-    native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the field whose
-    string holds a lone surrogate (`"\\ud800"` is valid JSON but not text: nothing downstream can encode it)."""
+    """One client JSON document, every string in it valid Unicode (gateway.unicode_text): the one way client JSON is
+    read, by the native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the
+    field that is not text."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
         raise ProtocolError(ErrorCode.BAD_JSON, f"invalid JSON: {e}") from None
-    where = _invalid_text(data, "")
+    where = first_invalid(data)
     if where is not None:
         cid = data.get("context_id") if isinstance(data, dict) else None
         raise ProtocolError(ErrorCode.INVALID_VALUE, f"field '{where or '(message)'}' is not valid Unicode text "
-                            "(a lone surrogate)", context_id=cid if isinstance(cid, str) and _is_text(cid) else None)
+                            "(a lone surrogate)", context_id=cid if isinstance(cid, str) and is_text(cid) else None)
     return data
-
-
-def _invalid_text(value: Any, path: str) -> str | None:
-    """The path of the first string (value or key) in a JSON value that is not valid Unicode, or None."""
-    stack = [(value, path)]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            if not _is_text(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                name = f"{path}.{key}" if path else key
-                if not _is_text(key):
-                    return path or "(a key)"
-                stack.append((item, name))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
-    return None
-
-
-def _is_text(s: str) -> bool:
-    """No lone surrogate (the only way a Python str from JSON can fail to be text); ASCII is the common fast path."""
-    if s.isascii():
-        return True
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class _Fields:
