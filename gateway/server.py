@@ -215,8 +215,11 @@ async def _preload_normalizer(_: web.Application) -> None:
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
                        shutdown_timeout_s: float = 15.0) -> tuple[web.AppRunner, int]:
-    """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port.
+    A connection must bring a whole request within handshake_timeout_s (and an idle keep-alive connection closes
+    after as long): a socket that says nothing, or trickles its headers, does not hold a file descriptor."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                           keepalive_timeout=app[GATEWAY].config.handshake_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -212,6 +212,28 @@ async def test_sockets_that_never_identify_themselves_are_closed_and_count_meanw
         await runner.cleanup()
 
 
+def _silent_connection_lasts(port: int, trickle: bytes) -> float:
+    """Seconds until the server closes a TCP connection that sends `trickle` (a request never finished), up to 10."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(trickle)
+        try:
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+        return time.monotonic() - t0
+
+
+async def test_a_connection_that_never_finishes_its_request_is_closed(engine):
+    runner, port = await _serve(engine, handshake_timeout_s=0.5)
+    try:
+        for trickle in (b"", b"GET /v1/stream HTTP/1.1\r\nHost: x\r\n"):
+            assert await asyncio.to_thread(_silent_connection_lasts, port, trickle) < 3.0
+    finally:
+        await runner.cleanup()
+
+
 # ------------------------------------------------------------------------------------------------ 5. slow consumers
 
 
