@@ -6,8 +6,9 @@ real tiny engine: random sequences of mutated messages, junk text, binary frames
 unsolicited pongs, frames over the size cap and pauses, ended by a close, a TCP abort or nothing at a random point;
 the server answers only with documented error codes and close codes, stays up, and leaks nothing (no session, pending
 socket, call or engine request outlives the client; the KV cache is all free again). HTTP speech endpoints: mutated
-bodies, junk and bytes that are not UTF-8 get audio or a typed 4xx, never a 5xx. Bounded for the CPU suite (profile "fast"); `-m soak` runs the same
-properties with many more examples (profile "soak") for a nightly or the GPU machine."""
+bodies, junk and bytes that are not UTF-8 get audio or a typed 4xx, never a 5xx. Bounded for the CPU suite (profile
+"fast"); `-m soak` runs the same properties with many more examples (profile "soak") for a nightly or the GPU
+machine."""
 
 import asyncio
 import base64
