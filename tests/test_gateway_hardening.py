@@ -283,6 +283,28 @@ async def test_an_idle_client_that_stops_reading_is_dropped_too(engine):
         await runner.cleanup()
 
 
+async def test_a_twilio_stream_that_stops_reading_is_dropped_and_the_call_ends(engine):
+    limits = Limits(slow_consumer_timeout_s=0.5)
+    runner, port = await _serve(engine, session=SessionConfig(limits=limits), auth=Auth({KEY}))
+    try:
+        agent = await VoxgateClient.connect(f"ws://127.0.0.1:{port}/v1/twilio/control", api_key=KEY)
+        session_id = (await agent.start())["session_id"]
+        twilio = await connect(f"ws://127.0.0.1:{port}/v1/twilio/media", max_queue=1)  # reads no more once full
+        await twilio.send(json.dumps({"event": "start", "streamSid": "MZ1", "start": {
+            "customParameters": {"session": session_id}}}))
+        await agent.expect("call.started")
+        await agent.append(LONG_TEXT, "t")
+        await agent.end("t")
+        assert (await agent.expect("call.stopped", timeout=10))["stream_sid"] == "MZ1"
+        assert await _metric(port, r'voxgate_errors_total\{code="slow_consumer"\}') >= 1
+        t0 = time.monotonic()
+        while await _metric(port, r"voxgate_sessions") > 0:
+            assert time.monotonic() - t0 < 5
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+
+
 # ------------------------------------------------------------------------------------------------ 6. oversized frames
 
 

@@ -305,11 +305,10 @@ async def media(request: web.Request) -> web.StreamResponse:
     pending = contextlib.ExitStack()
     pending.enter_context(gw.pending_socket())
 
-    def stalled() -> None:  # Twilio stopped reading the call's audio
-        if bridge is not None and bridge.session is not None:
-            bridge.session.drop_slow_consumer()
-        else:
-            abort(request)
+    def stalled() -> None:  # Twilio stopped reading: the stream is dropped, and the call's session ends with it
+        gw.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
+        log.info("twilio stream: no pong for %g s, dropping it", gw.config.limits.slow_consumer_timeout_s)
+        abort(request)
 
     try:
         async with Messages(ws, stall_s=gw.config.limits.slow_consumer_timeout_s, on_stall=stalled,
