@@ -106,11 +106,15 @@ async def test_lone_surrogates_get_each_protocols_typed_answer(port, path, messa
 
 async def test_lone_surrogates_on_http_get_a_4xx_naming_the_field(port):
     bodies = {"/v1/audio/speech": {"model": "tts-1", "voice": "alloy", "input": f"hi {LONE}"},
-              "/v1/text-to-speech/v": {"text": LONE}, "/tts/bytes": {"transcript": LONE}, "/v1/speak": {"text": LONE}}
+              "/v1/text-to-speech/v": {"text": LONE}, "/tts/bytes": {"transcript": LONE}, "/v1/speak": {"text": LONE},
+              "/v1/voices": {"description": f"warm {LONE}"},
+              "/v1/pronunciations": {"rules": [{"word": LONE, "alias": "x"}]},
+              "/v1/pronunciation-dictionaries/add-from-rules": {"name": LONE, "rules": []}}
     headers = {"Authorization": f"Bearer {KEY}", "xi-api-key": KEY, "X-API-Key": KEY}
     async with aiohttp.ClientSession() as http:
         for path, body in bodies.items():
             h = {**headers, "Authorization": f"Token {KEY}"} if path == "/v1/speak" else headers
+            h = {**h, "Content-Type": "application/json"}
             async with http.post(f"http://127.0.0.1:{port}{path}", data=json.dumps(body), headers=h) as r:
                 text = await r.text()
                 assert 400 <= r.status < 500 and "not valid Unicode" in text, (path, r.status, text)
