@@ -109,9 +109,19 @@ class Auth:
         if scheme.lower() != "bearer" or not key:
             raise AuthError("the Authorization header must be 'Bearer <api key>'")
         # constant-time comparison against every key: no timing hint about which prefix matched
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.api_keys):
+        # surrogateescape: aiohttp decodes header bytes that are not UTF-8 to lone surrogates
+        given = key.encode("utf-8", "surrogateescape")
+        if not any(hmac.compare_digest(given, k.encode()) for k in self.api_keys):
             raise AuthError("invalid API key")
         return key
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an `Authorization: Bearer <key>` header carries one of the keys (check_key without the error)."""
+        try:
+            self.check_key(authorization)
+        except AuthError:
+            return False
+        return True
 
     async def issue_token(self, key: str) -> tuple[str, float]:
         """A single-use token for `?token=`, valid for token_ttl_s; returns (token, ttl). StoreUnavailable if the

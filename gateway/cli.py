@@ -126,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--strict-voices", action="store_true",
                        help="ElevenLabs, Cartesia and Deepgram requests naming an unknown voice get the protocol's "
                             "not-found error (default: they speak with the default voice, logged)")
+    serve.add_argument("--metrics-key-file", help="file whose first line is the key GET /metrics requires as "
+                       "'Authorization: Bearer <key>' (default: /metrics is open; /healthz and /readyz always are)")
     serve.add_argument("--max-sessions", type=int, default=1000,
                        help="concurrent sessions (WebSocket or HTTP) this server accepts; more are refused with "
                             "an 'overloaded' error (default %(default)s)")
@@ -257,9 +259,10 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"voxgate: stored voices and adapters: {store.description}", file=sys.stderr)
     if not auth.enabled:
         log.warning("no --api-keys-file: every client may connect (fine on localhost or a trusted network)")
+    metrics_key = _first_line(args.metrics_key_file, "--metrics-key-file") if args.metrics_key_file else None
     config = ServerConfig(session=SessionConfig(limits=Limits(idle_timeout_s=args.idle_timeout)),
                           max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
-                          shutdown_timeout_s=args.shutdown_timeout,
+                          shutdown_timeout_s=args.shutdown_timeout, metrics_key=metrics_key,
                           web_client_dir=Path(args.web_client) if args.web_client else WEB_CLIENT_DIR,
                           strict_voices=args.strict_voices, lease_ttl_s=args.session_lease_ttl)
     engine = await _start_engine(args)
@@ -288,6 +291,17 @@ async def _serve(args: argparse.Namespace) -> int:
     await runner.cleanup()  # then stop listening and close what is left
     await engine.stop()
     return 0
+
+
+def _first_line(path: str, flag: str) -> str:
+    """The first non-blank line of a file (a secret kept off the command line); CliError if there is none."""
+    try:
+        line = next((ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()), "")
+    except OSError as e:
+        raise CliError(f"{flag}: {e}") from None
+    if not line:
+        raise CliError(f"{flag}: {path} has no key")
+    return line
 
 
 def _read_text(args: argparse.Namespace) -> str:

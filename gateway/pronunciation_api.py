@@ -3,12 +3,10 @@ may use what are gateway.pronunciation's job."""
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 from gateway.pronunciation import RuleError
-from gateway.protocol import ErrorCode
+from gateway.protocol import ErrorCode, ProtocolError, load_json
 from gateway.server import GATEWAY, error_response
 from gateway.voice_api import _caller, _refused
 from gateway.voices import VoiceRefused
@@ -21,9 +19,9 @@ async def add_dictionary(request: web.Request) -> web.Response:
     if isinstance(caller, web.Response):
         return caller
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return error_response(400, ErrorCode.BAD_JSON, f"not valid JSON: {e}")
+        body = load_json(await request.read())
+    except ProtocolError as e:  # not JSON, or strings that are not valid Unicode
+        return error_response(400, e.code, e.message)
     try:
         view = await request.app[GATEWAY].pronunciations.create(caller, body)
     except RuleError as e:

@@ -17,6 +17,7 @@ from gateway.audio import (  # noqa: F401 (re-exported)
     unpack_frame_header,
 )
 from gateway.normalize import MODES as NORMALIZE_MODES
+from gateway.unicode_text import first_invalid, is_text
 
 PROTOCOL_VERSION = 1
 MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
@@ -213,10 +214,7 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
     if size > limits.max_message_bytes:
         raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
                             f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {e}") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a JSON object")
     kind = data.get("type")
@@ -226,6 +224,22 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
     if parser is None:
         return Unknown(kind)
     return parser(_Fields(kind, data, limits))
+
+
+def load_json(raw: str | bytes) -> Any:
+    """One client JSON document, every string in it valid Unicode (gateway.unicode_text): the one way client JSON is
+    read, by the native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the
+    field that is not text."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
+        raise ProtocolError(ErrorCode.BAD_JSON, f"invalid JSON: {e}") from None
+    where = first_invalid(data)
+    if where is not None:
+        cid = data.get("context_id") if isinstance(data, dict) else None
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"field '{where or '(message)'}' is not valid Unicode text "
+                            "(a lone surrogate)", context_id=cid if isinstance(cid, str) and is_text(cid) else None)
+    return data
 
 
 class _Fields:

@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from gateway import normalize
 from gateway.auth import Auth, AuthError
+from gateway.http_errors import error_response, quiet_malformed_http, typed_errors
 from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
 from gateway.pronunciation import Pronunciations
@@ -24,6 +24,7 @@ from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.refusals import log_refusal
 from gateway.session import Session, SessionConfig
+from gateway.sockets import Messages, open_socket
 from gateway.store import Store, StoreUnavailable, open_store
 from gateway.voices import Catalog, Unavailable, VoiceRefused
 
@@ -48,6 +49,10 @@ class ServerConfig:
     data_dir: Path | None = None
     strict_voices: bool = False  # compat protocols answer unknown voice ids with their not-found error
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    # a socket that identifies itself with its first message (ElevenLabs' xi_api_key, Twilio's start event) must send
+    # it within this; until then it counts against max_sessions
+    handshake_timeout_s: float = 10.0
+    metrics_key: str | None = None  # GET /metrics needs `Authorization: Bearer <this>` (None: open, like /healthz)
 
     @property
     def limits(self) -> Limits:
@@ -63,22 +68,42 @@ class Gateway:
         self.pronunciations = Pronunciations(store)
         self.leases = Leases(store, config.lease_ttl_s)
         self.sessions: set[Session] = set()
+        self.pending = 0  # open sockets not yet bound to a session (`pending_socket`)
+        self.metrics_auth = Auth({config.metrics_key}) if config.metrics_key is not None else None
         self.draining = False
 
-    async def refusal(self, key: str) -> ProtocolError | None:
-        """Why a new session for this key is refused now (fatal error to send), or None: then a per-key place is
-        reserved for it (in the store, so the limit holds across nodes), taken by `tracked`. Compat adapters use
-        it too."""
+    def full(self, *, pending: bool = False) -> ProtocolError | None:
+        """Why the server takes no more sockets now (draining, or at max_sessions counting pending sockets), or None.
+        `pending`: the caller is a socket counted by `pending_socket` (not counted twice)."""
         if self.draining:
             return ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down", fatal=True)
-        if len(self.sessions) >= self.config.max_sessions:
+        if len(self.sessions) + self.pending - pending >= self.config.max_sessions:
             return ProtocolError(ErrorCode.OVERLOADED, f"the server is at its limit of {self.config.max_sessions} "
                                  "sessions; retry shortly or elsewhere", fatal=True)
+        return None
+
+    async def refusal(self, key: str, *, pending: bool = False) -> ProtocolError | None:
+        """Why a new session for this key is refused now (fatal error to send), or None: then a per-key place is
+        reserved for it (in the store, so the limit holds across nodes), taken by `tracked`. Compat adapters use
+        it too; `pending` as for `full`."""
+        full = self.full(pending=pending)
+        if full is not None:
+            return full
         if self.auth.enabled and not await self.leases.reserve(self.auth.caller(key).tenant,
                                                                self.config.max_sessions_per_key):
             return ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.config.max_sessions_per_key} concurrent "
                                  "sessions per API key", fatal=True)
         return None
+
+    @contextlib.contextmanager
+    def pending_socket(self) -> Iterator[None]:
+        """Count a socket that has no session yet (it identifies itself with its first message) against
+        max_sessions while the block runs: open sockets are what the limit bounds."""
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
 
     @contextlib.contextmanager
     def tracked(self, session: Session, key: str) -> Iterator[None]:
@@ -133,7 +158,9 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
     auth = auth or Auth()
     store = store or open_store(config.store_url, config.data_dir)
     auth.bind(store)
-    app = web.Application(client_max_size=config.max_voice_bytes, middlewares=[refuse_sockets_while_draining])
+    quiet_malformed_http()
+    app = web.Application(client_max_size=config.max_voice_bytes,
+                          middlewares=[typed_errors, refuse_sockets_while_draining])
     gw = app[GATEWAY] = Gateway(engine, config, auth, metrics, store)
     r = app.router
     r.add_get("/v1/stream", stream)
@@ -188,8 +215,11 @@ async def _preload_normalizer(_: web.Application) -> None:
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
                        shutdown_timeout_s: float = 15.0) -> tuple[web.AppRunner, int]:
-    """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port.
+    A connection must bring a whole request within handshake_timeout_s (and an idle keep-alive connection closes
+    after as long): a socket that says nothing, or trickles its headers, does not hold a file descriptor."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                           keepalive_timeout=app[GATEWAY].config.handshake_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -270,12 +300,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return error_response(401, ErrorCode.UNAUTHORIZED, str(e))
     if gw.draining:
         return error_response(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
-    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
-    await ws.prepare(request)
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if gw.config.socket_send_buffer and sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, gw.config.socket_send_buffer)
+    ws = await open_socket(request, gw.config.limits.ws_max_msg_size, gw.config.socket_send_buffer)
     session = gw.session(_WsTransport(ws, request), key)
     session.open()
     refusal = await gw.refusal(key)
@@ -285,13 +310,17 @@ async def stream(request: web.Request) -> web.StreamResponse:
     log.info("session %s opened (%s)", session.id, request.remote)
     with gw.tracked(session, key):
         try:
-            async for msg in ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+            async with Messages(ws, stall_s=gw.config.limits.slow_consumer_timeout_s,
+                                on_stall=session.drop_slow_consumer) as messages:
+                async for msg in messages:
                     await session.receive(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
-                if session.closed:
-                    break
+                    if session.closed:
+                        break
+        except ConnectionError:  # the client went away
+            pass
+        except Exception:  # a bug: the client hears of it, the server serves on
+            log.exception("session %s: internal error", session.id)
+            await session.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
         finally:
             await session.close(1000, "")
             log.info("session %s closed", session.id)
@@ -301,16 +330,15 @@ async def stream(request: web.Request) -> web.StreamResponse:
 # ---------------------------------------------------------------------------------------------------- HTTP API
 
 
-def error_response(status: int, code: str, message: str) -> web.Response:
-    """An HTTP error in the native API's form."""
-    return web.json_response({"error": {"code": str(code), "message": message}}, status=status)
-
-
 async def healthz(request: web.Request) -> web.Response:
     """Liveness: the process answers."""
     return web.json_response({"status": "ok"})
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    body = request.app[GATEWAY].metrics.render()
+    """GET /metrics: Prometheus text; with `metrics_key` set, only for `Authorization: Bearer <metrics_key>`."""
+    gw = request.app[GATEWAY]
+    if gw.metrics_auth is not None and not gw.metrics_auth.accepts(request.headers.get("Authorization")):
+        return error_response(401, ErrorCode.UNAUTHORIZED, "GET /metrics needs Authorization: Bearer <metrics key>")
+    body = gw.metrics.render()
     return web.Response(body=body, content_type="text/plain", charset="utf-8")

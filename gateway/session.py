@@ -246,6 +246,7 @@ class Session:
         self._watchdog: asyncio.Task | None = None
         self._send_ready: Callable[[], bool] | None = getattr(transport, "send_ready", None)
         self._tasks: set[asyncio.Task] = set()
+        self._dropped = False  # drop_slow_consumer ran
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -264,9 +265,14 @@ class Session:
             self._watchdog.cancel()
         for turn in list(self.turns.values()):
             await self._stop_turn(turn)
-        with contextlib.suppress(Exception):
+            self.metrics.turns_done.labels(outcome="disconnected").inc()  # the session ended under it
+        try:
             async with asyncio.timeout(1.0):
                 await self.transport.close(code, reason)
+        except TimeoutError:  # a client that does not read would hold the connection open with our unsent bytes
+            self.transport.abort()
+        except Exception:  # the connection is gone already
+            pass
 
     async def fail(self, error: ProtocolError) -> None:
         """Report an error; a fatal one closes the session."""
@@ -912,14 +918,22 @@ class Session:
             async with asyncio.timeout(self.limits.slow_consumer_timeout_s):
                 await send
         except TimeoutError:
-            self.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
-            log.info("session %s: slow consumer, closing", self.id)
-            self.transport.abort()  # its buffers are full: an error message could not get through either
-            self._background(self.close(1008, str(ErrorCode.SLOW_CONSUMER)))
+            self.drop_slow_consumer()
             raise SessionClosed from None
         except (ConnectionError, RuntimeError):  # the connection is gone: wind the session down
             self._background(self.close(1006, "connection lost"))
             raise SessionClosed from None
+
+    def drop_slow_consumer(self) -> None:
+        """The client stopped reading (a send, or the socket's read-lag probe, waited slow_consumer_timeout_s): drop
+        the connection (its buffers are full: an error message could not get through either) and wind down."""
+        if self.closed or self._dropped:
+            return
+        self._dropped = True
+        self.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
+        log.info("session %s: slow consumer, closing", self.id)
+        self.transport.abort()
+        self._background(self.close(1008, str(ErrorCode.SLOW_CONSUMER)))
 
     def _background(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

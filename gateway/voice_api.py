@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from engine import errors as engine_errors
 from gateway.auth import AuthError, Caller
@@ -14,6 +15,16 @@ from gateway.server import GATEWAY, error_response
 from gateway.store import StoreUnavailable
 from gateway.voice_design import parse_design
 from gateway.voices import LORA, VOICE, VoiceRefused
+
+# what aiohttp's multipart reader raises for a body that is not well-formed multipart: no or an unknown boundary,
+# broken part headers, an unknown charset, a body cut short (ValueError covers UnicodeDecodeError)
+MALFORMED_MULTIPART = (ValueError, LookupError, HttpProcessingError)
+
+
+def _malformed_multipart(e: Exception) -> web.Response:
+    detail = str(getattr(e, "message", None) or e).strip().splitlines()
+    return error_response(400, ErrorCode.INVALID_VALUE, "malformed multipart/form-data body: "
+                          f"{detail[0] if detail else type(e).__name__}")
 
 
 def _caller(request: web.Request) -> Caller | web.Response:
@@ -80,6 +91,8 @@ async def add_voice(request: web.Request) -> web.Response:
             data = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, f"voice audio over {gw.config.max_voice_bytes} bytes")
+    except MALFORMED_MULTIPART as e:
+        return _malformed_multipart(e)
     if not data and not lora and design is None:
         return error_response(400, ErrorCode.MISSING_FIELD, "no audio in the request body")
     try:  # the file as is: the engine reads it (and says what is wrong with it)
@@ -163,18 +176,21 @@ async def add_lora(request: web.Request) -> web.Response:
                               "send the adapter as multipart/form-data: name, weights, config")
     fields: dict[str, bytes] = {}
     size = 0
-    reader = await request.multipart()
-    async for part in reader:
-        if not isinstance(part, BodyPartReader) or part.name not in ("name", "weights", "config", "public"):
-            continue
-        chunks = []
-        while chunk := await part.read_chunk():
-            size += len(chunk)
-            if size > gw.config.max_lora_bytes:
-                return error_response(413, ErrorCode.MESSAGE_TOO_LARGE,
-                                      f"adapter over {gw.config.max_lora_bytes} bytes")
-            chunks.append(chunk)
-        fields[part.name] = b"".join(chunks)
+    try:
+        reader = await request.multipart()
+        async for part in reader:
+            if not isinstance(part, BodyPartReader) or part.name not in ("name", "weights", "config", "public"):
+                continue
+            chunks = []
+            while chunk := await part.read_chunk():
+                size += len(chunk)
+                if size > gw.config.max_lora_bytes:
+                    return error_response(413, ErrorCode.MESSAGE_TOO_LARGE,
+                                          f"adapter over {gw.config.max_lora_bytes} bytes")
+                chunks.append(chunk)
+            fields[part.name] = b"".join(chunks)
+    except MALFORMED_MULTIPART as e:
+        return _malformed_multipart(e)
     missing = [f for f in ("name", "weights", "config") if not fields.get(f)]
     if missing:
         return error_response(400, ErrorCode.MISSING_FIELD, f"multipart body needs the field(s) {missing}")

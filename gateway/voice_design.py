@@ -8,13 +8,12 @@ and encoded again."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gateway.protocol import MAX_INSTRUCTION_CHARS
+from gateway.protocol import MAX_INSTRUCTION_CHARS, ProtocolError, load_json
 
 DEFAULT_SAMPLE_TEXT = ("Hello! This is the voice you described. I can read anything you write, and I will sound "
                        "like this every time.")
@@ -35,9 +34,9 @@ class Design:
 def parse_design(body: bytes) -> Design:
     """A JSON body `{"description", "text"?, "seed"?, "public"?}`; ValueError naming what is wrong."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"not valid JSON: {e}") from None
+        data = load_json(body)
+    except ProtocolError as e:  # not JSON, or strings that are not valid Unicode
+        raise ValueError(e.message) from None
     if not isinstance(data, dict):
         raise ValueError("send a JSON object: {\"description\": \"warm female voice\", \"text\": \"...\"}")
     unknown = sorted(set(data) - set(FIELDS))

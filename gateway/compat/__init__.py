@@ -10,19 +10,23 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
-from gateway.protocol import ErrorCode, Limits
+from gateway.protocol import ErrorCode, Limits, ProtocolError, load_json
 from gateway.session import Session
+from gateway.sockets import FirstMessageTimeout, Messages
 
 if TYPE_CHECKING:  # gateway.server may import this package from its app factory
     from gateway.server import Gateway
+
+log = logging.getLogger("voxgate.compat")
 
 
 def register(app: web.Application) -> None:
@@ -75,16 +79,27 @@ def share_span(weights: list[int], start_ms: float, end_ms: float) -> list[float
 
 
 def json_object(raw: str | bytes) -> dict[str, Any]:
-    """A client message that must be one JSON object in a text frame; ValueError saying what is wrong otherwise."""
+    """A client message that must be one JSON object in a text frame, every string in it valid Unicode
+    (`protocol.load_json`); ValueError saying what is wrong otherwise."""
     if isinstance(raw, bytes):
         raise ValueError("send JSON text messages, not binary")
     try:
-        message = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"invalid JSON: {e}") from None
+        message = load_json(raw)
+    except ProtocolError as e:
+        raise ValueError(e.message) from None
     if not isinstance(message, dict):
         raise ValueError("a message must be a JSON object")
     return message
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """An HTTP request's body as one JSON object (UTF-8 whatever charset the Content-Type claims, as JSON is);
+    ValueError saying what is wrong otherwise."""
+    try:
+        text = (await request.read()).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the body is not UTF-8 text: {e}") from None
+    return json_object(text)
 
 
 def check_api_key(gw: Gateway, key: str | None) -> str:
@@ -132,6 +147,8 @@ class SocketBridge:
         self.session: Session | None = None
         self.closing = False  # no more client messages are read
         self._tracking = contextlib.ExitStack()
+        self._pending = contextlib.ExitStack()  # counted as a pending socket until the session starts
+        self.pending = False  # counted by Gateway.pending_socket (for `Gateway.refusal(key, pending=...)`)
         self._tasks: set[asyncio.Task] = set()
 
     async def on_open(self) -> None:
@@ -154,6 +171,8 @@ class SocketBridge:
         config = dataclasses.replace(self.gw.config.session, limits=limits)
         self.session = self.gw.session(self, self.key, config)
         self.session.open()
+        self._pending.close()
+        self.pending = False
         self._tracking.enter_context(self.gw.tracked(self.session, self.key))
         await self.to_session("session.start", **start)
 
@@ -186,17 +205,53 @@ class SocketBridge:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def first_message_within(self) -> float | None:
+        """Seconds the first message may take: a socket without a session holds a place it has not identified
+        itself for (handshake_timeout_s while its key is unknown, the idle timeout after); None once a session
+        runs (its idle timeout applies)."""
+        if self.session is not None:
+            return None
+        return self.gw.config.handshake_timeout_s if self.key is None else self.gw.config.limits.idle_timeout_s
+
+    async def first_message_late(self) -> None:
+        """No first message in time: closed with 1008 (a protocol with an error message for it says so first)."""
+        await self.close(1008, "no message in time")
+
+    async def internal_error(self) -> None:
+        """A bug met while serving the socket: the client gets the protocol's form of `internal_error`."""
+        if self.session is not None and not self.session.closed:
+            await self.session.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
+        else:
+            await self.close(1011, "internal error")
+
+    def stalled(self) -> None:
+        """The client stopped reading (`sockets.Messages`' probe): dropped like any slow consumer."""
+        if self.session is not None:
+            self.session.drop_slow_consumer()
+        else:
+            self.abort()
+
     async def serve(self) -> None:
-        """Read the client's messages until either side closes, then release everything."""
+        """Read the client's messages until either side closes, then release everything. A socket without a session
+        yet counts against max_sessions and has a deadline for its first message (`first_message_within`)."""
+        if self.session is None:
+            self._pending.enter_context(self.gw.pending_socket())
+            self.pending = True
         try:
             await self.on_open()
-            async for msg in self.ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+            async with Messages(self.ws, stall_s=self.gw.config.limits.slow_consumer_timeout_s,
+                                on_stall=self.stalled, first_within_s=self.first_message_within()) as messages:
+                async for msg in messages:
                     await self.handle(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
-                if self.closing or self.session is not None and self.session.closed:
-                    break
+                    if self.closing or self.session is not None and self.session.closed:
+                        break
+        except FirstMessageTimeout:
+            await self.first_message_late()
+        except ConnectionError:  # the client went away while we answered it
+            pass
+        except Exception:  # a bug: logged once, the client hears of it, the server serves on
+            log.exception("%s: internal error", type(self).__name__)
+            await self.internal_error()
         finally:
             await self.release()
 
@@ -206,7 +261,8 @@ class SocketBridge:
         if self.session is not None:
             await self.session.close(1000, "")
         self._tracking.close()
+        self._pending.close()
 
 
-__all__ = ["register", "native", "json_object", "http_status", "share_span", "check_api_key", "gateway_of",
+__all__ = ["register", "native", "json_object", "json_body", "http_status", "share_span", "check_api_key", "gateway_of",
            "Transcoder", "AuthError", "SocketBridge"]

@@ -45,9 +45,19 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, unpack_frame_header
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object, share_span
+from gateway.compat import (
+    SocketBridge,
+    Transcoder,
+    check_api_key,
+    gateway_of,
+    http_status,
+    json_body,
+    json_object,
+    share_span,
+)
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode, Limits
+from gateway.sockets import open_socket
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
@@ -347,9 +357,8 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         key = await _authenticate(request)
     except CartesiaError as e:
         return e.response()
-    ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
-                               autoping=True)
-    await ws.prepare(request)
+    config = gateway_of(request).config
+    ws = await open_socket(request, config.limits.ws_max_msg_size, config.socket_send_buffer)
     await CartesiaBridge(request, ws, key).serve()
     return ws
 
@@ -359,7 +368,7 @@ async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str,
     gw = gateway_of(request)
     key = await _authenticate(request)
     try:
-        body = json_object(await request.text())
+        body = await json_body(request)
     except ValueError as e:
         raise CartesiaError(str(e)) from None
     transcript = body.get("transcript")

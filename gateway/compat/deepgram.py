@@ -37,9 +37,10 @@ from aiohttp import web
 
 from gateway.audio import HEADER_SIZE, OutputFormat, av_available
 from gateway.auth import AuthError
-from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_object
+from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_body, json_object
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import ErrorCode
+from gateway.sockets import open_socket
 from gateway.voices import VoiceRefused
 
 log = logging.getLogger("voxgate.compat.deepgram")
@@ -267,7 +268,7 @@ async def _settings(request: web.Request, key: str, stream: bool) -> tuple[str |
                             f"{'on the stream' if stream else 'here'}; use {', '.join(encodings)}")
     default_rate, rates, containers, default_container = ENCODINGS[encoding]
     rate = q.get("sample_rate", str(default_rate))
-    if not rate.isdigit() or int(rate) not in rates:
+    if not (rate.isascii() and rate.isdigit()) or int(rate) not in rates:  # "²".isdigit(), int("²") fails
         raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate!r} is not supported for {encoding}; "
                             f"use {', '.join(map(str, rates))}")
     container = q.get("container", "none" if stream else default_container)
@@ -280,7 +281,7 @@ async def _settings(request: web.Request, key: str, stream: bool) -> tuple[str |
         raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs PyAV on the server (`pip install av`); ask for "
                             "linear16, mulaw, alaw or opus")
     if "bit_rate" in q:
-        if not q["bit_rate"].isdigit():
+        if not (q["bit_rate"].isascii() and q["bit_rate"].isdigit()):
             raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"bit_rate {q['bit_rate']!r} is not a number")
         spec["bitrate"] = int(q["bit_rate"])
     try:
@@ -306,9 +307,8 @@ async def speak(request: web.Request) -> web.StreamResponse:
         voice, output = await _settings(request, key, stream=True)
     except DeepgramError as e:
         return e.response()
-    ws = web.WebSocketResponse(max_msg_size=gateway_of(request).config.limits.ws_max_msg_size, compress=False,
-                               autoping=True, protocols=("token",))
-    await ws.prepare(request)
+    config = gateway_of(request).config
+    ws = await open_socket(request, config.limits.ws_max_msg_size, config.socket_send_buffer, protocols=("token",))
     await DeepgramBridge(request, ws, key, voice, {"format": output.format, "sample_rate": output.sample_rate}).serve()
     return ws
 
@@ -320,7 +320,7 @@ async def speak_rest(request: web.Request) -> web.StreamResponse:
         key = await _admit(request)
         voice, output = await _settings(request, key, stream=False)
         try:
-            text = json_object(await request.text()).get("text")
+            text = (await json_body(request)).get("text")
         except ValueError as e:
             raise DeepgramError(400, "INVALID_BODY", str(e)) from None
         if not isinstance(text, str) or not text.strip():

@@ -40,6 +40,7 @@ from gateway.compat import (
     check_api_key,
     gateway_of,
     http_status,
+    json_body,
     json_object,
 )
 from gateway.compat.alignment import (
@@ -53,6 +54,7 @@ from gateway.compat.alignment import (
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.normalize import MODES as NORMALIZE_MODES
 from gateway.protocol import ErrorCode
+from gateway.sockets import open_socket
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
@@ -120,7 +122,7 @@ def parse_output_format(name: str) -> WireFormat:
 def _inactivity(value: str | None) -> float:
     if value is None:
         return DEFAULT_INACTIVITY_S
-    if not value.isdigit() or not 1 <= int(value) <= MAX_INACTIVITY_S:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_INACTIVITY_S:  # "²".isdigit()
         raise ElevenLabsError("invalid_request", f"inactivity_timeout must be an integer from 1 to {MAX_INACTIVITY_S}")
     return float(value)
 
@@ -146,6 +148,7 @@ class Bridge(SocketBridge):
         # alignment times from the context's start (`sync_alignment=true`, LiveKit's plugin) or from the start of the
         # audio each alignment covers (ElevenLabs' documented default, Pipecat's service): `socket_alignment`
         self.sync_alignment = request.query.get("sync_alignment", "").lower() == "true"
+        self.inactivity_s = float(DEFAULT_INACTIVITY_S)  # the query's inactivity_timeout, once parsed
         self.contexts: dict[str, _Context] = {}
         self.by_index: dict[int, str] = {}
 
@@ -183,16 +186,26 @@ class Bridge(SocketBridge):
             gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
             raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}; send the xi-api-key header or "
                                   "xi_api_key in the first message") from None
-        refused = await gw.refusal(key)
+        refused = await gw.refusal(key, pending=self.pending)
         if refused is not None:
             raise ElevenLabsError("max_concurrency_exceeded", refused.message, INTERNAL_ERROR if gw.draining else
                                   POLICY_VIOLATION)
         return key
 
+    def first_message_within(self) -> float | None:
+        """As ElevenLabs: a socket whose key is known waits inactivity_timeout for its first message."""
+        within = super().first_message_within()
+        return within if within is None or self.key is None else self.inactivity_s
+
+    async def first_message_late(self) -> None:
+        await self.fail(ElevenLabsError("input_timeout_exceeded", f"no message for {self.inactivity_s:g} s"
+                                        if self.key is not None else "no first message with xi_api_key within "
+                                        f"{self.gw.config.handshake_timeout_s:g} s"))
+
     async def _start(self, first: dict[str, Any]) -> None:
         chunking = _chunking(first.get("generation_config"))
-        limits = dataclasses.replace(self.gw.config.limits, idle_timeout_s=_inactivity(
-            self.request.query.get("inactivity_timeout")), max_contexts=MAX_CONTEXTS if self.multi else 1)
+        limits = dataclasses.replace(self.gw.config.limits, idle_timeout_s=self.inactivity_s,
+                                     max_contexts=MAX_CONTEXTS if self.multi else 1)
         assert self.key is not None
         voice = await _voice(self.gw, self.voice_id, self.key)
         await self.start_session(limits, voice=voice, output=self.wire.native, chunking=chunking,
@@ -351,16 +364,18 @@ async def multi_stream_input(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, multi: bool) -> web.StreamResponse:
     gw = gateway_of(request)
-    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False, autoping=True)
-    await ws.prepare(request)
+    ws = await open_socket(request, gw.config.limits.ws_max_msg_size, gw.config.socket_send_buffer)
     bridge = Bridge(request, ws, request.match_info["voice_id"], multi)
     try:
         bridge.wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
-        _inactivity(request.query.get("inactivity_timeout"))
+        bridge.inactivity_s = _inactivity(request.query.get("inactivity_timeout"))
         bridge.normalize = _text_normalization(request.query.get("apply_text_normalization"))
         header_key = request.headers.get("xi-api-key")
         if header_key is not None or not gw.auth.enabled:  # else: xi_api_key in the first message
             bridge.key = await bridge._authenticate({"xi_api_key": header_key})
+        elif (refused := gw.full()) is not None:  # a full server takes no more sockets, keyed or not
+            raise ElevenLabsError("max_concurrency_exceeded", refused.message, INTERNAL_ERROR if gw.draining else
+                                  POLICY_VIOLATION)
     except ElevenLabsError as e:
         await bridge.fail(e)
         await bridge.release()
@@ -418,7 +433,7 @@ async def _speech_request(request: web.Request) -> tuple[str, str, str | None, d
         raise ElevenLabsError("max_concurrency_exceeded", refused.message, status=503 if gw.draining else 429)
     wire = parse_output_format(request.query.get("output_format", DEFAULT_OUTPUT_FORMAT))
     try:
-        body = json_object(await request.text())
+        body = await json_body(request)
     except ValueError as e:
         raise ElevenLabsError("invalid_request", str(e), status=422) from None
     text, seed = body.get("text"), body.get("seed")

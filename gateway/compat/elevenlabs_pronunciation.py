@@ -15,7 +15,7 @@ import regex
 from aiohttp import web
 
 from gateway.auth import AuthError
-from gateway.compat import check_api_key, gateway_of
+from gateway.compat import check_api_key, gateway_of, json_body
 from gateway.compat.elevenlabs import ElevenLabsError
 from gateway.pronunciation import RuleError
 from gateway.protocol import ErrorCode
@@ -57,9 +57,9 @@ async def add_from_rules(request: web.Request) -> web.Response:
             gw.metrics.errors.labels(code=str(ErrorCode.UNAUTHORIZED)).inc()
             raise ElevenLabsError("invalid_api_key", f"Invalid API key: {e}", status=401) from None
         try:
-            body = await request.json()
+            body = await json_body(request)
         except ValueError as e:
-            raise ElevenLabsError("invalid_request", f"not valid JSON: {e}", status=422) from None
+            raise ElevenLabsError("invalid_request", str(e), status=422) from None
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise ElevenLabsError("invalid_request", "name (a string) and rules are required", status=422)
         try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from gateway.audio import OutputFormat, av_available
-from gateway.compat import AuthError, Transcoder, gateway_of
+from gateway.compat import AuthError, Transcoder, gateway_of, json_body
 from gateway.compat.oneshot import NativeError, OneTurn
 from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode
 from gateway.voices import VoiceRefused
@@ -104,7 +104,7 @@ def parse_speech_request(body: Any, stored_voices: set[str]) -> SpeechRequest:
     if body.get("instructions") is not None and not isinstance(body["instructions"], str):
         raise OpenAIError(400, "instructions must be a string", param="instructions", code="invalid_type")
     fmt = body.get("response_format", "mp3")
-    if fmt not in RESPONSE_FORMATS:
+    if not isinstance(fmt, str) or fmt not in RESPONSE_FORMATS:
         raise OpenAIError(400, f"response_format {fmt!r} is not one of {', '.join(RESPONSE_FORMATS)}",
                           param="response_format", code="invalid_value")
     if fmt in ("mp3", "aac", "flac") and not av_available():
@@ -162,9 +162,9 @@ async def speech(request: web.Request) -> web.StreamResponse:
     try:
         key = _authenticate(request)
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise OpenAIError(400, "the request body is not valid JSON") from None
+            body = await json_body(request)
+        except ValueError as e:
+            raise OpenAIError(400, f"the request body is not a valid JSON object: {e}") from None
         req = parse_speech_request(body, await _stored(gw, key, body))
         refused = await gw.refusal(key)
         if refused is not None:

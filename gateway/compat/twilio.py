@@ -23,14 +23,16 @@ import itertools
 import json
 import logging
 import secrets
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from gateway.audio import HEADER_SIZE, pack_frame_header
-from gateway.compat import AuthError, gateway_of, native
-from gateway.protocol import Error, ErrorCode
+from gateway.compat import AuthError, gateway_of, json_object, native
+from gateway.protocol import Error, ErrorCode, ProtocolError
 from gateway.session import Session
+from gateway.sockets import FirstMessageTimeout, Messages, abort, open_socket
 
 log = logging.getLogger("voxgate.compat.twilio")
 
@@ -39,6 +41,92 @@ MULAW_KIND = 3
 FLAG_CALLER = 0x02  # binary frame flag on the control socket: the caller's audio, not a turn's
 SESSION_PARAMS = ("session", "voxgate_session")  # <Parameter> names that carry the session id
 POLICY_VIOLATION = 1008
+MEDIA_MAX_MESSAGE = 1 << 20  # Twilio's messages are small: 20 ms of audio, or a start event
+
+
+# Twilio's messages (https://www.twilio.com/docs/voice/media-streams/websocket-messages), validated before use: fields
+# voxgate does not read are ignored, a message that does not fit is dropped (`parse_twilio`)
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class MediaFormat(_Message):
+    encoding: str
+    sampleRate: int  # noqa: N815 (Twilio's names)
+
+
+class StartInfo(_Message):
+    callSid: str | None = None  # noqa: N815
+    accountSid: str | None = None  # noqa: N815
+    customParameters: dict[str, str] = {}  # noqa: N815
+    mediaFormat: MediaFormat | None = None  # noqa: N815
+
+
+class Start(_Message):
+    event: Literal["start"]
+    streamSid: str | None = None  # noqa: N815
+    start: StartInfo = StartInfo()
+
+
+class MediaInfo(_Message):
+    payload: str
+    timestamp: int = 0  # ms since the stream started (Twilio sends it as a string of digits)
+
+
+class Media(_Message):
+    event: Literal["media"]
+    media: MediaInfo
+
+
+class MarkInfo(_Message):
+    name: str
+
+
+class Mark(_Message):
+    event: Literal["mark"]
+    mark: MarkInfo
+
+
+class DtmfInfo(_Message):
+    digit: str
+
+
+class Dtmf(_Message):
+    event: Literal["dtmf"]
+    dtmf: DtmfInfo
+
+
+class Stop(_Message):
+    event: Literal["stop"]
+
+
+class Connected(_Message):
+    event: Literal["connected"]
+
+
+TwilioMessage = Annotated[Start | Media | Mark | Dtmf | Stop | Connected, Field(discriminator="event")]
+_TWILIO = TypeAdapter(TwilioMessage)
+
+
+class MalformedTwilio(ValueError):
+    """A message that does not fit Twilio's schema; `event` is its `event` field, if it had a string one."""
+
+    def __init__(self, message: str, event: str | None):
+        super().__init__(message)
+        self.event = event
+
+
+def parse_twilio(raw: str | bytes) -> Start | Media | Mark | Dtmf | Stop | Connected:
+    """One message from Twilio, validated; MalformedTwilio saying what is wrong."""
+    try:
+        data = json_object(raw)
+    except ValueError as e:
+        raise MalformedTwilio(str(e), None) from None
+    try:
+        return _TWILIO.validate_python(data)
+    except ValueError as e:  # pydantic's ValidationError
+        event = data.get("event")
+        raise MalformedTwilio(str(e).splitlines()[0], event if isinstance(event, str) else None) from None
 
 
 class CallBridge:
@@ -119,38 +207,36 @@ class CallBridge:
 
     # ------------------------------------------------------------------------------------------------ Twilio -> us
 
-    async def join(self, twilio: web.WebSocketResponse, start: dict[str, Any]) -> None:
-        self.twilio, self.stream_sid = twilio, start.get("streamSid")
-        info = start.get("start") or {}
-        await self._event("call.started", stream_sid=self.stream_sid, call_sid=info.get("callSid"),
-                          account_sid=info.get("accountSid"), custom_parameters=info.get("customParameters"),
-                          media_format=info.get("mediaFormat"))
+    async def join(self, twilio: web.WebSocketResponse, start: Start) -> None:
+        self.twilio, self.stream_sid = twilio, start.streamSid
+        info = start.start
+        await self._event("call.started", stream_sid=self.stream_sid, call_sid=info.callSid,
+                          account_sid=info.accountSid, custom_parameters=info.customParameters,
+                          media_format=info.mediaFormat.model_dump() if info.mediaFormat is not None else None)
         self.attached.set()
 
-    async def from_twilio(self, m: dict[str, Any]) -> None:
-        event = m.get("event")
-        if event == "media":
-            media = m.get("media") or {}
+    async def from_twilio(self, m: Start | Media | Mark | Dtmf | Stop | Connected) -> None:
+        if isinstance(m, Media):
             try:
-                payload = base64.b64decode(media.get("payload", ""), validate=True)
-                pts = int(media.get("timestamp", 0))
+                payload = base64.b64decode(m.media.payload, validate=True)
             except ValueError:
                 return  # a damaged frame is dropped, like a lost packet
-            header = pack_frame_header(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq & 0xFFFFFFFF, pts & 0xFFFFFFFF)
+            pts = m.media.timestamp & 0xFFFFFFFF
+            header = pack_frame_header(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq & 0xFFFFFFFF, pts)
             self._caller_seq += 1
             with contextlib.suppress(ConnectionError):
                 await self.control.send_bytes(header + payload)
-        elif event == "mark":
-            name = (m.get("mark") or {}).get("name")
-            played = self.marks.pop(name, None) if isinstance(name, str) else None
+        elif isinstance(m, Mark):
+            name = m.mark.name
+            played = self.marks.pop(name, None)
             if played is not None and self.session is not None:
                 cid, played_ms = played
                 await self._event("call.mark", name=name, context_id=cid, played_ms=played_ms)
                 if cid in self.session.turns or cid in self.session.finished:
                     await self.session.receive(native("playback.position", context_id=cid, played_ms=played_ms))
-        elif event == "dtmf":
-            await self._event("call.dtmf", digit=(m.get("dtmf") or {}).get("digit"))
-        elif event == "stop":
+        elif isinstance(m, Dtmf):
+            await self._event("call.dtmf", digit=m.dtmf.digit)
+        elif isinstance(m, Stop):
             await self.hang_up()
 
     async def hang_up(self) -> None:
@@ -178,8 +264,7 @@ async def control(request: web.Request) -> web.StreamResponse:
     refused = await gw.refusal(key)
     if refused is not None:
         return web.json_response({"error": {"code": str(refused.code), "message": refused.message}}, status=503)
-    ws = web.WebSocketResponse(max_msg_size=gw.config.limits.ws_max_msg_size, compress=False)
-    await ws.prepare(request)
+    ws = await open_socket(request, gw.config.limits.ws_max_msg_size, gw.config.socket_send_buffer)
     bridge = CallBridge(request, ws)
     limits = dataclasses.replace(gw.config.limits, max_contexts=1)
     session = gw.session(bridge, key, dataclasses.replace(gw.config.session, limits=limits),
@@ -190,13 +275,17 @@ async def control(request: web.Request) -> web.StreamResponse:
     session.open()
     with gw.tracked(session, key):
         try:
-            async for msg in ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+            async with Messages(ws, stall_s=limits.slow_consumer_timeout_s,
+                                on_stall=session.drop_slow_consumer) as messages:
+                async for msg in messages:
                     await bridge.from_agent(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
-                if session.closed:
-                    break
+                    if session.closed:
+                        break
+        except ConnectionError:  # the agent went away while we answered it
+            pass
+        except Exception:  # a bug: logged once, the agent hears of it, the server serves on
+            log.exception("twilio control %s: internal error", session.id)
+            await session.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
         finally:
             calls.pop(session.id, None)
             await session.close(1000, "")
@@ -204,46 +293,66 @@ async def control(request: web.Request) -> web.StreamResponse:
 
 
 async def media(request: web.Request) -> web.StreamResponse:
-    """GET /v1/twilio/media: Twilio's bidirectional Media Stream (<Connect><Stream>)."""
-    ws = web.WebSocketResponse(max_msg_size=1 << 20, compress=False)
-    await ws.prepare(request)
+    """GET /v1/twilio/media: Twilio's bidirectional Media Stream (<Connect><Stream>). Until its `start` event binds
+    it to a call (within handshake_timeout_s, else closed with 1008) the socket counts against max_sessions; a
+    message that does not fit Twilio's schema is dropped (a `start` that does not: closed with 1008)."""
+    gw = gateway_of(request)
+    refused = gw.full()
+    if refused is not None:  # a full server takes no more sockets, identified or not
+        return web.json_response({"error": {"code": str(refused.code), "message": refused.message}}, status=503)
+    ws = await open_socket(request, MEDIA_MAX_MESSAGE, gw.config.socket_send_buffer)
     bridge: CallBridge | None = None
+    pending = contextlib.ExitStack()
+    pending.enter_context(gw.pending_socket())
+
+    def stalled() -> None:  # Twilio stopped reading: the stream is dropped, and the call's session ends with it
+        gw.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
+        log.info("twilio stream: no pong for %g s, dropping it", gw.config.limits.slow_consumer_timeout_s)
+        abort(request)
+
     try:
-        async for msg in ws:
-            if msg.type == WSMsgType.ERROR:
-                break
-            if msg.type != WSMsgType.TEXT:
-                continue
-            try:
-                m = json.loads(msg.data)
-            except ValueError:
-                log.info("twilio stream: a frame that is not JSON, ignored")
-                continue
-            if not isinstance(m, dict):
-                continue
-            if bridge is not None:
-                await bridge.from_twilio(m)
-                if bridge.session is None or bridge.session.closed:
-                    break
-            elif m.get("event") == "start":
-                bridge, reason = _bridge_for(request, m)
-                if bridge is None:
-                    await ws.close(code=POLICY_VIOLATION, message=reason.encode()[:120])
-                    break
-                await bridge.join(ws, m)
+        async with Messages(ws, stall_s=gw.config.limits.slow_consumer_timeout_s, on_stall=stalled,
+                            first_within_s=gw.config.handshake_timeout_s) as messages:
+            async for msg in messages:
+                try:
+                    m = parse_twilio(msg.data)
+                except MalformedTwilio as e:
+                    if bridge is None and e.event == "start":
+                        await ws.close(code=POLICY_VIOLATION, message=b"malformed start event")
+                        break
+                    log.info("twilio stream: a message that does not fit Twilio's schema, dropped: %s", e)
+                    continue
+                if bridge is not None:
+                    await bridge.from_twilio(m)
+                    if bridge.session is None or bridge.session.closed:
+                        break
+                elif isinstance(m, Start):
+                    bridge, reason = _bridge_for(request, m)
+                    if bridge is None:
+                        await ws.close(code=POLICY_VIOLATION, message=reason.encode()[:120])
+                        break
+                    pending.close()  # the call's session counts from here
+                    await bridge.join(ws, m)
+    except FirstMessageTimeout:
+        await ws.close(code=POLICY_VIOLATION, message=b"no start event in time")
+    except ConnectionError:  # Twilio or the agent went away mid-message: the call ends below
+        pass
+    except Exception:  # a bug: logged once; the stream closes with 1011 and the call's session ends
+        log.exception("twilio stream: internal error")
+        await ws.close(code=1011, message=b"internal error")
     finally:
+        pending.close()
         if bridge is not None and bridge.twilio is ws:
             await bridge.hang_up()  # the stream is gone with or without a `stop`
     return ws
 
 
-def _bridge_for(request: web.Request, start: dict[str, Any]) -> tuple[CallBridge | None, str]:
-    info = start.get("start") if isinstance(start.get("start"), dict) else {}
-    fmt = info.get("mediaFormat") or {}
-    if fmt and (fmt.get("encoding"), fmt.get("sampleRate")) != ("audio/x-mulaw", 8000):
+def _bridge_for(request: web.Request, start: Start) -> tuple[CallBridge | None, str]:
+    fmt = start.start.mediaFormat
+    if fmt is not None and (fmt.encoding, fmt.sampleRate) != ("audio/x-mulaw", 8000):
         return None, "voxgate bridges audio/x-mulaw at 8000 Hz"
-    params = info.get("customParameters") or {}
-    session_id = next((params[p] for p in SESSION_PARAMS if isinstance(params.get(p), str)), None)
+    params = start.start.customParameters
+    session_id = next((params[p] for p in SESSION_PARAMS if p in params), None)
     if session_id is None:
         return None, "missing <Parameter name=\"session\"> with the voxgate session id"
     bridge = request.app[CALLS].get(session_id)
