@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from engine.settings import EngineSettings
 from engine.worker_process import child_env
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def _exit_with_parent() -> None:
 def follower_main() -> None:
     """The follower process: `python -c ... HOST:PORT`, the connection's key on stdin."""
     disable_nvls()
-    logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
+    logging.basicConfig(level=EngineSettings.from_env().log)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     host, port = sys.argv[1].rsplit(":", 1)
     key = bytes.fromhex(sys.stdin.readline().strip())

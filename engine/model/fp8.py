@@ -16,7 +16,6 @@ tensor-parallel or LoRA-wrapped ones, whose own forward must run); it costs one 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,10 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from engine.model import layers
+from engine.settings import EngineSettings
 
 # rows of a GEMM's input from which it runs in FP8 (VOXGATE_FP8_MIN_ROWS, for tests): a c=64 burst's prefill is
 # ~7,100 rows, decode steps at most max_num_seqs (512) rows
-MIN_ROWS = int(os.environ.get("VOXGATE_FP8_MIN_ROWS", "1024"))
+MIN_ROWS = EngineSettings.from_env().fp8_min_rows
 
 
 @dataclass(frozen=True)

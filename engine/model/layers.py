@@ -9,7 +9,6 @@ the norm), and `fuse_linears` lets q/k/v and gate/up run as one GEMM.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -18,9 +17,10 @@ from torch import Tensor, nn
 
 from engine.config import StackConfig
 from engine.model import fp8
+from engine.settings import EngineSettings
 
 # Off (VOXGATE_FUSED_KERNELS=0): plain torch ops on CUDA too, for A/B timing and as a fallback.
-FUSED_KERNELS = os.environ.get("VOXGATE_FUSED_KERNELS", "1") != "0"
+FUSED_KERNELS = EngineSettings.from_env().fused_kernels
 
 
 def fused(x: Tensor) -> bool:
