@@ -21,7 +21,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +30,6 @@ from engine import guards
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.checkpoint import resolve_model_dir
 from engine.config import ModelConfig
-from engine.distributed import disable_nvls
 from engine.errors import (
     EngineError,
     EngineOverloaded,
@@ -43,17 +42,16 @@ from engine.errors import (
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
+from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
 from engine.request import RequestSpec
 from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
+from engine.sync import SyncEngine
 from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
 from engine.worker import VAE_DTYPES, WorkerConfig
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow, WorkerHandle
-
-if TYPE_CHECKING:
-    from engine.sync import SyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +159,7 @@ class Engine:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            from engine.sync import SyncEngine  # sync.py wraps this module
-
-            return SyncEngine(model, **kwargs)
+            return SyncEngine(lambda: cls(model, **kwargs))
         return cls(model, **kwargs)
 
     # ---- workers -----------------------------------------------------------------------------------------

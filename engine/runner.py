@@ -59,7 +59,7 @@ from engine.cuda_graphs import (
 from engine.model import fp8
 from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, make_attention_backend
 from engine.model.euler import RowSteps, evaluations
-from engine.model.layers import FUSED_KERNELS
+from engine.model.fusion import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.prompt import CONTEXT_PATCHES
 from engine.scheduler import ScheduledSeq

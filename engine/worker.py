@@ -34,6 +34,7 @@ import torch
 
 from engine.chores import CHORE_SLICE_MS, Chores, as_array
 from engine.host_memory import HeapTrimmer
+from engine.process_env import disable_nvls
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.settings import EngineSettings
@@ -225,8 +226,6 @@ class AudioRing:
 
 def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing) -> None:
     """The worker process's life (started by `engine.worker_process.worker_main`): load, then serve until stopped."""
-    from engine.distributed import disable_nvls
-
     disable_nvls()
     torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=EngineSettings.from_env().log)
