@@ -14,7 +14,7 @@ from engine.errors import EngineStopped
 from engine.generation import Generation
 
 if TYPE_CHECKING:
-    from engine.pool import Engine
+    from engine.engine import Engine
 
 
 class SyncEngine:
