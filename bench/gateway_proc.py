@@ -226,7 +226,7 @@ def git_commit() -> str | None:
         return os.environ["VOXGATE_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "bench", "engine/pool.py",
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "bench", "engine/engine.py",
                                 "engine/api.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("VOXGATE_COMMIT")

@@ -1,6 +1,7 @@
 """voxgate engine: streaming VoxCPM inference with continuous batching, one worker process per device."""
 
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
+from engine.engine import Engine
 from engine.errors import (
     AudioTooLong,
     EmptyText,
@@ -18,7 +19,6 @@ from engine.errors import (
     WorkerCrashed,
 )
 from engine.generation import Generation
-from engine.pool import Engine
 from engine.sync import SyncEngine
 
 __all__ = [

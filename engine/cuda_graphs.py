@@ -23,13 +23,14 @@ sequence whose K/V go to the scratch block; buckets' other sequences are empty.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from engine.settings import EngineSettings
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # LM graphs of small mixed steps: flat tokens x sequences (counting the padding sequence). Beyond these the eager
@@ -44,7 +45,7 @@ EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions
 LARGE_LM_GRAPH_TOKENS = 8192
 # VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager); =text: only those
 # of prompts alone (LocEnc on no row). For A/B timing and as a fallback.
-LARGE_LM_GRAPHS = os.environ.get("VOXGATE_LARGE_LM_GRAPHS", "1")
+LARGE_LM_GRAPHS = EngineSettings.from_env().large_lm_graphs
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:

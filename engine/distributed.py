@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from engine.worker_process import child_env
+from engine.process_env import child_env, disable_nvls
+from engine.settings import EngineSettings
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq, Scheduler
@@ -41,13 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 JOIN_TIMEOUT_S = 600.0
-
-
-def disable_nvls() -> None:
-    """Keep NVLink multicast off in this process and every process it starts."""
-    os.environ.update(NVLS_OFF)
 
 
 def _free_port() -> int:
@@ -203,7 +198,7 @@ def _exit_with_parent() -> None:
 def follower_main() -> None:
     """The follower process: `python -c ... HOST:PORT`, the connection's key on stdin."""
     disable_nvls()
-    logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
+    logging.basicConfig(level=EngineSettings.from_env().log)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     host, port = sys.argv[1].rsplit(":", 1)
     key = bytes.fromhex(sys.stdin.readline().strip())

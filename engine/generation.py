@@ -11,7 +11,8 @@ from engine.api import AudioChunk
 from engine.request import RequestSpec
 
 if TYPE_CHECKING:
-    from engine.pool import Engine, LoRAEntry
+    from engine.engine import Engine
+    from engine.registries import LoRAEntry
     from engine.worker_handle import WorkerHandle
 
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from engine import model_configs
 from engine.config import ModelConfig
+from engine.settings import EngineSettings
 from engine.text import SPACE_MARK
 
 SPECIAL_TOKENS = {0: "<unk>", 1: "<s>", 2: "</s>", 101: "<|audio_start|>", 102: "<|audio_end|>",
@@ -237,7 +238,7 @@ def write_random_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], se
 
 def demo_model_dir() -> Path:
     """The tiny built-in VoxCPM2 demo model (written once, atomically, under ~/.cache/voxgate)."""
-    cache = Path(os.environ.get("VOXGATE_CACHE", Path.home() / ".cache" / "voxgate"))
+    cache = EngineSettings.from_env().cache
     final = cache / DEMO_DIR_NAME
     if (final / "audiovae.pth").is_file():
         return final

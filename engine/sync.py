@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import EngineStopped
 from engine.generation import Generation
-from engine.pool import Engine
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 
 class SyncEngine:
     """The same API, blocking, for code without an event loop: an `Engine` runs on a private loop thread and each
     method waits for the `Engine` method of the same name."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
+    def __init__(self, make_engine: Callable[[], Engine]):
+        """`make_engine` builds the `Engine` on the private loop thread (`Engine.from_pretrained` passes it)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="voxgate-engine")
         self._thread.start()
 
         async def make() -> Engine:
-            return Engine(model, **kwargs)
+            return make_engine()
 
         self.engine: Engine = self._run(make())
 

@@ -34,8 +34,10 @@ import torch
 
 from engine.chores import CHORE_SLICE_MS, Chores, as_array
 from engine.host_memory import HeapTrimmer
+from engine.process_env import disable_nvls
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
+from engine.settings import EngineSettings
 
 if TYPE_CHECKING:
     from engine.runner import PendingStep
@@ -76,7 +78,7 @@ class WorkerConfig:
     # batches, relative audio error ~2.7% on random weights); prompts are always encoded in float32
     vae_dtype: str = "float32"
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
-    cuda_graphs: bool = os.environ.get("VOXGATE_CUDA_GRAPHS", "1") != "0"
+    cuda_graphs: bool = field(default_factory=lambda: EngineSettings.from_env().cuda_graphs)
     max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
     # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: faster GEMMs,
     # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
@@ -91,17 +93,16 @@ class WorkerConfig:
     tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
     # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
     # a time, the host preparing each step while the device waits)
-    async_scheduling: bool = field(default_factory=lambda: os.environ.get("VOXGATE_ASYNC_SCHEDULING", "1") != "0")
+    async_scheduling: bool = field(default_factory=lambda: EngineSettings.from_env().async_scheduling)
     # with async_scheduling: a step launched ahead may also admit waiting prompts, so under steady arrivals the host
     # stages mixed steps while the device runs the one before (without it the device idles while each is staged,
     # steps grow and streams pile up). None: on CUDA only (a CPU runs each
     # step as it is launched: nothing to hide); VOXGATE_ASYNC_MIXED=1 / 0 forces it on / off
-    async_mixed: bool | None = field(
-        default_factory=lambda: {"1": True, "0": False}.get(os.environ.get("VOXGATE_ASYNC_MIXED", "")))
+    async_mixed: bool | None = field(default_factory=lambda: EngineSettings.from_env().async_mixed)
 
     # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
     # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
-    vae_stream: bool = field(default_factory=lambda: os.environ.get("VOXGATE_VAE_STREAM", "1") != "0")
+    vae_stream: bool = field(default_factory=lambda: EngineSettings.from_env().vae_stream)
     # host time between two steps given to chores (prompt encodes, adapter loads) at most, one slice past it at worst
     chore_slice_ms: float = CHORE_SLICE_MS
 
@@ -225,11 +226,9 @@ class AudioRing:
 
 def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing) -> None:
     """The worker process's life (started by `engine.worker_process.worker_main`): load, then serve until stopped."""
-    from engine.distributed import disable_nvls
-
     disable_nvls()
     torch.set_num_threads(cfg.threads)
-    logging.basicConfig(level=os.environ.get("VOXGATE_LOG", "WARNING"))
+    logging.basicConfig(level=EngineSettings.from_env().log)
     try:
         worker = Worker(cfg, commands, results, ring)
     except Exception as e:  # a load failure is reported once, then the process exits

@@ -23,17 +23,11 @@ import tempfile
 import weakref
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-ENGINE_ROOT = str(Path(__file__).resolve().parent.parent)
+from engine.process_env import child_env
+
 ENTRY = "from engine.worker_process import worker_main; worker_main()"
-
-
-def child_env() -> dict[str, str]:
-    """The environment of an engine subprocess: this one's, with this checkout's `engine` first on the path."""
-    path = os.pathsep.join(p for p in (ENGINE_ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path}
 
 
 def shared_file(size: int) -> tuple[int, mmap.mmap]:

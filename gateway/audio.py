@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import soxr
+
+from gateway.settings import GatewaySettings
 
 FORMATS = ("opus", "pcm_s16le", "mulaw", "alaw", "wav", "ogg_opus", "mp3", "flac", "aac")
 NATIVE_FORMATS = ("opus", "pcm_s16le", "mulaw", "alaw")  # one binary frame per packet on the native WebSocket
@@ -546,7 +547,7 @@ class OpusFrames:
 def _opus_batch_encoder() -> Any:
     """gateway._opus_frames when it was built (`pip install` compiles it where a C compiler is found), else None;
     VOXGATE_OPUS_BATCH=0 forces the frame-by-frame path."""
-    if os.environ.get("VOXGATE_OPUS_BATCH", "1") == "0":
+    if not GatewaySettings.from_env().opus_batch:
         return None
     try:
         from gateway import _opus_frames

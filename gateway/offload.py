@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gateway.settings import GatewaySettings
+
 MAX_PART = 8  # calls per thread job
 # a call this urgent (its listener has less audio than this left, in ms; a turn's first chunk has none) is handed
 # back as soon as it is done; the others come back together at the end of their part (one loop wakeup)
@@ -28,8 +30,9 @@ def default_threads() -> int:
     frames are one C call that releases the GIL once, so threads scale, but not onto every core: the event loop
     thread (~45% busy at 500 sessions) and the socket writes need the rest; past that, more threads only convoy
     (bench/gateway_capacity.py)."""
-    if os.environ.get("VOXGATE_ENCODE_THREADS"):
-        return max(1, int(os.environ["VOXGATE_ENCODE_THREADS"]))
+    configured = GatewaySettings.from_env().encode_threads
+    if configured is not None:
+        return configured
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.app_keys import GATEWAY
+from gateway.http_errors import error_response
 from gateway.pronunciation import RuleError
 from gateway.protocol import ErrorCode, ProtocolError, load_json
-from gateway.server import GATEWAY, error_response
 from gateway.voice_api import _caller, _refused
 from gateway.voices import VoiceRefused
 

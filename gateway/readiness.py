@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.app_keys import GATEWAY
 from gateway.protocol import ErrorCode
 
 if TYPE_CHECKING:
@@ -19,8 +20,6 @@ log = logging.getLogger("voxgate.server")
 
 
 def _gateway(app: web.Application) -> Gateway:
-    from gateway.server import GATEWAY  # the server imports this module
-
     return app[GATEWAY]
 
 

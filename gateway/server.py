@@ -14,8 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import normalize
+from gateway import normalize, pronunciation_api, voice_api
+from gateway.app_keys import GATEWAY
 from gateway.auth import Auth, AuthError
+from gateway.compat import routes as compat_routes
 from gateway.http_errors import error_response, quiet_malformed_http, typed_errors
 from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
@@ -143,9 +145,6 @@ class Gateway:
         return session
 
 
-GATEWAY = web.AppKey("gateway", Gateway)
-
-
 def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | None = None,
                metrics: GatewayMetrics | None = None, compat: bool = False, store: Store | None = None,
                restore_progress: Callable[[str], None] | None = None) -> web.Application:
@@ -167,14 +166,10 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", prometheus)
-    from gateway import pronunciation_api, voice_api  # import this module: only here
-
     voice_api.register(app)
     pronunciation_api.register(app)
     if compat:
-        from gateway import compat as adapters  # imports this module: only here
-
-        adapters.register(app)
+        compat_routes.register(app)
     web_dir = config.web_client_dir
     if web_dir is not None and (web_dir / "index.html").is_file():
         async def index(_: web.Request) -> web.FileResponse:

@@ -9,9 +9,10 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from engine import errors as engine_errors
+from gateway.app_keys import GATEWAY
 from gateway.auth import AuthError, Caller
+from gateway.http_errors import error_response
 from gateway.protocol import ErrorCode
-from gateway.server import GATEWAY, error_response
 from gateway.store import StoreUnavailable
 from gateway.voice_design import parse_design
 from gateway.voices import LORA, VOICE, VoiceRefused

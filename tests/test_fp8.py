@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import InvalidParameter
-from engine.model import fp8
+from engine.model import fp8, fusion
 from engine.model.voxcpm import VoxCPMModel
 from engine.model_configs import tiny
 from tests.conftest import interpreted
@@ -153,7 +153,7 @@ def test_a_decoder_layer_with_fused_fp8_producers_equals_quantizing_after(interp
         real = getattr(interpreted_kernels, name)
         monkeypatch.setattr(interpreted_kernels, name,
                             lambda *a, _real=real, _name=name, **k: fused_calls.append(_name) or _real(*a, **k))
-    monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA path's kernels (interpreted)
+    monkeypatch.setattr(fusion, "fused", lambda t: True)  # the CUDA path's kernels (interpreted)
     with torch.no_grad():
         with monkeypatch.context() as apart:  # first each producer, then the quantizer
             apart.setattr(layers.RMSNorm, "_fuses_fp8", lambda *a: False)

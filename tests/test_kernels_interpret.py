@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model import layers, minicpm
+from engine.model import fusion, minicpm
 from engine.model.attention import AttentionMetadata, TorchAttention, dense_attention, make_attention_backend
 from engine.model.audio_vae import Snake
 from engine.model.layers import LongRoPE, RMSNorm, apply_rope
@@ -457,7 +457,7 @@ def test_fused_stack_matches_eager(kernels, monkeypatch, mup, dtype):
         calls = []
         add_rms_norm = kernels[1].add_rms_norm
         monkeypatch.setattr(kernels[1], "add_rms_norm", lambda *a: calls.append(a[4]) or add_rms_norm(*a))
-        monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
+        monkeypatch.setattr(fusion, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
         if dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong: short attention is checked in fp16
             monkeypatch.setattr(kernels[0], "short_attention_fits", lambda q, k: False)  # and on the GPU
         out = model.forward_dense(x.to(dtype))
@@ -574,7 +574,7 @@ def test_triton_attention_rope_equals_rope_first(kernels, monkeypatch, case):
     """TritonAttention handed the RoPE tables (the CUDA path of forward_paged: one rope+store kernel) == `rope_`
     first and the backend without them (rope_, two index_copy_): output and caches bit for bit."""
     attention_triton, fused = kernels
-    monkeypatch.setattr(layers, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
+    monkeypatch.setattr(fusion, "fused", lambda t: True)  # the CUDA dispatch, on CPU tensors
     gen = torch.Generator().manual_seed(22)
     (_, _, _, k_cache, v_cache), meta = paged_case(*CASES[case], 4, 8, 2, 16, torch.float16, gen)
     qkv = torch.randn(meta.slot_mapping.shape[0], 12, 16, generator=gen).half()
@@ -600,7 +600,7 @@ def test_fused_rope_stacks_equal_rope_first(kernels, monkeypatch, no_rope):
     model.half().fuse_projections()
     gen = torch.Generator().manual_seed(23)
     hidden = model.norm.weight.shape[0]
-    monkeypatch.setattr(layers, "fused", lambda t: True)
+    monkeypatch.setattr(fusion, "fused", lambda t: True)
     monkeypatch.setattr(minicpm, "DENSE_ROPE_IN_ATTENTION_MIN_SEQS", 2)  # the batch below: the fused path
     ropes = []
     rope_ = fused.rope_

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from engine import Engine, InvalidParameter, WorkerCrashed
-from engine.pool import _device_groups, headroom
+from engine.routing import device_groups, headroom
 
 pytestmark = pytest.mark.timeout(120)
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -56,11 +56,11 @@ def test_headroom_prefers_free_kv_and_punctual_workers():
 
 
 def test_device_lists_are_checked():
-    assert _device_groups(["cpu", "cpu"], 1) == [["cpu"], ["cpu"]]
-    assert _device_groups(["cpu", "cpu"], 2) == [["cpu", "cpu"]]
+    assert device_groups(["cpu", "cpu"], 1) == [["cpu"], ["cpu"]]
+    assert device_groups(["cpu", "cpu"], 2) == [["cpu", "cpu"]]
     for bad, tp in (([], 1), (["tpu"], 1), (["cpu"] * 3, 2), ([99], 1), (["nonsense"], 1)):
         with pytest.raises(InvalidParameter):
-            _device_groups(bad, tp)
+            device_groups(bad, tp)
 
 
 @in_module_loop

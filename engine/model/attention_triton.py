@@ -25,7 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels import dot_precision, rope_f32, rope_heads_
-from engine.model.attention import PREFILL_ROWS, AttentionMetadata, rope_and_store_kv
+from engine.model import fusion
+from engine.model.paged_kv import PREFILL_ROWS, AttentionMetadata, Rope, rotate, store_kv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # a run-time argument below this bound, so a new split count never recompiles
@@ -397,3 +398,16 @@ class TritonAttention:
                 splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
             )
         return out
+
+
+def rope_and_store_kv(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                      rope: Rope | None) -> Tensor:
+    """q rotated by `rope` (None: as it is), after k rotated and v were stored at their paged-cache slots. On CUDA
+    one Triton kernel, in place on q and k (`rope_store_kv_`: two or three kernels -> one); elsewhere `apply_rope`
+    and `store_kv`."""
+    if fusion.fused(q) and rope_store_fits(q, k, v, k_cache, v_cache):
+        rope_store_kv_(q, k, v, k_cache, v_cache, meta.slot_mapping, rope)
+        return q
+    q, k = rotate(q, k, rope)
+    store_kv(k, v, k_cache, v_cache, meta)
+    return q

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import AudioVAEConfig
-from engine.model.layers import fused
+from engine.model.fusion import fused
 
 # Every stateful layer reads and writes its own entry of this list (its `slot`); None means offline (zero history).
 States = list[Tensor] | None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.model.layers import fused
+from engine.model.fusion import fused
 
 
 @cache

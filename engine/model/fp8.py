@@ -16,18 +16,18 @@ tensor-parallel or LoRA-wrapped ones, whose own forward must run); it costs one 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from engine.model import layers
+from engine.model import fusion
+from engine.settings import EngineSettings
 
 # rows of a GEMM's input from which it runs in FP8 (VOXGATE_FP8_MIN_ROWS, for tests): a c=64 burst's prefill is
 # ~7,100 rows, decode steps at most max_num_seqs (512) rows
-MIN_ROWS = int(os.environ.get("VOXGATE_FP8_MIN_ROWS", "1024"))
+MIN_ROWS = EngineSettings.from_env().fp8_min_rows
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def supported(device: torch.device) -> bool:
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [R, K] -> (x / s as float8_e4m3fn, s [R, 1] float32) with s = max|row| / 448 per row."""
-    if layers.fused(x):
+    if fusion.fused(x):
         from engine import kernels
 
         return kernels.quantize_rows_fp8(x)
@@ -110,14 +110,14 @@ def linear(x: Tensor | Fp8Rows, w: Fp8Weight | None) -> Tensor | None:
 
 def silu_mul(gate_up: Tensor, w_next: Fp8Weight | None) -> Tensor | Fp8Rows:
     """SwiGLU's act of gate_up [..., 2F] for the down projection `w_next`: already quantized for it, in the same
-    kernel, when that GEMM runs in FP8 on the fused path; else `layers.silu_mul`'s."""
-    if wants(gate_up, w_next) and layers.fused(gate_up):
+    kernel, when that GEMM runs in FP8 on the fused path; else `fusion.silu_mul`'s."""
+    if wants(gate_up, w_next) and fusion.fused(gate_up):
         from engine import kernels
 
         if gate_up.shape[-1] // 2 <= kernels.FP8_ROW_MAX:
             q, scale = kernels.silu_mul_fp8(gate_up.reshape(-1, gate_up.shape[-1]))
             return Fp8Rows(q, scale, gate_up.dtype, tuple(gate_up.shape[:-1]))
-    return layers.silu_mul(gate_up)
+    return fusion.silu_mul(gate_up)
 
 
 def _scaled_mm(q: Tensor, scale: Tensor, w: Fp8Weight, dtype: torch.dtype) -> Tensor:

@@ -9,7 +9,6 @@ the norm), and `fuse_linears` lets q/k/v and gate/up run as one GEMM.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -17,15 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import StackConfig
-from engine.model import fp8
-
-# Off (VOXGATE_FUSED_KERNELS=0): plain torch ops on CUDA too, for A/B timing and as a fallback.
-FUSED_KERNELS = os.environ.get("VOXGATE_FUSED_KERNELS", "1") != "0"
-
-
-def fused(x: Tensor) -> bool:
-    """Whether x's op runs as one of engine.kernels' Triton kernels (CUDA, unless switched off)."""
-    return x.is_cuda and FUSED_KERNELS
+from engine.model import fp8, fusion
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if fused(x):
+        if fusion.fused(x):
             from engine.kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -59,7 +50,7 @@ class RMSNorm(nn.Module):
         if branch is None:
             return x, self(x)
         # the kernel would skip hooks on the norm, and eager's sum would broadcast or promote other branches
-        if (fused(x) and branch.dtype == x.dtype and branch.shape == x.shape
+        if (fusion.fused(x) and branch.dtype == x.dtype and branch.shape == x.shape
                 and not (self._forward_hooks or self._forward_pre_hooks)):
             from engine.kernels import add_rms_norm
 
@@ -70,7 +61,7 @@ class RMSNorm(nn.Module):
     def _fuses_fp8(self, x: Tensor, branch: Tensor | None, w: fp8.Fp8Weight) -> bool:
         # the FP8 norm kernels take weight and branch in x's dtype (as the plain kernels, else eager would promote),
         # and skip hooks
-        return (fp8.wants(x, w) and fused(x) and self.weight.dtype == x.dtype
+        return (fp8.wants(x, w) and fusion.fused(x) and self.weight.dtype == x.dtype
                 and (branch is None or (branch.dtype == x.dtype and branch.shape == x.shape))
                 and not (self._forward_hooks or self._forward_pre_hooks))
 
@@ -153,16 +144,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(act) if down is None else down
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up of a [..., 2F] gate | up tensor: one Triton kernel on CUDA."""
-    if fused(gate_up):
-        from engine import kernels
-
-        return kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class LongRoPE:
     """cos/sin for absolute positions, computed in fp32 on the fly (no table, nothing for `.to(dtype)` to round).
 
@@ -203,7 +184,7 @@ class LongRoPE:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32. x [..., L, heads, d]; cos/sin [L, d] (broadcast over heads and leading dims).
     CUDA: one Triton kernel, in place on x (x may be the q|k heads of a fused qkv output)."""
-    if fused(x) and cos.dim() == 2 and _power_of_two(x.shape[-1]):
+    if fusion.fused(x) and cos.dim() == 2 and _power_of_two(x.shape[-1]):
         from engine.kernels import rope_
 
         return rope_(x, cos, sin)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.model.layers import fused
+from engine.model.fusion import fused
 
 LM_STACKS = ("base_lm", "residual_lm")
 DIT_STACK = "feat_decoder.estimator.decoder"

@@ -38,7 +38,6 @@ elsewhere), `lora_add_` runs any, and `VARIANTS` names the ones bench/lora_bench
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -48,6 +47,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels import dot_precision
+from engine.settings import EngineSettings
 
 BLOCK_M = 16
 BLOCK_K = 64  # bf16 q|k|v shrink (A tile [64, 128]): ptxas sm_90a 80 registers, no spills, 36 KB shared (3 stages)
@@ -101,7 +101,7 @@ VARIANTS: dict[str, Variant] = {
 # Each is the fastest op in a graph of a whole step's layers at its sizes (docs/decisions.md, LoRA kernels).
 SMALL_VARIANT = "one_k256"  # where `fuse` allows one launch (decode sizes)
 # everywhere else; VOXGATE_LORA_LARGE_VARIANT picks another for an end-to-end A/B (bench/gpu_run.sh lora_variants)
-LARGE_VARIANT = os.environ.get("VOXGATE_LORA_LARGE_VARIANT", "two_pdl")
+LARGE_VARIANT = EngineSettings.from_env().lora_large_variant
 if LARGE_VARIANT not in VARIANTS:
     raise ValueError(f"VOXGATE_LORA_LARGE_VARIANT={LARGE_VARIANT!r} is not one of {sorted(VARIANTS)}")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from engine.config import StackConfig
-from engine.model import fp8, layers
+from engine.model import fp8, fusion
 from engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, dense_attention
 from engine.model.layers import LongRoPE, RMSNorm, SwiGLU, apply_rope, fuse_linears, fused_linear, fused_weight
 
@@ -142,7 +142,7 @@ class MiniCPM(nn.Module):
         """Causal flat batch: x [N, H], positions [N] absolute; writes this step's K/V into `cache`.
         On CUDA the backend rotates q and k in the kernel that stores K/V (no RoPE launch of its own)."""
         rope = None if self.rope is None else self.rope(positions)
-        if layers.fused(x):
+        if fusion.fused(x):
             return self.run(x, None, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta, rope))
         return self.run(x, rope, lambda i, q, k, v: backend(q, k, v, cache.k[i], cache.v[i], meta))
 
@@ -155,7 +155,7 @@ class MiniCPM(nn.Module):
         from `DENSE_ROPE_IN_ATTENTION_MIN_SEQS` sequences on."""
         rope = None if self.rope is None else self.rope.prefix(x.shape[1], x.device)
         last_layer = len(self.layers) - 1
-        in_kernel = layers.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS
+        in_kernel = fusion.fused(x) and x.shape[0] >= DENSE_ROPE_IN_ATTENTION_MIN_SEQS
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return dense_attention(q, k, v, rope if in_kernel else None, keep_last if i == last_layer else None)

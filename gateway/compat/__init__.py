@@ -17,36 +17,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import web
 
+from gateway.app_keys import GATEWAY
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
 from gateway.protocol import ErrorCode, Limits, ProtocolError, load_json
 from gateway.session import Session
 from gateway.sockets import FirstMessageTimeout, Messages
 
-if TYPE_CHECKING:  # gateway.server may import this package from its app factory
+if TYPE_CHECKING:  # gateway.server imports this package (its routes)
     from gateway.server import Gateway
 
 log = logging.getLogger("voxgate.compat")
-
-
-def register(app: web.Application) -> None:
-    """Add the compat routes to an application made by `gateway.server.create_app` (before it starts, and before
-    any catch-all static route)."""
-    from gateway.compat import (  # here: they import this module
-        cartesia,
-        deepgram,
-        elevenlabs,
-        elevenlabs_pronunciation,
-        openai,
-        twilio,
-    )
-
-    openai.register(app)
-    elevenlabs.register(app)
-    elevenlabs_pronunciation.register(app)
-    cartesia.register(app)
-    deepgram.register(app)
-    twilio.register(app)
 
 
 def native(kind: str, **fields: Any) -> str:
@@ -110,8 +91,6 @@ def check_api_key(gw: Gateway, key: str | None) -> str:
 
 
 def gateway_of(request: web.Request) -> Gateway:
-    from gateway.server import GATEWAY
-
     return request.app[GATEWAY]
 
 

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine import kernels
 from engine.checkpoint import load_model
 from engine.config import ModelConfig
-from engine.model import layers
+from engine.model import fusion
 from engine.model.attention import AttentionMetadata, KVCache, dense_attention, make_attention_backend, rotate, store_kv
 from engine.model.layers import LongRoPE, apply_rope
 from engine.model.minicpm import DENSE_ROPE_IN_ATTENTION_MIN_SEQS, MiniCPM
@@ -90,11 +90,11 @@ def test_fused_step_matches_unfused_and_launches_fewer_kernels(cuda, voxcpm2_dir
     assert fused_kernels < unfused_kernels
 
     model.to(torch.bfloat16)  # new weight storage: the fused views are stale, the unfused path runs
-    layers.FUSED_KERNELS = False
+    fusion.FUSED_KERNELS = False
     try:
         plain = step_outputs(model, 4, cuda)
     finally:
-        layers.FUSED_KERNELS = True
+        fusion.FUSED_KERNELS = True
     model.fuse_projections()
     bf16 = step_outputs(model, 4, cuda)
     plain_errors = [relative_error(o.float(), r) for o, r in zip(plain, ref, strict=True)]

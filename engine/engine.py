@@ -19,9 +19,8 @@ import asyncio
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,53 +29,29 @@ from engine import guards
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.checkpoint import resolve_model_dir
 from engine.config import ModelConfig
-from engine.distributed import disable_nvls
 from engine.errors import (
     EngineError,
-    EngineOverloaded,
     EngineStopped,
-    InvalidLoRA,
     InvalidParameter,
-    UnknownLoRA,
     UnknownVoice,
     WorkerCrashed,
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
+from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
+from engine.registries import LoRARegistry, Voice, lora_info
 from engine.request import RequestSpec
+from engine.routing import device_groups, pick_worker
 from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
+from engine.sync import SyncEngine
 from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
 from engine.worker import VAE_DTYPES, WorkerConfig
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow, WorkerHandle
 
-if TYPE_CHECKING:
-    from engine.sync import SyncEngine
-
 log = logging.getLogger(__name__)
-
-LATE_SLACK_MS = 300.0  # a worker whose most starved settled listener has less than this buffered is running late
-
-
-@dataclass
-class LoRAEntry:
-    """A registered adapter and the requests using it."""
-
-    adapter: Any  # engine.lora.LoRAAdapter, packed in the workers' dtype (resent to a restarted worker)
-    users: set[str] = field(default_factory=set)  # request ids in flight
-    drained: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class Voice:
-    """A stored voice: its patches, transcript (prompt voices) and, on VoxCPM2, the prefix every worker keeps."""
-
-    info: VoiceInfo
-    latents: torch.Tensor | None  # [T, P, D]
-    text: str | None
-    prefix: RequestSpec | None  # v2: the reference prefix whose KV every worker keeps
 
 
 class Engine:
@@ -123,7 +98,7 @@ class Engine:
             check_tensor_parallel(self.config, tensor_parallel_size)
         except ValueError as e:
             raise InvalidParameter(str(e)) from None
-        groups = _device_groups(devices, tensor_parallel_size)
+        groups = device_groups(devices, tensor_parallel_size)
         disable_nvls()  # inherited by every worker and tensor-parallel rank started from here
         self.default_timesteps = inference_timesteps
         # what a request may ask for (the gateway checks its protocol's settings against the same object)
@@ -144,9 +119,7 @@ class Engine:
             for group in groups]
         self._streams: dict[str, Stream] = {}
         self._voices: dict[str, Voice] = {}
-        self._loras: dict[str, LoRAEntry] = {}
-        self._lora_layout: asyncio.Future | None = None  # {module path: (in, out)}, built once in a thread
-        self._lora_registering: set[str] = set()  # names being registered now: a second one is refused
+        self._loras = LoRARegistry(self.config, max_loras, max_lora_rank)
         self._restarts = 0
         self._crashes = CrashWindow()
         # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
@@ -161,9 +134,7 @@ class Engine:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            from engine.sync import SyncEngine  # sync.py wraps this module
-
-            return SyncEngine(model, **kwargs)
+            return SyncEngine(lambda: cls(model, **kwargs))
         return cls(model, **kwargs)
 
     # ---- workers -----------------------------------------------------------------------------------------
@@ -213,7 +184,7 @@ class Engine:
         self._restarts += 1
         new = self._start_worker(worker.index)
         self._workers[worker.index] = new
-        for lora in self._loras.values():
+        for lora in self._loras.entries.values():
             new.tell("lora_add", lora.adapter)
         for voice in self._voices.values():
             if voice.prefix is not None:
@@ -240,13 +211,7 @@ class Engine:
             raise EngineStopped("the engine is stopped")
         if self._fatal is not None:
             raise EngineStopped(f"the worker cannot start: {self._fatal}")
-        worker = max(self._workers, key=lambda w: (w.ready.is_set() and w.alive,
-                                                   headroom(w.stats, len(w.in_flight), self.max_num_seqs),
-                                                   -len(w.in_flight)))
-        if len(worker.in_flight) >= self.max_num_seqs + self.max_waiting:
-            raise EngineOverloaded(f"{len(worker.in_flight)} requests in flight on the least loaded worker "
-                                   f"(limit {self.max_num_seqs} running + {self.max_waiting} waiting)")
-        return worker
+        return pick_worker(self._workers, self.max_num_seqs, self.max_waiting)
 
     async def _call(self, worker: WorkerHandle, kind: str, *args: Any) -> Any:
         await self._wait_ready(worker)
@@ -325,7 +290,7 @@ class Engine:
             if v.text is not None and not given_prompt and not styled:
                 prompt_text, prompt_patches = v.text, v.latents
             lora = v.info.lora if lora is None else lora
-        adapter = self._lora(lora)
+        adapter = self._loras.get(lora)
         tenant = self.queued_prompts.check(tenant)
         worker = self._pick_worker()
         # the voice's shared prefix KV was computed under the voice's adapter: another adapter recomputes it
@@ -417,7 +382,7 @@ class Engine:
         """Store a voice. VoxCPM2: a reference voice whose prefix KV is computed once per worker and shared by
         every request of the voice. VoxCPM 0.5B/1.5: prompt audio + its transcript `text` (continuation).
         `lora` names a registered adapter the voice's requests use; with no audio the voice is the adapter alone."""
-        self._lora(lora)
+        self._loras.get(lora)
         if lora is not None and audio is None and latents is None and text is None:
             voice_id = guards.voice_id_or_new(voice_id)
             if voice_id in self._voices:
@@ -462,81 +427,33 @@ class Engine:
         return None if v.latents is None else v.latents.numpy().copy()
 
     # ---- LoRA adapters -----------------------------------------------------------------------------------
-    def _lora(self, name: str | None) -> LoRAEntry | None:
-        if name is None:
-            return None
-        if not isinstance(name, str):
-            raise InvalidParameter(f"lora must be an adapter name (got {type(name).__name__})")
-        entry = self._loras.get(name)
-        if entry is None:
-            raise UnknownLoRA(f"no registered LoRA adapter {name!r}")
-        return entry
-
     async def register_lora(self, name: str, source: str | Path | dict[str, torch.Tensor],
                             config: dict[str, Any] | None = None) -> LoRAInfo:
         """Load an adapter (a directory with lora_weights.safetensors + lora_config.json, the .safetensors file,
         or tensors with `config`), check it against the model and put it on every worker. Bad adapters raise
         `InvalidLoRA` here, before any worker sees them."""
-        from engine.lora import SharedAdapter, load_adapter, lora_layout
-
-        max_loras, max_rank = self._worker_configs[0].max_loras, self._worker_configs[0].max_lora_rank
-        if not max_loras:
-            raise InvalidLoRA("this engine has no LoRA slots: start it with max_loras >= 1")
-        if isinstance(name, str) and (name in self._loras or name in self._lora_registering):
-            raise InvalidLoRA(f"a LoRA adapter named {name!r} is already registered: unregister it first")
-        if self._lora_layout is None:  # a meta-device model: ~1 s at VoxCPM2 size, off the event loop
-            self._lora_layout = asyncio.ensure_future(asyncio.to_thread(lora_layout, self.config))
-        # Registrations may run concurrently (the reading, checking and packing run in threads, the workers take
-        # the adapters one after another); the name is held from here so two of one name cannot both pass.
-        held = isinstance(name, str)
-        if held:
-            self._lora_registering.add(name)
-        try:
-            try:
-                layout = await asyncio.shield(self._lora_layout)
-            except Exception:
-                self._lora_layout = None  # let the next registration try again
-                raise
-            adapter = await asyncio.to_thread(load_adapter, name, source, layout, max_rank, config)
+        async def first_worker_dtype() -> torch.dtype:
             await self._wait_ready(self._workers[0])
-            # sent and kept in the model's dtype with alpha/r folded in: half the bytes of float32 in bf16, and
-            # the slots get the same bits as packing in the worker would give
-            dtype = getattr(torch, self._workers[0].info.get("dtype", "float32"))
-            adapter = await asyncio.to_thread(adapter.packed, dtype)
-            shared = await asyncio.to_thread(SharedAdapter.create, adapter)  # None: send it through the pipe
-            calls = asyncio.gather(*(self._call(w, "lora_add", shared or adapter) for w in self._workers))
+            return getattr(torch, self._workers[0].info.get("dtype", "float32"))
 
-            def ended(f: asyncio.Future) -> None:
-                # the segment must outlive every worker's read: it goes when the calls end (a reply, a crash or
-                # the engine stopping), even if this registration was cancelled meanwhile
-                if shared is not None:
-                    shared.unlink()
-                if not f.cancelled():
-                    f.exception()  # retrieved: a cancelled registration no longer awaits it
+        def add_to_workers(adapter: Any) -> asyncio.Future:
+            return asyncio.gather(*(self._call(w, "lora_add", adapter) for w in self._workers))
 
-            calls.add_done_callback(ended)
-            await asyncio.shield(calls)
-        finally:
-            if held:
-                self._lora_registering.discard(name)
-        entry = LoRAEntry(adapter)
-        entry.drained.set()
-        self._loras[name] = entry
-        return _lora_info(entry)
+        return await self._loras.register(name, source, config, first_worker_dtype, add_to_workers)
 
     async def unregister_lora(self, name: str) -> None:
         """Refuse new requests for the adapter at once, wait for those in flight to finish, then free it."""
-        entry = self._lora(name)
+        entry = self._loras.get(name)
         users = [v.info.voice_id for v in self._voices.values() if v.info.lora == name]
         if users:
             raise InvalidParameter(f"LoRA adapter {name!r} is used by stored voice(s) {users}: remove them first")
-        del self._loras[name]
+        del self._loras.entries[name]
         await entry.drained.wait()
         await asyncio.gather(*(self._call(w, "lora_remove", name) for w in self._workers if w.alive))
 
     def list_loras(self) -> list[LoRAInfo]:
         """The registered adapters, in the order they were registered."""
-        return [_lora_info(e) for e in self._loras.values()]
+        return [lora_info(e) for e in self._loras.entries.values()]
 
     # ---- status ------------------------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -594,58 +511,3 @@ class Engine:
         for w in self._workers:
             w.fail_calls(EngineStopped("the engine stopped"))
         await asyncio.gather(*(asyncio.to_thread(w.close) for w in self._workers))
-
-
-def _lora_info(entry: LoRAEntry) -> LoRAInfo:
-    a = entry.adapter
-    return LoRAInfo(a.name, a.rank, a.alpha, len(a.weights), a.num_parameters, len(entry.users))
-
-
-def headroom(stats: dict[str, Any], in_flight: int, max_num_seqs: int) -> float:
-    """How much more a worker can take, from the stats it reports every step: the tighter of its free sequence
-    room and its free KV blocks (both fractions), less one whole unit while it is late on a deadline (a listener
-    about to starve), so a late worker gets new turns only when every worker is late."""
-    seqs = max(in_flight, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
-    room = 1.0 - seqs / max_num_seqs
-    total = stats.get("total_blocks") or 0
-    if total:  # requests routed since the last report hold no blocks yet: charge them the average
-        used = total - stats.get("free_blocks", total) - stats.get("voice_blocks", 0)
-        reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-        unseen = max(0, in_flight - reported)
-        per_seq = used / reported if reported else 0.0
-        room = min(room, (stats.get("free_blocks", total) - unseen * per_seq) / total)
-    slack = stats.get("min_slack_ms")
-    if slack is not None and slack < LATE_SLACK_MS:
-        room -= 1.0
-    return room
-
-
-def _device_groups(devices: list[int | str] | None, tp: int) -> list[list[str]]:
-    """Device names, one list per worker: `tp` consecutive devices form one tensor-parallel group.
-
-    `devices` holds CUDA indices (0, 1) or torch device names ("cuda:1", "cpu"); "cpu" may repeat, for several CPU
-    workers (or ranks). Default: the first `tp` GPUs, or `tp` CPU ranks without a GPU."""
-    if devices is None:
-        devices = list(range(tp)) if torch.cuda.is_available() else ["cpu"] * tp
-    if not isinstance(devices, (list, tuple)) or not devices:
-        raise InvalidParameter("devices must be a non-empty list of CUDA indices or device names")
-    names = []
-    for d in devices:
-        try:
-            dev = torch.device(f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else d)
-        except (RuntimeError, TypeError):
-            raise InvalidParameter(f"devices: {d!r} is neither a CUDA index nor a device name") from None
-        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-            raise InvalidParameter(f"devices: {d!r} is not a CUDA device available here")
-        if dev.type not in ("cuda", "cpu"):
-            raise InvalidParameter(f"devices: {d!r}: only CUDA devices and the CPU are supported")
-        names.append(f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu")
-    if len(names) % tp:
-        raise InvalidParameter(f"{len(names)} devices do not split into tensor-parallel groups of {tp}")
-    groups = [names[i:i + tp] for i in range(0, len(names), tp)]
-    for g in groups:
-        if len({torch.device(n).type for n in g}) > 1:
-            raise InvalidParameter(f"a tensor-parallel group cannot mix the CPU and GPUs ({g})")
-        if g[0] != "cpu" and len(set(g)) < len(g):
-            raise InvalidParameter(f"a tensor-parallel group needs distinct GPUs ({g})")
-    return groups

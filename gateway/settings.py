@@ -1,0 +1,34 @@
+"""The gateway's environment switches, defined once in the engine's style (`engine.settings`).
+
+Read when they are used (`GatewaySettings.from_env()`), so a test may set a variable first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.settings import on_unless_zero, read_env, switch
+
+
+def optional_threads(raw: str) -> int | None:
+    """Unset: None (the gateway sizes the pool from the cores); else at least 1."""
+    return max(1, int(raw)) if raw else None
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway's environment switches (its options are CLI flags and `ServerConfig`)."""
+
+    encode_threads: int | None = switch(
+        "VOXGATE_ENCODE_THREADS", "", "unset | integer", "the Opus encode pool's threads (unset: 3 per 4 cores, at "
+        "most 12)", optional_threads)
+    opus_batch: bool = switch(
+        "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
+        "opuslib", on_unless_zero)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewaySettings:
+        """The switches as the environment sets them now."""
+        settings: GatewaySettings = read_env(cls, environ)
+        return settings
