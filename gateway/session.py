@@ -22,7 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.offload import shared_pool
 from gateway.playout import TurnSender
 from gateway.protocol import ErrorCode, ProtocolError
-from gateway.segmenter import ChunkingConfig, Segment, Segmenter
+from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
 from gateway.turn import OFFLOADED_FORMATS, SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
 from gateway.turn_report import split_heard
 from gateway.voices import stored_voices

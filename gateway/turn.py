@@ -18,7 +18,7 @@ from gateway.audio import Encoder, OutputFormat
 from gateway.metrics import GatewayMetrics
 from gateway.offload import OffloadPool
 from gateway.protocol import ErrorCode, ProtocolError
-from gateway.segmenter import Segment, Segmenter
+from gateway.text.segmenter import Segment, Segmenter
 from gateway.turn_report import SegmentAudio, SegmentTiming
 
 log = logging.getLogger("voxgate.session")
