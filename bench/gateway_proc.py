@@ -129,7 +129,7 @@ async def _serve(args: argparse.Namespace) -> None:
     runner, port = await start_server(app, args.host, args.port)
     # the text normalisation grammars load in a thread at start-up (seconds of pure Python, holding the GIL): done
     # before the port is announced, so no level measures it
-    from gateway import normalize
+    from gateway.text import normalize
 
     await asyncio.to_thread(normalize.preload)
     monitor = asyncio.create_task(lag.run())

@@ -1,4 +1,4 @@
-"""Text normalisation's cost per segment (gateway.normalize) on one core: what `generation.normalize` adds to a
+"""Text normalisation's cost per segment (gateway.text.normalize) on one core: what `generation.normalize` adds to a
 segment's TTFB, since a segment is normalised in the handler that releases it, right before its engine request.
 
 Segments are what the real Segmenter releases for real text: the LLM fixtures (tests/data/llm_stream_*.txt) and
@@ -10,7 +10,7 @@ lines, fed in 1-4 character deltas. For each mode it reports, over those segment
 - `push_us`: the segmenter's own cost per delta (cut checks included), normalisation off vs on;
 - the share of segments that needed the grammar at all;
 - `wall_of_numbers_ms`: one segment of 300 characters of prices and dates, the worst case the grammar budget
-  (gateway.normalize.GRAMMAR_BUDGET_CHARS) bounds.
+  (gateway.text.normalize.GRAMMAR_BUDGET_CHARS) bounds.
 
     python bench/normalize_bench.py --json bench/results/normalize.json
 """
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gateway import normalize as spoken  # noqa: E402
-from gateway.segmenter import ChunkingConfig, Segmenter, speak  # noqa: E402
+from gateway.text import normalize as spoken  # noqa: E402
+from gateway.text.segmenter import ChunkingConfig, Segmenter, speak  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway import normalize as spoken
 from gateway.config_file import ConfigFileError, with_config_file
 from gateway.leases import DEFAULT_LEASE_TTL_S
 from gateway.store.local import DEFAULT_DATA_DIR
+from gateway.text import normalize as spoken
 
 log = logging.getLogger("voxgate")
 
@@ -239,8 +239,8 @@ async def _start_engine(args: argparse.Namespace):
 
 async def _serve(args: argparse.Namespace) -> int:
     from gateway.auth import Auth
+    from gateway.http.readiness import drain
     from gateway.protocol import Limits
-    from gateway.readiness import drain
     from gateway.server import WEB_CLIENT_DIR, ServerConfig, create_app, start_server
     from gateway.session import SessionConfig
     from gateway.store import open_store

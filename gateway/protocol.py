@@ -16,12 +16,12 @@ from gateway.audio import (  # noqa: F401 (re-exported)
     pack_frames,
     unpack_frame_header,
 )
-from gateway.normalize import MODES as NORMALIZE_MODES
-from gateway.unicode_text import first_invalid, is_text
+from gateway.text.normalize import MODES as NORMALIZE_MODES
+from gateway.text.unicode_text import first_invalid, is_text
 
 PROTOCOL_VERSION = 1
 MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
-MAX_PRONUNCIATIONS = 8  # pronunciation dictionaries one session selects (gateway.pronunciation)
+MAX_PRONUNCIATIONS = 8  # pronunciation dictionaries one session selects (gateway.text.pronunciation)
 
 
 class ErrorCode(StrEnum):
@@ -102,7 +102,7 @@ class GenerationSettings:
     max_length: int | None = None
     continuation: bool = True  # prompt each segment with the previous segment's tail, so a turn sounds like one
     continuation_patches: int = 12
-    normalize: str = "auto"  # numbers, money, dates, units as words: gateway.normalize (auto / on / off)
+    normalize: str = "auto"  # numbers, money, dates, units as words: gateway.text.normalize (auto / on / off)
     instruction: str | None = None  # style instruction (VoxCPM2 voice design): a turn's first segment is "(it)text"
     pronunciations: tuple[str, ...] = ()  # ids of pronunciation dictionaries, applied in this order
 
@@ -135,7 +135,7 @@ class SessionStart:
     TYPE: ClassVar[str] = "session.start"
     voice: str | None = None
     output: dict[str, Any] = field(default_factory=dict)  # resolved by gateway.audio.OutputFormat.from_dict
-    chunking: dict[str, Any] = field(default_factory=dict)  # resolved by gateway.segmenter.ChunkingConfig
+    chunking: dict[str, Any] = field(default_factory=dict)  # resolved by gateway.text.segmenter.ChunkingConfig
     generation: dict[str, Any] = field(default_factory=dict)  # validated keys of GenerationSettings
 
 
@@ -227,8 +227,8 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
 
 
 def load_json(raw: str | bytes) -> Any:
-    """One client JSON document, every string in it valid Unicode (gateway.unicode_text): the one way client JSON is
-    read, by the native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the
+    """One client JSON document, every string in it valid Unicode (gateway.text.unicode_text): the one way client JSON
+    is read, by the native protocol and every compat adapter. ProtocolError BAD_JSON, or INVALID_VALUE naming the
     field that is not text."""
     try:
         data = json.loads(raw)

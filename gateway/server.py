@@ -1,5 +1,5 @@
 """The aiohttp application: native WebSocket endpoint, health, readiness, Prometheus metrics and the static web
-client; the voices, adapters and tokens API is gateway.voice_api."""
+client; the voices, adapters and tokens API is gateway.http.voice_api."""
 
 from __future__ import annotations
 
@@ -14,20 +14,21 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import normalize, pronunciation_api, voice_api
 from gateway.app_keys import GATEWAY
 from gateway.auth import Auth, AuthError
 from gateway.compat import routes as compat_routes
-from gateway.http_errors import error_response, quiet_malformed_http, typed_errors
+from gateway.http import pronunciation_api, voice_api
+from gateway.http.http_errors import error_response, quiet_malformed_http, typed_errors
+from gateway.http.readiness import drain, readyz, refuse_sockets_while_draining
+from gateway.http.refusals import log_refusal
 from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
 from gateway.metrics import GatewayMetrics
-from gateway.pronunciation import Pronunciations
 from gateway.protocol import ErrorCode, Limits, ProtocolError
-from gateway.readiness import drain, readyz, refuse_sockets_while_draining
-from gateway.refusals import log_refusal
 from gateway.session import Session, SessionConfig
 from gateway.sockets import Messages, open_socket
 from gateway.store import Store, StoreUnavailable, open_store
+from gateway.text import normalize
+from gateway.text.pronunciation import Pronunciations
 from gateway.voices import Catalog, Unavailable, VoiceRefused
 
 log = logging.getLogger("voxgate.server")

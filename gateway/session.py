@@ -1,6 +1,7 @@
 """One client session of the native protocol: turns (contexts), their segments in flight, pacing against the
 client's playout, cancellation with a heard report, limits. Talks to the engine through its async API and to the
-client through a `Transport`; knows nothing about aiohttp."""
+client through a `Transport`; knows nothing about aiohttp. A turn's synthesis pipeline is in `gateway.turn`, its
+paced sender in `gateway.playout`, its report in `gateway.turn_report`."""
 
 from __future__ import annotations
 
@@ -8,44 +9,27 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from engine import errors as engine_errors
 from gateway import protocol as p
-from gateway.audio import Encoder, OutputFormat, opus_available
+from gateway.audio import OutputFormat, opus_available
 from gateway.metrics import GatewayMetrics
-from gateway.offload import OffloadPool, shared_pool
+from gateway.offload import shared_pool
+from gateway.playout import TurnSender
 from gateway.protocol import ErrorCode, ProtocolError
-from gateway.segmenter import ChunkingConfig, Segment, Segmenter
+from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
+from gateway.turn import OFFLOADED_FORMATS, SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
+from gateway.turn_report import split_heard
+from gateway.voices import stored_voices
 
 log = logging.getLogger("voxgate.session")
 
 TELEPHONY_FORMATS = ("mulaw", "alaw")
-REPORT_INTERVAL_S = 0.1  # how often a turn tells the engine's scheduler how much audio its listener has queued
-# Once the client holds max_lead_ms, sending resumes only when this much fits again, then goes out as one write:
-# one wakeup per ~engine chunk (160 ms) per stream instead of one per 20 ms frame.
-PACE_QUANTUM_MS = 160.0
-# Formats whose encoding is worth a thread hop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz, without the GIL). PCM and
-# G.711 cost ~0.05 ms per chunk: cheaper on the loop than any hop.
-OFFLOADED_FORMATS = ("opus",)
-# A turn's first chunk is encoded in two pool calls: HEAD_FRAMES frames (sent as soon as they are encoded), then the
-# rest (`Session._encode_chunk`). A burst of new turns then gets every turn's first audio out before anyone's rest.
-# Later chunks stay one call: splitting every short listener's chunk doubles the event loop's hops and writes,
-# which at hundreds of Opus sessions adds loop lag and underruns instead of removing them.
-# Two frames, not one: 20 ms would be spent before the rest of a burst is encoded.
-HEAD_FRAMES = 2
-
-
-class SessionClosed(Exception):
-    """The connection is gone (or being closed): stop what you are doing."""
 
 
 # a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
@@ -79,134 +63,8 @@ class SessionConfig:
     finished_turns_kept: int = 8  # for late playback.position / context.cancel after context.done
 
 
-# queue items from a turn's synthesis task to its sender task, in audio order
-@dataclass
-class _Packets:
-    """Consecutive encoded frames (about one engine chunk), sent together when pacing allows."""
 
-    payloads: list[bytes]
-    last: bool = False  # ends with the turn's last frame
-
-
-@dataclass
-class _SegmentMark:
-    segment: Segment
-    pts_ms: float
-    released_at: float
-
-
-@dataclass
-class _Started:
-    """A segment whose engine request is out (`Session._start`): its stream, when it went out and what the listener
-    had queued then."""
-
-    segment: Segment
-    stream: Any
-    t0: float
-    lead_ms: float
-    error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
-
-
-# segments: items from the message handlers to a turn's synthesis task, in text order
-@dataclass
-class _FlushMark:
-    flush_id: str | None
-
-
-@dataclass
-class _EndMark:
-    pass
-
-
-@dataclass
-class SegmentAudio:
-    text: str
-    start_ms: float
-    end_ms: float | None = None  # known once all its audio is queued
-
-
-@dataclass
-class SegmentTiming:
-    """Where one segment's synthesis sat in its turn, reported in `context.done` metrics as `segment_log`: tells a
-    segment that was started too late (little `lead_ms`) from an engine that fell behind (`max_wait_ms`)."""
-
-    segment: int
-    submit_ms: float  # the turn's first text -> the segment submitted to the engine
-    lead_ms: float  # audio the listener had queued then (at the client and here): the time the engine has
-    engine_ttfb_ms: float | None = None  # submitted -> its first chunk
-    done_ms: float | None = None  # the turn's first text -> its last chunk received from the engine
-    max_wait_ms: float = 0.0  # the longest wait for one of its later chunks (the engine, not the listener, was late)
-    max_wait_end_ms: float | None = None  # the turn's first text -> when that wait ended
-    patches: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
-
-
-@dataclass
-class Turn:
-    """One context: text in, audio out, in order."""
-
-    id: str
-    index: int
-    fmt: OutputFormat
-    voice: str | None
-    generation: p.GenerationSettings
-    segmenter: Segmenter
-    max_lead_ms: float
-    # made by the synthesis task, off the path from a turn's first text to its engine request (a soxr stream costs
-    # ~50 us: in a burst of new turns, every one of them waits for the others' set-up)
-    encoder: Encoder | None = None
-    offload: OffloadPool | None = None  # where encoding runs: a thread pool, or None for on the loop
-    segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _Started | _FlushMark | _EndMark
-    # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
-    # released segment goes to the engine from the handler that released it (`Session._release`)
-    idle: bool = True
-    prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
-    continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
-    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
-    text: str = ""  # everything appended
-    ended: bool = False
-    seq: int = 0
-    request_id: str | None = None
-    queued_ms: float = 0.0  # encoded, not yet sent
-    held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
-    sending: bool = False  # an item of `frames` (or a batch the synthesis task sends itself) is being sent
-    reported_at: float = 0.0  # last update_buffered to the engine
-    fed_ms: float = 0.0  # audio produced by the engine so far
-    audio: list[SegmentAudio] = field(default_factory=list)
-    # pacing: the client's playout is modelled as real time from (t_play, play_base_ms), capped at what was sent
-    sent_ms: float = 0.0
-    t_play: float | None = None
-    play_base_ms: float = 0.0
-    client_reported: bool = False
-    # metrics
-    t_first_text: float | None = None
-    t_first_audio: float | None = None
-    engine_ttfb_ms: float | None = None
-    later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
-    segment_log: list[SegmentTiming] = field(default_factory=list)
-    engine_s: float = 0.0
-    max_gap_ms: float = 0.0
-    segment_released_at: float = 0.0  # when the segment being sent left the segmenter
-
-    def sent_chars(self) -> int:
-        """Characters of segments whose audio has all been sent."""
-        return sum(len(a.text) for a in self.audio if a.end_ms is not None and a.end_ms <= self.sent_ms)
-
-    def played_ms(self, now: float) -> float:
-        if self.t_play is None:
-            return 0.0
-        return min(self.sent_ms, self.play_base_ms + (now - self.t_play) * 1000.0)
-
-    def buffered_ms(self, now: float) -> float:
-        """Audio the listener has or will have before it runs dry: queued at the client plus queued here."""
-        return self.sent_ms - self.played_ms(now) + self.queued_ms
-
-
-class Session:
+class Session(TurnPipeline, TurnSender):
     """Drive with `receive()` per client frame; `close()` when the connection ends."""
 
     def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
@@ -518,312 +376,6 @@ class Session:
             return _Started(seg, None, now, lead_ms, error=e)
         return _Started(seg, stream, now, lead_ms)
 
-    # ------------------------------------------------------------------------------------------------ turn tasks
-
-    async def _segment_timer(self, turn: Turn) -> None:
-        """Let time-based segment boundaries fire (the first segment leaves after max_delay_ms without a clause)."""
-        while not turn.ended:
-            deadline = turn.segmenter.next_deadline()
-            turn.wake.clear()
-            timeout = None if deadline is None else max(0.0, deadline - self.clock())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await turn.wake.wait()
-            if deadline is not None and not turn.ended and self.clock() >= deadline:
-                turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
-                self._release(turn, turn.segmenter.poll())
-
-    async def _synthesise(self, turn: Turn) -> None:
-        """Segments in order through the engine; encoded audio into the bounded frame queue."""
-        gen = turn.generation
-        try:
-            turn.encoder = Encoder(turn.fmt, self.model_rate)
-            while True:
-                if turn.segments.empty():
-                    turn.idle = True  # the next released segment is started by its handler (`_release`)
-                item = await turn.segments.get()
-                turn.idle = False
-                if isinstance(item, _FlushMark):
-                    await self._drain(turn)
-                    await self._release_held(turn)
-                    await turn.frames.put(item)
-                    continue
-                if isinstance(item, _EndMark):
-                    await self._queue_packets(turn, await self._encode(turn, None), last=True)
-                    await turn.frames.put(item)
-                    return
-                if isinstance(item, _Started):  # its request went out when it was released
-                    started = item
-                    try:
-                        await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
-                    except BaseException:  # stopped while the frame queue was full: nothing else will close it
-                        await _aclose(item.stream)
-                        raise
-                else:  # the mark first: a full frame queue (plenty queued for the listener) holds the request back
-                    await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
-                    started = self._start(turn, item)
-                seg = started.segment
-                seg_audio = SegmentAudio(seg.text, turn.fed_ms)
-                turn.audio.append(seg_audio)
-                latents = await self._generate(turn, started)
-                seg_audio.end_ms = turn.fed_ms
-                if turn.continues and latents:
-                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
-        except ProtocolError as e:
-            e.context_id = turn.id
-            self._background(self._abort_turn(turn, e))
-        except SessionClosed:
-            pass
-        except Exception:
-            log.exception("session %s context %s: synthesis failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
-
-    async def _generate(self, turn: Turn, started: _Started) -> list[np.ndarray]:
-        """Read one segment's stream to its end, encoding and queueing its audio; its latents (the next prompt)."""
-        seg = started.segment
-        timing = SegmentTiming(seg.index, self._turn_ms(turn, started.t0), started.lead_ms)
-        turn.segment_log.append(timing)
-        latents: list[np.ndarray] = []
-        stream = started.stream
-        try:
-            if started.error is not None:
-                raise started.error
-            first = True
-            while True:
-                # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the
-                # first chunk is waited for since the request went out
-                t0 = started.t0 if first else self.clock()
-                try:
-                    chunk = await anext(stream)
-                except StopAsyncIteration:
-                    break
-                finally:
-                    t1 = self.clock()
-                    turn.engine_s += t1 - t0
-                wait_ms = (t1 - t0) * 1000.0
-                timing.patches += 1
-                if chunk.is_last:
-                    timing.done_ms = self._turn_ms(turn, t1)
-                if first:
-                    first = False
-                    timing.engine_ttfb_ms = wait_ms
-                    if turn.engine_ttfb_ms is None:
-                        turn.engine_ttfb_ms = wait_ms
-                        self.metrics.engine_ttfb.observe(wait_ms / 1000.0)
-                    else:  # continuation prompts make these longer: measured to keep that cost visible
-                        turn.later_ttfb_ms.append(wait_ms)
-                elif wait_ms > timing.max_wait_ms:
-                    timing.max_wait_ms, timing.max_wait_end_ms = wait_ms, self._turn_ms(turn, t1)
-                if chunk.latents is not None:
-                    latents.append(np.asarray(chunk.latents))
-                turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
-                await self._encode_chunk(turn, chunk.audio)
-        except engine_errors.InvalidRequest as e:
-            code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
-            raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
-        except engine_errors.TenantOverloaded as e:
-            raise ProtocolError(ErrorCode.RATE_LIMITED, f"too many prompts of this API key queued: {e}") from None
-        except engine_errors.EngineOverloaded as e:
-            raise ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity, retry shortly: {e}") from None
-        except engine_errors.EngineError as e:
-            raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
-        finally:
-            await _aclose(stream)  # cancels the engine request when we stop early
-        return latents
-
-    def _turn_ms(self, turn: Turn, now: float) -> float:
-        """Milliseconds since the turn's first text (the origin of its TTFB)."""
-        return (now - turn.t_first_text) * 1000.0 if turn.t_first_text is not None else 0.0
-
-    async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
-        """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
-        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a turn's
-        first chunk takes two: `_encode_chunk`); the cheap formats are encoded right here."""
-        encoder = turn.encoder
-        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        work = encoder.finish if pcm is None else encoder.encode
-        args = () if pcm is None else (pcm,)
-        if turn.offload is not None:
-            return await turn.offload.run(work, *args, urgency=turn.buffered_ms(self.clock()))
-        return work(*args)
-
-    async def _drain(self, turn: Turn) -> None:
-        """A flush: the audio still inside the encoder (resampler tail, partial frame) queued before the flush's
-        answer, so text.flushed follows the flush's last audio; the silence padding the last frame counts as fed."""
-        encoder = turn.encoder
-        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        if turn.offload is not None:
-            frames, padding = await turn.offload.run(encoder.drain, urgency=turn.buffered_ms(self.clock()))
-        else:
-            frames, padding = encoder.drain()
-        turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
-        await self._queue_packets(turn, frames)
-
-    async def _encode_chunk(self, turn: Turn, pcm: np.ndarray) -> None:
-        """One engine chunk -> its frames queued. A turn's first offloaded chunk is two calls, one after the other
-        (the encoder is not thread-safe): its first frames, queued as soon as they are encoded, then the rest. A
-        burst of new turns arrives in one engine step and the pool runs each loop iteration's calls most urgent
-        first on FIFO threads, so every new turn's first frames are encoded before anyone's rest."""
-        encoder = turn.encoder
-        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
-        # `_queue_packets` holds the newest frame back (it may be the turn's last): HEAD_FRAMES leave only when the
-        # head brings one more than that (a first chunk has no earlier frame held back to go with them)
-        frames = HEAD_FRAMES + 1
-        if turn.offload is None or turn.queued_ms or len(pcm) <= frames * step:  # not a first chunk to split
-            await self._queue_packets(turn, await self._encode(turn, pcm))
-            return
-        buffered = turn.buffered_ms(self.clock())
-        head, used = await turn.offload.run(_encode_head, encoder, pcm, frames, step, urgency=buffered)
-        # what the listener has once the head is out; counted before `_queue_packets` takes the list over (and pops)
-        urgency = buffered + len(head) * turn.fmt.frame_ms
-        await self._queue_packets(turn, head)
-        if used < len(pcm):
-            await self._queue_packets(turn, await turn.offload.run(encoder.encode, pcm[used:], urgency=urgency))
-
-    async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False) -> None:
-        """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
-        known) so the turn's last frame can carry FLAG_LAST. Frames are whole: the encoder pads the end."""
-        turn.queued_ms += len(payloads) * turn.fmt.frame_ms
-        batch = payloads if turn.held is None else [turn.held, *payloads]
-        turn.held = None if last or not batch else batch.pop()
-        if not batch:
-            return
-        packets = _Packets(batch, last)
-        if not turn.sending and turn.frames.empty() and self._fits_now(turn, len(batch)):
-            # nothing is waiting ahead of these frames and the client has room: send them from here, which saves
-            # the sender task's wakeup (per chunk per stream) and, under a burst, lets each turn's audio leave
-            # right after its own encoding instead of after every turn's. Only this task queues items, so nothing
-            # can slip in between.
-            turn.sending = True
-            try:
-                await self._send_packets(turn, packets)
-            finally:
-                turn.sending = False
-        else:
-            await turn.frames.put(packets)
-
-    async def _release_held(self, turn: Turn) -> None:
-        if turn.held is not None:
-            payload, turn.held = turn.held, None
-            await turn.frames.put(_Packets([payload]))
-
-    async def _send_audio(self, turn: Turn) -> None:
-        """Paced sending: never more than max_lead_ms ahead of the client's playout."""
-        try:
-            await self._send_audio_loop(turn)
-        except SessionClosed:
-            pass
-        except Exception:  # a bug here must not leave the client waiting for audio that never comes
-            log.exception("session %s context %s: sending failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
-
-    async def _send_audio_loop(self, turn: Turn) -> None:
-        while True:
-            turn.sending = False
-            item = await turn.frames.get()
-            turn.sending = True
-            if isinstance(item, _Packets):
-                await self._send_packets(turn, item)
-            elif isinstance(item, _SegmentMark):
-                turn.segment_released_at = item.released_at
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
-                                                  round(item.pts_ms, 1)))
-            elif isinstance(item, _FlushMark):
-                await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.sent_ms, 1)))
-            elif isinstance(item, _EndMark):
-                await self._finish_turn(turn)
-                return
-
-    async def _send_packets(self, turn: Turn, item: _Packets) -> None:
-        """A batch of frames, in as few writes as pacing allows (usually one)."""
-        payloads, frame_ms = item.payloads, turn.fmt.frame_ms
-        done = 0
-        while done < len(payloads):
-            n = await self._pace(turn, len(payloads) - done)
-            self._track_playout(turn, self.clock())
-            part = payloads[done:done + n]
-            done += n
-            await self._send_frames(p.pack_frames(turn.fmt.kind, turn.index, turn.seq, turn.sent_ms, frame_ms, part,
-                                                  last=item.last and done == len(payloads)))
-            turn.seq += n
-            turn.sent_ms += n * frame_ms
-            turn.queued_ms -= n * frame_ms
-            self._report_buffered(turn)
-
-    def _room_ms(self, turn: Turn) -> float:
-        """How far sending may still run ahead of the client's playout; frame k (from 0) of what is waiting may go
-        now if k * frame_ms <= this. inf before the turn's first audio (playout starts with it) or without a lead
-        limit."""
-        if turn.t_play is None:
-            return math.inf
-        return turn.max_lead_ms - (turn.sent_ms - turn.played_ms(self.clock()))
-
-    def _fits_now(self, turn: Turn, frames: int) -> bool:
-        return self._room_ms(turn) >= (frames - 1) * turn.fmt.frame_ms
-
-    async def _pace(self, turn: Turn, available: int) -> int:
-        """How many of the next `available` frames may go now, waiting while the client is max_lead_ms ahead;
-        once it is, sending resumes when PACE_QUANTUM_MS (or all that is available) fits again."""
-        frame_ms = turn.fmt.frame_ms
-        need = min(available, max(1, int(PACE_QUANTUM_MS // frame_ms)))
-        while True:
-            room = self._room_ms(turn)
-            if room >= (available - 1) * frame_ms:
-                return available
-            if room >= (need - 1) * frame_ms:
-                return int(room // frame_ms) + 1
-            await asyncio.sleep(((need - 1) * frame_ms - room) / 1000.0)
-
-    def _track_playout(self, turn: Turn, now: float) -> None:
-        if turn.t_play is None:  # first audio of the turn: playout starts now
-            turn.t_first_audio = now
-            turn.t_play, turn.play_base_ms = now, 0.0
-            if turn.t_first_text is not None:
-                self.metrics.ttfb.observe(now - turn.t_first_text)
-            return
-        dry_since = turn.t_play + (turn.sent_ms - turn.play_base_ms) / 1000.0
-        if now > dry_since:  # the listener ran out of audio: playout resumes when this packet arrives
-            # only count silence the gateway caused, not time spent waiting for the client's text
-            waited_from = max(dry_since, turn.segment_released_at)
-            gap_ms = max(0.0, (now - waited_from) * 1000.0)
-            turn.max_gap_ms = max(turn.max_gap_ms, gap_ms)
-            if gap_ms > 0:
-                self.metrics.gap.observe(gap_ms / 1000.0)
-            turn.t_play, turn.play_base_ms = now, turn.sent_ms
-
-    def _report_buffered(self, turn: Turn, force: bool = False) -> None:
-        now = self.clock()
-        if turn.request_id is None or (not force and now - turn.reported_at < REPORT_INTERVAL_S):
-            return
-        turn.reported_at = now
-        buffered = turn.buffered_ms(now)
-        turn.segmenter.set_queued_audio_ms(buffered)
-        with contextlib.suppress(Exception):  # advisory: the scheduler's hint must never break a turn
-            self.engine.update_buffered(turn.request_id, buffered)
-
-    async def _finish_turn(self, turn: Turn) -> None:
-        for task in turn.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()  # the segment timer; the synthesis task has already returned
-        audio_s = turn.sent_ms / 1000.0
-        rtf = turn.engine_s / audio_s if audio_s > 0 else None
-        if rtf is not None:
-            self.metrics.rtf.observe(rtf)
-        ttfb = None
-        if turn.t_first_audio is not None and turn.t_first_text is not None:
-            ttfb = round((turn.t_first_audio - turn.t_first_text) * 1000.0, 1)
-        later = turn.later_ttfb_ms
-        metrics = {"ttfb_ms": ttfb, "engine_ttfb_ms": _round(turn.engine_ttfb_ms), "rtf": _round(rtf, 4),
-                   "max_gap_ms": round(turn.max_gap_ms, 1), "segments": len(turn.audio),
-                   "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None,
-                   "segment_log": [t.to_dict() for t in turn.segment_log]}
-        self._retire(turn)
-        self.metrics.turns_done.labels(outcome="done").inc()
-        await self._send(p.ContextDone(turn.id, round(turn.sent_ms, 1), metrics))
-
     def _retire(self, turn: Turn) -> None:
         self.turns.pop(turn.id, None)
         self.finished[turn.id] = turn
@@ -941,35 +493,6 @@ class Session:
         task.add_done_callback(self._tasks.discard)
 
 
-def split_heard(texts: list[str], audio: list[SegmentAudio], played_ms: float) -> tuple[str, str]:
-    """(heard, not heard) text of a turn: whole segments played, and of the segment playing, its played share cut
-    back to a word end. `texts` are the turn's segments in order (then any unreleased text); `audio[i]` is where
-    segment i's audio lies. A segment still being synthesised counts as unheard: better to repeat than to skip."""
-    heard: list[str] = []
-    rest: list[str] = []
-    for i, text in enumerate(texts):
-        seg = audio[i] if i < len(audio) else None
-        if rest or seg is None or seg.start_ms >= played_ms or seg.end_ms is None:
-            rest.append(text)
-        elif played_ms >= seg.end_ms:
-            heard.append(text)
-        else:
-            cut = int(len(text) * (played_ms - seg.start_ms) / max(seg.end_ms - seg.start_ms, 1e-9))
-            if cut < len(text) and not text[cut].isspace():
-                cut = text.rfind(" ", 0, cut) + 1  # back to the start of the word being spoken
-            heard.append(text[:cut].strip())
-            rest.append(text[cut:].strip())
-    return " ".join(t for t in heard if t), " ".join(t for t in rest if t)
-
-
-async def stored_voices(engine: Any) -> dict[str, str | None]:
-    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown). `list_voices` may
-    be sync or async, of VoiceInfo objects or plain ids."""
-    voices = engine.list_voices()
-    if asyncio.iscoroutine(voices):
-        voices = await voices
-    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in voices}
-
 
 @functools.lru_cache(maxsize=64)
 def _output_dict(fmt: OutputFormat) -> dict[str, Any]:
@@ -985,26 +508,3 @@ def _chunking_from_dict(d: dict[str, Any]) -> ChunkingConfig:
 def _to_dict(cfg: Any) -> dict[str, Any]:
     to_dict = getattr(cfg, "to_dict", None)
     return to_dict() if to_dict is not None else asdict(cfg)
-
-
-def _round(x: float | None, digits: int = 1) -> float | None:
-    return None if x is None else round(x, digits)
-
-
-def _encode_head(encoder: Encoder, pcm: np.ndarray, frames: int, step: int) -> tuple[list[bytes], int]:
-    """The start of a chunk until `frames` frames came out (or the chunk ended): (those frames, samples used). A
-    resampler's output comes in blocks, so how much input that takes is only known by trying; the encoder is
-    streaming (resampler state, frame remainder), so the frames are the same as from one call for the whole chunk."""
-    out = encoder.encode(pcm[:frames * step])
-    used = frames * step
-    while len(out) < frames and used < len(pcm):
-        out += encoder.encode(pcm[used:used + step])
-        used += step
-    return out, min(used, len(pcm))
-
-
-async def _aclose(stream: Any) -> None:
-    """Close an engine stream (None: `generate` raised) whatever it is: a `Generation` cancels its request."""
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()

@@ -418,3 +418,12 @@ def read_safetensors(data: bytes) -> dict[str, Any]:
         return load(data)
     except SafetensorError as e:
         raise ValueError(f"weights: not a safetensors file ({e})") from None
+
+
+async def stored_voices(engine: Any) -> dict[str, str | None]:
+    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown). `list_voices` may
+    be sync or async, of VoiceInfo objects or plain ids."""
+    voices = engine.list_voices()
+    if asyncio.iscoroutine(voices):
+        voices = await voices
+    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in voices}

@@ -11,14 +11,17 @@ import soundfile as sf
 import soxr
 
 from gateway.audio import (
+    CODECS,
     FORMATS,
     HEADER_SIZE,
+    NATIVE_FORMATS,
     Encoder,
     OpusFrames,
     OutputFormat,
     Resampler,
     alaw_decode,
     alaw_encode,
+    av_available,
     mulaw_decode,
     mulaw_encode,
     opus_available,
@@ -147,6 +150,17 @@ def test_every_format_decodes_to_the_signal_at_the_right_rate_and_length(name, r
     if min_snr is not None:
         assert snr_db(ref, got) > min_snr
     assert spectral_snr_db(ref, got, frame=fmt.sample_rate // 50) > min_spectral_snr
+
+
+def test_every_format_has_one_codec_and_only_containers_stream_unframed():
+    assert set(CODECS) == set(FORMATS)
+    for name in FORMATS:
+        fmt = OutputFormat.from_dict({"format": name})
+        if name in ("mp3", "flac", "aac") and not av_available():
+            continue
+        encoder = Encoder(fmt, 24000)
+        assert encoder.framed == (name in NATIVE_FORMATS or name == "ogg_opus"), name
+        assert (encoder.lookahead > 0) == ("opus" in name), name
 
 
 @pytest.mark.parametrize("name", [f for f in FORMATS if f != "ogg_opus"])
@@ -387,7 +401,7 @@ def test_opus_frames_in_one_c_call_match_opuslib_frame_by_frame(monkeypatch):
     """The C helper (gateway/_opus_frames.c, built by `pip install`) gives opuslib's packets byte for byte; the
     frame-by-frame fallback serves when it is absent."""
     from gateway import _opus_frames  # noqa: F401  (scripts/setup.sh installs a compiler: it must be built)
-    from gateway.audio import _opus_batch_encoder
+    from gateway.audio.opus import _opus_batch_encoder
 
     fmt = OutputFormat()
     signal = speech_like(48000, 0.6)[:fmt.frame_samples * 28]

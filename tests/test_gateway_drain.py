@@ -12,8 +12,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine import Engine
 from gateway.client import VoxgateClient
+from gateway.http.readiness import drain
 from gateway.protocol import AudioFrame
-from gateway.readiness import drain
 from gateway.server import ServerConfig, create_app, start_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

@@ -18,7 +18,8 @@ from gateway import session as session_module
 from gateway.audio import FLAG_LAST, Encoder, OutputFormat, float_to_int16
 from gateway.offload import OffloadPool
 from gateway.protocol import AudioFrame, unpack_frame
-from gateway.session import Session, _encode_head
+from gateway.session import Session
+from gateway.turn import _encode_head
 
 pytestmark = pytest.mark.timeout(60)
 

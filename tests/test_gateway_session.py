@@ -1,6 +1,6 @@
 """Sans-I/O pieces of the session: what the listener heard when a turn is cancelled."""
 
-from gateway.session import SegmentAudio, split_heard
+from gateway.turn_report import SegmentAudio, split_heard
 
 TEXTS = ["Hello there.", "How are you today?", "not segmented yet"]
 AUDIO = [SegmentAudio("Hello there.", 0, 800), SegmentAudio("How are you today?", 800, 2000)]

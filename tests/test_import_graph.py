@@ -99,7 +99,7 @@ def test_cycles_are_found() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     graph = import_graph()
     assert "engine.model.attention_triton" in graph["engine.model.attention"]  # imported inside functions only
-    assert "gateway.server" not in graph["gateway.readiness"]  # only under TYPE_CHECKING
+    assert "gateway.server" not in graph["gateway.http.readiness"]  # only under TYPE_CHECKING
 
 
 def test_engine_and_gateway_have_no_import_cycles() -> None:

@@ -1,5 +1,5 @@
-"""gateway.normalize against the official `voxcpm` normaliser (the oracle) on an LLM-style corpus, and streamed: a turn
-normalised segment by segment says the words of the turn normalised whole, however its text arrives."""
+"""gateway.text.normalize against the official `voxcpm` normaliser (the oracle) on an LLM-style corpus, and streamed:
+a turn normalised segment by segment says the words of the turn normalised whole, however its text arrives."""
 
 import random
 import re
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway import normalize as spoken
-from gateway.segmenter import ChunkingConfig, Segmenter
-from gateway.segmenter import normalize as strip_markdown
+from gateway.text import normalize as spoken
+from gateway.text.segmenter import ChunkingConfig, Segmenter
+from gateway.text.segmenter import normalize as strip_markdown
 
 DATA = Path(__file__).parent / "data"
 CORPUS = [line for name in ("en", "zh") for line in (DATA / f"normalize_corpus_{name}.txt").read_text().splitlines()

@@ -12,8 +12,8 @@ import pytest_asyncio
 from compat_support import compat_server
 from websockets.asyncio.client import connect
 
-from gateway import normalize as spoken
 from gateway.client import VoxgateClient
+from gateway.text import normalize as spoken
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 

@@ -46,7 +46,7 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def base(engine):
-    from gateway import normalize
+    from gateway.text import normalize
 
     runner, port = await start_server(create_app(engine, ServerConfig()))
     # the server loads its text-normalisation grammars in a thread at start (seconds of GIL on a busy machine):

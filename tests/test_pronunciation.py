@@ -13,9 +13,9 @@ from engine_calls import recorded_calls
 
 from gateway.auth import Auth
 from gateway.client import ServerError, VoxgateClient
-from gateway.pronunciation import RuleError, apply, check_rules, compile_rules
-from gateway.segmenter import Segmenter
 from gateway.server import ServerConfig, create_app, start_server
+from gateway.text.pronunciation import RuleError, apply, check_rules, compile_rules
+from gateway.text.segmenter import Segmenter
 
 pytestmark = [pytest.mark.timeout(120)]
 on_server = pytest.mark.asyncio(loop_scope="module")

@@ -1,11 +1,12 @@
-"""gateway.segmenter: streamed LLM text -> segments; nothing lost, split-independent, time-aware via a fake clock."""
+"""gateway.text.segmenter: streamed LLM text -> segments; nothing lost, split-independent, time-aware via a fake
+clock."""
 
 import random
 from pathlib import Path
 
 import pytest
 
-from gateway.segmenter import REASONS, ChunkingConfig, Segmenter, normalize, weight
+from gateway.text.segmenter import REASONS, ChunkingConfig, Segmenter, normalize, weight
 
 DATA = sorted(Path(__file__).parent.glob("data/llm_stream_*.txt"))
 

@@ -4,7 +4,15 @@ run) give exactly what its character-by-character rules give, whatever the text 
 import random
 import re
 
-from gateway.segmenter import _EMOJI, _LINE_MARK, _LINE_MARK_PREFIX, _LINK, _LINK_PREFIX, _MARKUP_OR_EMOJI, _Normalizer
+from gateway.text.segmenter import (
+    _EMOJI,
+    _LINE_MARK,
+    _LINE_MARK_PREFIX,
+    _LINK,
+    _LINK_PREFIX,
+    _MARKUP_OR_EMOJI,
+    _Normalizer,
+)
 
 PIECES = [
     "Hello", "world", "3.14", "Dr.", "e.g.", "...", "(see Fig. 2)", '"Stop."', "**bold**", "*it*", "`code`",

@@ -52,9 +52,9 @@ from gateway.compat.alignment import (
     socket_alignment,
 )
 from gateway.compat.oneshot import NativeError, OneTurn
-from gateway.normalize import MODES as NORMALIZE_MODES
 from gateway.protocol import ErrorCode
 from gateway.sockets import open_socket
+from gateway.text.normalize import MODES as NORMALIZE_MODES
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """ElevenLabs' `POST /v1/pronunciation-dictionaries/add-from-rules`, onto voxgate's pronunciation dictionaries
-(gateway.pronunciation), so the ElevenLabs SDK's `pronunciation_dictionaries.create_from_rules` makes a dictionary
+(gateway.text.pronunciation), so the ElevenLabs SDK's `pronunciation_dictionaries.create_from_rules` makes a dictionary
 whose id `pronunciation_dictionary_locators` then selects.
 
 Rules: `{"type": "alias", "string_to_replace", "alias"}` and `{"type": "phoneme", "string_to_replace", "phoneme",
@@ -17,13 +17,13 @@ from aiohttp import web
 from gateway.auth import AuthError
 from gateway.compat import check_api_key, gateway_of, json_body
 from gateway.compat.elevenlabs import ElevenLabsError
-from gateway.pronunciation import RuleError
 from gateway.protocol import ErrorCode
+from gateway.text.pronunciation import RuleError
 from gateway.voices import VoiceRefused
 
 
 def native_rules(rules: Any) -> list[dict[str, Any]]:
-    """ElevenLabs rules -> voxgate rules (checked again by `gateway.pronunciation.check_rules`)."""
+    """ElevenLabs rules -> voxgate rules (checked again by `gateway.text.pronunciation.check_rules`)."""
     if not isinstance(rules, list):
         raise ElevenLabsError("invalid_request", "rules must be a list", status=422)
     out = []

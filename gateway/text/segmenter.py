@@ -8,7 +8,7 @@ Text arrives from an LLM in arbitrary pieces (mid-word, mid-number, mid-markup).
 - a boundary is final only once the next non-space character has arrived, so "3." + "14" never splits, and
   abbreviations, initials, decimals, URLs, quotes ("Stop." she said) and numbered lists are not sentence ends.
 Nothing is ever lost or duplicated: the segments, in order, are exactly the normalised text (see `normalize`).
-With a text normalisation mode (gateway.normalize), no cut splits what its grammar reads as one unit ("3:45 PM",
+With a text normalisation mode (gateway.text.normalize), no cut splits what its grammar reads as one unit ("3:45 PM",
 "March 5, 1990") and `Segment.speak()` gives the text as spoken (numbers and symbols in words); phoneme braces
 (`{HH AH0 L OW1}`) are never split in any mode.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import Any
 
-from gateway import normalize as spoken
+from gateway.text import normalize as spoken
 
 REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
 RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
@@ -71,15 +71,15 @@ class Segment:
     text: str  # as written (markdown stripped): what cancel reports quote
     index: int
     reason: str  # one of REASONS
-    mode: str = "off"  # gateway.normalize mode that `speak` applies
+    mode: str = "off"  # gateway.text.normalize mode that `speak` applies
     lang: spoken.Lang = "en"  # the language it is read in
     spoken: str | None = None  # what `speak` made of it
     rewrite: Callable[[str], str] | None = field(default=None, repr=False)  # pronunciation rules, before normalising
     respelled: bool = False  # the rules changed the text (known once `speak` ran)
 
     def speak(self) -> str:
-        """The text the model speaks: the pronunciation rules applied (gateway.pronunciation), then numbers and
-        symbols in words, sentence by sentence (gateway.normalize). Made once, when the segment goes to the engine:
+        """The text the model speaks: the pronunciation rules applied (gateway.text.pronunciation), then numbers and
+        symbols in words, sentence by sentence (gateway.text.normalize). Made once, when the segment goes to the engine:
         a burst of released segments costs its normalisation one segment at a time, paced by synthesis, not all at
         once in the handler that released them."""
         if self.spoken is None:
@@ -342,7 +342,7 @@ class Segmenter:
         self.config = config or ChunkingConfig()
         self._rewrite = rewrite  # pronunciation rules each segment's `speak` applies
         self._clock = clock
-        self._mode = spoken.check_mode(normalize)  # gateway.normalize: how segments become what is spoken
+        self._mode = spoken.check_mode(normalize)  # gateway.text.normalize: how segments become what is spoken
         self._lang: spoken.Lang = "en"  # Chinese from the turn's first Chinese character on
         self._norm = _Normalizer()
         self._buf = ""  # normalised, unreleased text (no leading whitespace)

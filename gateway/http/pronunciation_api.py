@@ -1,15 +1,15 @@
 """HTTP API for pronunciation dictionaries (`/v1/pronunciations`): parse requests, answer them; the rules and who
-may use what are gateway.pronunciation's job."""
+may use what are gateway.text.pronunciation's job."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from gateway.app_keys import GATEWAY
-from gateway.http_errors import error_response
-from gateway.pronunciation import RuleError
+from gateway.http.http_errors import error_response
+from gateway.http.voice_api import _caller, _refused
 from gateway.protocol import ErrorCode, ProtocolError, load_json
-from gateway.voice_api import _caller, _refused
+from gateway.text.pronunciation import RuleError
 from gateway.voices import VoiceRefused
 
 

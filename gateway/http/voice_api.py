@@ -11,7 +11,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from engine import errors as engine_errors
 from gateway.app_keys import GATEWAY
 from gateway.auth import AuthError, Caller
-from gateway.http_errors import error_response
+from gateway.http.http_errors import error_response
 from gateway.protocol import ErrorCode
 from gateway.store import StoreUnavailable
 from gateway.voice_design import parse_design
