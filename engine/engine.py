@@ -33,14 +33,13 @@ from engine.errors import (
     EngineError,
     EngineStopped,
     InvalidParameter,
-    UnknownVoice,
     WorkerCrashed,
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
-from engine.registries import LoRARegistry, Voice, lora_info
+from engine.registries import LoRARegistry, VoiceRegistry, lora_info
 from engine.request import RequestSpec
 from engine.routing import device_groups, pick_worker
 from engine.scheduler import SPLIT_DECODES_ABOVE
@@ -118,7 +117,7 @@ class Engine:
             fp8_prefill=fp8_prefill, fp8_dit=fp8_dit)
             for group in groups]
         self._streams: dict[str, Stream] = {}
-        self._voices: dict[str, Voice] = {}
+        self._voices = VoiceRegistry(self.config)
         self._loras = LoRARegistry(self.config, max_loras, max_lora_rank)
         self._restarts = 0
         self._crashes = CrashWindow()
@@ -186,9 +185,8 @@ class Engine:
         self._workers[worker.index] = new
         for lora in self._loras.entries.values():
             new.tell("lora_add", lora.adapter)
-        for voice in self._voices.values():
-            if voice.prefix is not None:
-                new.tell("voice", voice.prefix)
+        for prefix in self._voices.prefixes():
+            new.tell("voice", prefix)
 
     def _unqueue(self, stream: Stream) -> None:
         """The stream has its first audio (or ended): it no longer counts as its tenant's queued prompt."""
@@ -266,11 +264,7 @@ class Engine:
             timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
             max_length=max_length, priority=priority, seed=seed, ranges=self.sampling_ranges)
         request_id = guards.request_id_or_new(request_id, self._streams)
-        v = None
-        if voice is not None:
-            v = self._voices.get(voice)
-            if v is None:
-                raise UnknownVoice(f"no stored voice {voice!r}")
+        v = None if voice is None else self._voices.get(voice)
         guards.check_prompt_sources(self.config, voice=v is not None, prompt_audio=prompt_audio,
                                     prompt_latents=prompt_latents, prompt_text=prompt_text,
                                     reference_audio=reference_audio, reference_latents=reference_latents)
@@ -383,48 +377,32 @@ class Engine:
         every request of the voice. VoxCPM 0.5B/1.5: prompt audio + its transcript `text` (continuation).
         `lora` names a registered adapter the voice's requests use; with no audio the voice is the adapter alone."""
         self._loras.get(lora)
-        if lora is not None and audio is None and latents is None and text is None:
-            voice_id = guards.voice_id_or_new(voice_id)
-            if voice_id in self._voices:
-                await self.remove_voice(voice_id)
-            self._voices[voice_id] = Voice(VoiceInfo(voice_id, "lora", 0, None, lora), None, None, None)
-            return voice_id
-        guards.check_voice_source(self.config, audio=audio, latents=latents, text=text)
-        voice_id = guards.voice_id_or_new(voice_id)
-        reference = self.config.is_v2
-        pad = "right" if reference else "left"
-        patches = guards.check_latents(self.config, latents, "latents") if latents is not None else \
-            await self._encode(audio, sample_rate, pad)
-        prefix = voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora) \
-            if reference else None
-        if voice_id in self._voices:
-            await self.remove_voice(voice_id)
-        voice = Voice(VoiceInfo(voice_id, "reference" if reference else "prompt", int(patches.shape[0]), text,
-                                lora), patches, text, prefix)
-        if prefix is not None:
+
+        def prefix_spec(voice_id: str, patches: torch.Tensor, lora: str | None) -> RequestSpec:
+            return voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora)
+
+        async def add_to_workers(prefix: RequestSpec) -> None:
             await asyncio.gather(*(self._call(w, "voice", prefix) for w in self._workers))
-        self._voices[voice_id] = voice
-        return voice_id
+
+        return await self._voices.add(voice_id, audio=audio, sample_rate=sample_rate, latents=latents, text=text,
+                                      lora=lora, encode=self._encode, prefix_spec=prefix_spec,
+                                      add_to_workers=add_to_workers, remove=self.remove_voice)
 
     async def remove_voice(self, voice_id: str) -> None:
         """Forget a stored voice (and free its prefix KV on every worker)."""
-        if self._voices.pop(voice_id, None) is None:
-            raise UnknownVoice(f"no stored voice {voice_id!r}")
+        self._voices.pop(voice_id)
         for w in self._workers:
             if w.alive:
                 self._post(w, ("remove_voice", voice_id))
 
     def list_voices(self) -> list[VoiceInfo]:
         """The stored voices, in the order they were added."""
-        return [v.info for v in self._voices.values()]
+        return self._voices.infos()
 
     def voice_latents(self, voice_id: str) -> np.ndarray | None:
         """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice): with its text and adapter,
         what `add_voice(latents=...)` needs to rebuild it exactly, e.g. after a restart."""
-        v = self._voices.get(voice_id)
-        if v is None:
-            raise UnknownVoice(f"no stored voice {voice_id!r}")
-        return None if v.latents is None else v.latents.numpy().copy()
+        return self._voices.latents(voice_id)
 
     # ---- LoRA adapters -----------------------------------------------------------------------------------
     async def register_lora(self, name: str, source: str | Path | dict[str, torch.Tensor],
@@ -444,7 +422,7 @@ class Engine:
     async def unregister_lora(self, name: str) -> None:
         """Refuse new requests for the adapter at once, wait for those in flight to finish, then free it."""
         entry = self._loras.get(name)
-        users = [v.info.voice_id for v in self._voices.values() if v.info.lora == name]
+        users = self._voices.users_of(name)
         if users:
             raise InvalidParameter(f"LoRA adapter {name!r} is used by stored voice(s) {users}: remove them first")
         del self._loras.entries[name]
