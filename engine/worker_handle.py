@@ -23,7 +23,7 @@ from typing import Any
 from engine import ipc
 from engine.api import AudioChunk
 from engine.config import ModelConfig
-from engine.errors import InvalidAudio, WorkerCrashed
+from engine.errors import EngineError, InvalidAudio, WorkerCallFailed, WorkerCrashed
 from engine.ipc import AudioRing
 from engine.worker import WorkerConfig
 from engine.worker_process import shared_file, start_worker
@@ -55,7 +55,7 @@ class WorkerHandle:
         self.ready = asyncio.Event()
         self.alive = True
         self.in_flight: set[str] = set()
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, type[EngineError]]] = {}  # call id -> (reply, its failure)
         self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready_flag = threading.Event()
@@ -70,11 +70,12 @@ class WorkerHandle:
         self._outbox.put(msg)
 
     def call(self, command: Callable[..., ipc.Command], *args: Any) -> asyncio.Future:
-        """Send `command(call id, *args)`, a message the worker replies to; the future gets the reply (an error
-        string as `InvalidAudio`)."""
+        """Send `command(call id, *args)`, a message the worker replies to; the future gets the reply. A failed
+        `ipc.Encode` raises `InvalidAudio` (the audio could not be encoded), any other failed call
+        `WorkerCallFailed`."""
         call = next(self._call_ids)
         fut = self._loop.create_future()
-        self._calls[call] = fut
+        self._calls[call] = fut, InvalidAudio if command is ipc.Encode else WorkerCallFailed
         self.send(command(call, *args))
         return fut
 
@@ -85,7 +86,7 @@ class WorkerHandle:
     def fail_calls(self, error: BaseException) -> None:
         """Fail every call still waiting for its reply."""
         calls, self._calls = self._calls, {}
-        for fut in calls.values():
+        for fut, _ in calls.values():
             if not fut.done():
                 fut.set_exception(error)
 
@@ -173,12 +174,12 @@ class WorkerHandle:
             case ipc.Stats(stats=stats):
                 self.stats = stats
             case ipc.Reply(call=call, ok=ok, value=value):
-                fut = self._calls.pop(call, None)
+                fut, failure = self._calls.pop(call, (None, WorkerCallFailed))
                 if fut is not None and not fut.done():
                     if ok:
                         fut.set_result(value)
                     else:
-                        fut.set_exception(InvalidAudio(value))
+                        fut.set_exception(failure(value))
             case _:
                 if isinstance(msg, ipc.StepAudio):
                     self.stats = msg.stats

@@ -18,7 +18,7 @@ import torch
 
 from engine import guards, ipc
 from engine.config import ModelConfig
-from engine.errors import TextTooLong
+from engine.errors import InvalidAudio, InvalidRequest, TextTooLong, WorkerCallFailed
 from engine.model_configs import tiny
 from engine.prompt import AUDIO_START, CONTEXT_PATCHES, REF_AUDIO_END, REF_AUDIO_START, build_prompt, length_cap
 from engine.random_checkpoint import write_tokenizer
@@ -352,3 +352,18 @@ async def test_unread_generations_of_an_adapter_let_it_drain(tiny_v2_dir, config
         assert _idle(eng)
     finally:
         await eng.stop()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_a_failed_worker_call_is_typed_by_its_cause(engine):
+    """An encode the worker cannot do is the audio's fault (`InvalidAudio`); any other failed call is the worker's
+    (`WorkerCallFailed`: an engine error, not a bad request), and the worker keeps serving."""
+    worker = engine._workers[0]
+    with pytest.raises(WorkerCallFailed, match="no LoRA slots") as failed:
+        await worker.call(ipc.AddLoRA, None)
+    assert not isinstance(failed.value, InvalidRequest)
+    with pytest.raises(InvalidAudio):
+        await worker.call(ipc.Encode, np.zeros(0, np.float32), "left")
+    chunks = [c async for c in engine.generate("Still serving.", seed=3, max_length=2, min_length=2)]
+    assert len(chunks) == 2 and chunks[-1].is_last
