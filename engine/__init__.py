@@ -16,6 +16,7 @@ from engine.errors import (
     TextTooLong,
     UnknownLoRA,
     UnknownVoice,
+    WorkerCallFailed,
     WorkerCrashed,
 )
 from engine.generation import Generation
@@ -25,5 +26,5 @@ __all__ = [
     "AudioChunk", "AudioTooLong", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats",
     "EngineStopped", "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest", "LoRAInfo",
     "ModelInfo", "SyncEngine", "TenantOverloaded", "TextTooLong", "UnknownLoRA", "UnknownVoice", "VoiceInfo",
-    "WorkerCrashed",
+    "WorkerCallFailed", "WorkerCrashed",
 ]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from engine import ipc
 from engine.process_env import child_env, disable_nvls
 from engine.settings import EngineSettings
 
@@ -88,7 +89,7 @@ class TensorParallelLeader:
         self.conns: list[Connection] = []
         for rank in range(1, self.world):
             conn = listener.accept()
-            _send(conn, (cfg, rank, port))
+            _send(conn, ipc.RankSetup(cfg=cfg, rank=rank, port=port))
             self.conns.append(conn)
         listener.close()
         self.group = init_group(0, self.world, port, torch.device(cfg.tp_devices[0]))
@@ -111,14 +112,15 @@ class TensorParallelLeader:
         gone = [rid for rid, req in self.known.items() if scheduler.requests.get(rid) is not req]
         for rid in gone:
             del self.known[rid]
-        rows = []
+        rows: list[ipc.RankRow] = []
         for seq in seqs:
             req = seq.request
             new = self.known.get(req.request_id) is not req
             self.known[req.request_id] = req
-            rows.append((req.request_id, req.spec if new else None, seq.start, seq.num_tokens, seq.emit,
-                         req.block_table, req.vae_slot))
-        msg = pickle.dumps(("step", rows, gone), protocol=pickle.HIGHEST_PROTOCOL)
+            rows.append(ipc.RankRow(request_id=req.request_id, spec=req.spec if new else None, start=seq.start,
+                                    num_tokens=seq.num_tokens, emit=seq.emit, block_table=req.block_table,
+                                    vae_slot=req.vae_slot))
+        msg = pickle.dumps(ipc.RankStep(rows=rows, gone=gone), protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(msg)
 
@@ -126,7 +128,7 @@ class TensorParallelLeader:
         self.stopping = True
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                _send(conn, ("stop",))
+                _send(conn, ipc.Stop())
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             try:
@@ -144,8 +146,9 @@ def run_follower(conn: Connection) -> None:
     from engine.runner import Runner
     from engine.scheduler import ScheduledSeq
 
-    cfg, rank, port = _recv(conn)
-    cfg = dataclasses.replace(cfg, device=cfg.tp_devices[rank])
+    setup: ipc.RankSetup = _recv(conn)
+    rank, port = setup.rank, setup.port
+    cfg = dataclasses.replace(setup.cfg, device=setup.cfg.tp_devices[rank])
     torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     group = init_group(rank, len(cfg.tp_devices), port, device)
@@ -159,18 +162,17 @@ def run_follower(conn: Connection) -> None:
             msg = _recv(conn)
         except (EOFError, OSError):
             return
-        if msg[0] == "stop":
+        if isinstance(msg, ipc.Stop):
             return
-        _, rows, gone = msg
-        for rid in gone:
+        for rid in msg.gone:
             requests.pop(rid, None)
         seqs = []
-        for rid, spec, start, num_tokens, emit, block_table, vae_slot in rows:
-            if spec is not None:
-                requests[rid] = Request(spec)
-            req = requests[rid]
-            req.block_table, req.vae_slot = block_table, vae_slot
-            seqs.append(ScheduledSeq(req, start, num_tokens, emit))
+        for row in msg.rows:
+            if row.spec is not None:
+                requests[row.request_id] = Request(row.spec)
+            req = requests[row.request_id]
+            req.block_table, req.vae_slot = row.block_table, row.vae_slot
+            seqs.append(ScheduledSeq(req, row.start, row.num_tokens, row.emit))
         out = runner.step(seqs)
         for seq, patch in zip(seqs, out.patches, strict=True):
             if patch is not None:

@@ -19,13 +19,14 @@ import asyncio
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine import guards
+from engine import guards, ipc
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.checkpoint import resolve_model_dir
 from engine.config import ModelConfig
@@ -33,14 +34,13 @@ from engine.errors import (
     EngineError,
     EngineStopped,
     InvalidParameter,
-    UnknownVoice,
     WorkerCrashed,
 )
 from engine.generation import Generation, Stream
 from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
-from engine.registries import LoRARegistry, Voice, lora_info
+from engine.registries import LoRARegistry, VoiceRegistry, lora_info
 from engine.request import RequestSpec
 from engine.routing import device_groups, pick_worker
 from engine.scheduler import SPLIT_DECODES_ABOVE
@@ -118,12 +118,12 @@ class Engine:
             fp8_prefill=fp8_prefill, fp8_dit=fp8_dit)
             for group in groups]
         self._streams: dict[str, Stream] = {}
-        self._voices: dict[str, Voice] = {}
+        self._voices = VoiceRegistry(self.config)
         self._loras = LoRARegistry(self.config, max_loras, max_lora_rank)
         self._restarts = 0
         self._crashes = CrashWindow()
         # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
-        self._outgoing: list[tuple[WorkerHandle, tuple[Any, ...]]] = []
+        self._outgoing: list[tuple[WorkerHandle, ipc.Command]] = []
         self._stopped = False
         self._fatal: str | None = None
         self._workers = [self._start_worker(i) for i in range(len(groups))]
@@ -142,24 +142,24 @@ class Engine:
         return WorkerHandle(index, self._worker_configs[index], self.config, self.loop, self._on_event,
                             self._on_exit)
 
-    def _on_event(self, worker: WorkerHandle, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "step":
-            for chunk in msg[1]:
-                stream = self._streams.get(chunk.request_id)
-                if stream is not None and not stream.done:
-                    self._unqueue(stream)
-                    stream.queue.put_nowait(chunk)
-                    if chunk.is_last:
-                        self._forget(stream)
-        elif kind == "failed":
-            stream = self._streams.get(msg[1])
-            if stream is not None:
-                stream.queue.put_nowait(EngineError(f"request {msg[1]} failed in the worker: {msg[2]}"))
-                self._forget(stream)
-        elif kind == "fatal":
-            self._fatal = msg[1]
-            log.error("worker %d failed to start: %s", worker.index, msg[1])
+    def _on_event(self, worker: WorkerHandle, msg: ipc.StepAudio | ipc.Failed | ipc.Fatal) -> None:
+        match msg:
+            case ipc.StepAudio(chunks=chunks):
+                for chunk in chunks:
+                    stream = self._streams.get(chunk.request_id)
+                    if stream is not None and not stream.done:
+                        self._unqueue(stream)
+                        stream.queue.put_nowait(chunk)
+                        if chunk.is_last:
+                            self._forget(stream)
+            case ipc.Failed(request_id=request_id, message=message):
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(EngineError(f"request {request_id} failed in the worker: {message}"))
+                    self._forget(stream)
+            case ipc.Fatal(message=message):
+                self._fatal = message
+                log.error("worker %d failed to start: %s", worker.index, message)
 
     def _on_exit(self, worker: WorkerHandle, error: WorkerCrashed) -> None:
         """The worker process ended: fail what it held, then start a new one unless we are stopping."""
@@ -185,10 +185,9 @@ class Engine:
         new = self._start_worker(worker.index)
         self._workers[worker.index] = new
         for lora in self._loras.entries.values():
-            new.tell("lora_add", lora.adapter)
-        for voice in self._voices.values():
-            if voice.prefix is not None:
-                new.tell("voice", voice.prefix)
+            new.tell(ipc.AddLoRA, lora.adapter)
+        for prefix in self._voices.prefixes():
+            new.tell(ipc.StoreVoice, prefix)
 
     def _unqueue(self, stream: Stream) -> None:
         """The stream has its first audio (or ended): it no longer counts as its tenant's queued prompt."""
@@ -213,12 +212,12 @@ class Engine:
             raise EngineStopped(f"the worker cannot start: {self._fatal}")
         return pick_worker(self._workers, self.max_num_seqs, self.max_waiting)
 
-    async def _call(self, worker: WorkerHandle, kind: str, *args: Any) -> Any:
+    async def _call(self, worker: WorkerHandle, command: Callable[..., ipc.Command], *args: Any) -> Any:
         await self._wait_ready(worker)
         self._flush()  # what was posted before this call reaches the worker before it
-        return await worker.call(kind, *args)
+        return await worker.call(command, *args)
 
-    def _post(self, worker: WorkerHandle, msg: tuple[Any, ...]) -> None:
+    def _post(self, worker: WorkerHandle, msg: ipc.Command) -> None:
         """Send `msg` to `worker` once the event loop's current pass is over, in order with every other post.
 
         A burst of `generate` calls runs in one pass: its requests then reach the worker together, so its first
@@ -266,11 +265,7 @@ class Engine:
             timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
             max_length=max_length, priority=priority, seed=seed, ranges=self.sampling_ranges)
         request_id = guards.request_id_or_new(request_id, self._streams)
-        v = None
-        if voice is not None:
-            v = self._voices.get(voice)
-            if v is None:
-                raise UnknownVoice(f"no stored voice {voice!r}")
+        v = None if voice is None else self._voices.get(voice)
         guards.check_prompt_sources(self.config, voice=v is not None, prompt_audio=prompt_audio,
                                     prompt_latents=prompt_latents, prompt_text=prompt_text,
                                     reference_audio=reference_audio, reference_latents=reference_latents)
@@ -311,7 +306,7 @@ class Engine:
         if spec is not None and worker.ready.is_set():  # what `_wait_ready` waits for (a fatal error raised above)
             # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
             # turn's) runs only after every callback ready before it
-            self._post(worker, ("add", spec))
+            self._post(worker, ipc.Add(spec=spec))
             return Generation(self, stream, spec, None, (None, None, None), submitted=True)
         audio = (prompt_audio, reference_audio, prompt_sample_rate)
         return Generation(self, stream, spec, args if spec is None else None, audio)
@@ -331,7 +326,7 @@ class Engine:
         await self._wait_ready(stream.worker)
         if stream.done:
             return
-        self._post(stream.worker, ("add", spec))
+        self._post(stream.worker, ipc.Add(spec=spec))
 
     def _spec(self, **args: Any) -> RequestSpec:
         return request_spec(self.config, self.tokenizer, self._kv_positions(), **args)
@@ -348,7 +343,7 @@ class Engine:
         self._forget(stream)
         stream.queue.put_nowait(None)
         if stream.worker.alive:
-            self._post(stream.worker, ("cancel", request_id))
+            self._post(stream.worker, ipc.Cancel(request_id=request_id))
 
     def update_buffered(self, request_id: str, audio_ms: float) -> None:
         """The listener of `request_id` has `audio_ms` of audio queued (drives deadline-first scheduling)."""
@@ -356,7 +351,7 @@ class Engine:
             raise InvalidParameter(f"audio_ms must be a finite number (got {audio_ms!r})")
         stream = self._streams.get(request_id)
         if stream is not None and stream.worker.alive:
-            self._post(stream.worker, ("buffered", request_id, float(audio_ms)))
+            self._post(stream.worker, ipc.Buffered(request_id=request_id, audio_ms=float(audio_ms)))
 
     # ---- audio and voices --------------------------------------------------------------------------------
     async def encode_audio(self, audio: bytes | np.ndarray, sample_rate: int | None = None,
@@ -375,7 +370,7 @@ class Engine:
         # decoding, mixing down and resampling (a minute of audio: tens of ms) off the event loop; the worker gets
         # mono samples at its VAE's rate and encodes them in slices between steps
         samples = await asyncio.to_thread(prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
-        return torch.from_numpy(await self._call(self._pick_worker(), "encode", samples, pad))
+        return torch.from_numpy(await self._call(self._pick_worker(), ipc.Encode, samples, pad))
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
                         text: str | None = None, voice_id: str | None = None, lora: str | None = None) -> str:
@@ -383,48 +378,32 @@ class Engine:
         every request of the voice. VoxCPM 0.5B/1.5: prompt audio + its transcript `text` (continuation).
         `lora` names a registered adapter the voice's requests use; with no audio the voice is the adapter alone."""
         self._loras.get(lora)
-        if lora is not None and audio is None and latents is None and text is None:
-            voice_id = guards.voice_id_or_new(voice_id)
-            if voice_id in self._voices:
-                await self.remove_voice(voice_id)
-            self._voices[voice_id] = Voice(VoiceInfo(voice_id, "lora", 0, None, lora), None, None, None)
-            return voice_id
-        guards.check_voice_source(self.config, audio=audio, latents=latents, text=text)
-        voice_id = guards.voice_id_or_new(voice_id)
-        reference = self.config.is_v2
-        pad = "right" if reference else "left"
-        patches = guards.check_latents(self.config, latents, "latents") if latents is not None else \
-            await self._encode(audio, sample_rate, pad)
-        prefix = voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora) \
-            if reference else None
-        if voice_id in self._voices:
-            await self.remove_voice(voice_id)
-        voice = Voice(VoiceInfo(voice_id, "reference" if reference else "prompt", int(patches.shape[0]), text,
-                                lora), patches, text, prefix)
-        if prefix is not None:
-            await asyncio.gather(*(self._call(w, "voice", prefix) for w in self._workers))
-        self._voices[voice_id] = voice
-        return voice_id
+
+        def prefix_spec(voice_id: str, patches: torch.Tensor, lora: str | None) -> RequestSpec:
+            return voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora)
+
+        async def add_to_workers(prefix: RequestSpec) -> None:
+            await asyncio.gather(*(self._call(w, ipc.StoreVoice, prefix) for w in self._workers))
+
+        return await self._voices.add(voice_id, audio=audio, sample_rate=sample_rate, latents=latents, text=text,
+                                      lora=lora, encode=self._encode, prefix_spec=prefix_spec,
+                                      add_to_workers=add_to_workers, remove=self.remove_voice)
 
     async def remove_voice(self, voice_id: str) -> None:
         """Forget a stored voice (and free its prefix KV on every worker)."""
-        if self._voices.pop(voice_id, None) is None:
-            raise UnknownVoice(f"no stored voice {voice_id!r}")
+        self._voices.pop(voice_id)
         for w in self._workers:
             if w.alive:
-                self._post(w, ("remove_voice", voice_id))
+                self._post(w, ipc.RemoveVoice(voice_id=voice_id))
 
     def list_voices(self) -> list[VoiceInfo]:
         """The stored voices, in the order they were added."""
-        return [v.info for v in self._voices.values()]
+        return self._voices.infos()
 
     def voice_latents(self, voice_id: str) -> np.ndarray | None:
         """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice): with its text and adapter,
         what `add_voice(latents=...)` needs to rebuild it exactly, e.g. after a restart."""
-        v = self._voices.get(voice_id)
-        if v is None:
-            raise UnknownVoice(f"no stored voice {voice_id!r}")
-        return None if v.latents is None else v.latents.numpy().copy()
+        return self._voices.latents(voice_id)
 
     # ---- LoRA adapters -----------------------------------------------------------------------------------
     async def register_lora(self, name: str, source: str | Path | dict[str, torch.Tensor],
@@ -437,19 +416,19 @@ class Engine:
             return getattr(torch, self._workers[0].info.get("dtype", "float32"))
 
         def add_to_workers(adapter: Any) -> asyncio.Future:
-            return asyncio.gather(*(self._call(w, "lora_add", adapter) for w in self._workers))
+            return asyncio.gather(*(self._call(w, ipc.AddLoRA, adapter) for w in self._workers))
 
         return await self._loras.register(name, source, config, first_worker_dtype, add_to_workers)
 
     async def unregister_lora(self, name: str) -> None:
         """Refuse new requests for the adapter at once, wait for those in flight to finish, then free it."""
         entry = self._loras.get(name)
-        users = [v.info.voice_id for v in self._voices.values() if v.info.lora == name]
+        users = self._voices.users_of(name)
         if users:
             raise InvalidParameter(f"LoRA adapter {name!r} is used by stored voice(s) {users}: remove them first")
         del self._loras.entries[name]
         await entry.drained.wait()
-        await asyncio.gather(*(self._call(w, "lora_remove", name) for w in self._workers if w.alive))
+        await asyncio.gather(*(self._call(w, ipc.RemoveLoRA, name) for w in self._workers if w.alive))
 
     def list_loras(self) -> list[LoRAInfo]:
         """The registered adapters, in the order they were registered."""

@@ -60,5 +60,10 @@ class WorkerCrashed(EngineError):
     """The worker process serving the request died; the engine restarts it."""
 
 
+class WorkerCallFailed(EngineError):
+    """A worker could not do what it was asked (store a voice's prefix, load or free an adapter) for a reason other
+    than the caller's input: the message says why."""
+
+
 class EngineStopped(EngineError):
     """The engine was stopped (or is not started)."""

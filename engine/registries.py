@@ -4,16 +4,18 @@ worker)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from engine import guards
 from engine.api import LoRAInfo, VoiceInfo
 from engine.config import ModelConfig
-from engine.errors import InvalidLoRA, InvalidParameter, UnknownLoRA
+from engine.errors import InvalidLoRA, InvalidParameter, UnknownLoRA, UnknownVoice
 from engine.request import RequestSpec
 
 
@@ -113,3 +115,72 @@ class LoRARegistry:
         entry.drained.set()
         self.entries[name] = entry
         return lora_info(entry)
+
+
+class VoiceRegistry:
+    """The stored voices by id, in the order they were added; a reference voice's prefix is kept on every worker."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.entries: dict[str, Voice] = {}
+
+    def get(self, voice_id: str) -> Voice:
+        """The voice stored as `voice_id`; `UnknownVoice` when there is none."""
+        v = self.entries.get(voice_id)
+        if v is None:
+            raise UnknownVoice(f"no stored voice {voice_id!r}")
+        return v
+
+    def pop(self, voice_id: str) -> Voice:
+        """Forget the voice stored as `voice_id` (`UnknownVoice` when there is none)."""
+        v = self.entries.pop(voice_id, None)
+        if v is None:
+            raise UnknownVoice(f"no stored voice {voice_id!r}")
+        return v
+
+    def prefixes(self) -> Iterator[RequestSpec]:
+        """The prefixes every worker keeps (what a restarted worker is sent again)."""
+        return (v.prefix for v in self.entries.values() if v.prefix is not None)
+
+    def infos(self) -> list[VoiceInfo]:
+        """The stored voices, in the order they were added."""
+        return [v.info for v in self.entries.values()]
+
+    def users_of(self, lora: str) -> list[str]:
+        """The ids of the stored voices that use the adapter `lora`."""
+        return [v.info.voice_id for v in self.entries.values() if v.info.lora == lora]
+
+    def latents(self, voice_id: str) -> np.ndarray | None:
+        """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice)."""
+        v = self.get(voice_id)
+        return None if v.latents is None else v.latents.numpy().copy()
+
+    async def add(self, voice_id: str | None, *, audio: Any, sample_rate: int | None, latents: Any, text: str | None,
+                  lora: str | None, encode: Callable[[Any, int | None, str], Awaitable[torch.Tensor]],
+                  prefix_spec: Callable[[str, torch.Tensor, str | None], RequestSpec],
+                  add_to_workers: Callable[[RequestSpec], Awaitable[Any]],
+                  remove: Callable[[str], Awaitable[None]]) -> str:
+        """Store a voice (see `Engine.add_voice`) and return its id. `encode`: audio -> patches on a worker;
+        `prefix_spec`: a reference voice's prefix; `add_to_workers`: the calls that put the prefix on every worker;
+        `remove`: forget a voice stored under the same id first."""
+        if lora is not None and audio is None and latents is None and text is None:
+            voice_id = guards.voice_id_or_new(voice_id)
+            if voice_id in self.entries:
+                await remove(voice_id)
+            self.entries[voice_id] = Voice(VoiceInfo(voice_id, "lora", 0, None, lora), None, None, None)
+            return voice_id
+        guards.check_voice_source(self.config, audio=audio, latents=latents, text=text)
+        voice_id = guards.voice_id_or_new(voice_id)
+        reference = self.config.is_v2
+        pad = "right" if reference else "left"
+        patches = guards.check_latents(self.config, latents, "latents") if latents is not None else \
+            await encode(audio, sample_rate, pad)
+        prefix = prefix_spec(voice_id, patches, lora) if reference else None
+        if voice_id in self.entries:
+            await remove(voice_id)
+        voice = Voice(VoiceInfo(voice_id, "reference" if reference else "prompt", int(patches.shape[0]), text,
+                                lora), patches, text, prefix)
+        if prefix is not None:
+            await add_to_workers(prefix)
+        self.entries[voice_id] = voice
+        return voice_id

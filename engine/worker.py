@@ -1,26 +1,14 @@
 """One worker process per device: the step loop (Scheduler -> Runner) and its IPC with the pool.
 
-Commands come in over one pipe, results go out over another; both carry small tuples. Audio is the bulk of the
-traffic (a VoxCPM2 step at 256 streams is ~7.8 MB of float32), so it does not travel through the pipe: each step's
-audio is written once, contiguously, into a shared-memory ring (`AudioRing`) and the step message carries only
-offsets. The pool's reader thread copies each chunk out as the message arrives and advances a shared read cursor,
-so the worker never overwrites audio that has not been read; if the ring is ever full (a stalled reader), that
-step's audio travels inline in the message instead: slower, never wrong, never blocking the GPU.
-
-Prompt encodes and adapter loads are chores (`engine.chores`): done in slices between steps, never one long stall.
-
-Messages, pool -> worker: ("add", RequestSpec) ("cancel", id) ("buffered", id, ms) ("voice", call, RequestSpec)
-("remove_voice", voice_id) ("encode", call, samples at the VAE's rate, pad) ("lora_add", call, LoRAAdapter)
-("lora_remove", call, name) ("stop",).
-Worker -> pool: ("ready", info) ("step", chunks, inline_audio, stats) ("reply", call, ok, value)
-("failed", id, message) ("stats", stats) ("fatal", message).
+Commands come in over one pipe, results go out over another; the messages, and the shared-memory ring each step's
+audio goes through, are defined in `engine.ipc`. Prompt encodes and adapter loads are chores (`engine.chores`):
+done in slices between steps, never one long stall.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import mmap
 import os
 import time
 import traceback
@@ -32,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine import ipc
 from engine.chores import CHORE_SLICE_MS, Chores, as_array
 from engine.host_memory import HeapTrimmer
+from engine.ipc import AudioRing
 from engine.process_env import disable_nvls
 from engine.request import Status
 from engine.scheduler import SPLIT_DECODES_ABOVE
@@ -175,55 +165,6 @@ class StepStats:
                 "ahead_admitting": self.ahead_admitting}
 
 
-class AudioRing:
-    """A float32 ring in a shared map, after an int64 read cursor; positions are monotonic float counts
-    (`pos % capacity` is the offset). The reader advances the cursor, the writer never passes it."""
-
-    def __init__(self, shared: mmap.mmap):
-        self.shared: mmap.mmap | None = shared
-        self._read_pos = np.ndarray((1,), dtype=np.int64, buffer=shared)
-        self.buf = np.ndarray(((len(shared) - 8) // 4,), dtype=np.float32, buffer=shared, offset=8)
-        self.capacity = self.buf.shape[0]
-        self.write_pos = 0
-
-    @staticmethod
-    def size_for(floats: int) -> int:
-        """Bytes of a ring that holds `floats` samples."""
-        return 8 + 4 * floats
-
-    @property
-    def read_pos(self) -> int:
-        return int(self._read_pos[0])
-
-    def write(self, audio: np.ndarray) -> tuple[int, int] | None:
-        """Store `audio` contiguously; (start, end) positions, or None when the unread audio leaves no room."""
-        n = audio.shape[0]
-        start = self.write_pos
-        if start % self.capacity + n > self.capacity:  # skip the tail so every step stays contiguous
-            start += self.capacity - start % self.capacity
-        end = start + n
-        if n > self.capacity or end - self.read_pos > self.capacity:
-            return None
-        self.buf[start % self.capacity:start % self.capacity + n] = audio
-        self.write_pos = end
-        return start, end
-
-    def read(self, start: int, end: int) -> np.ndarray:
-        """Copy out [start, end) and release everything before `end` to the writer."""
-        offset = start % self.capacity
-        out = self.buf[offset:offset + end - start].copy()
-        self._read_pos[0] = end
-        return out
-
-    def close(self) -> None:
-        """Unmap the ring (the memory goes once both sides have closed it). Idempotent."""
-        if self.shared is None:
-            return
-        shared, self.shared = self.shared, None
-        del self.buf, self._read_pos
-        shared.close()
-
-
 def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing) -> None:
     """The worker process's life (started by `engine.worker_process.worker_main`): load, then serve until stopped."""
     disable_nvls()
@@ -234,7 +175,7 @@ def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, rin
     except Exception as e:  # a load failure is reported once, then the process exits
         # the caller gets the message; with VOXGATE_LOG=DEBUG the worker logs the traceback too (which op failed)
         logging.getLogger(__name__).debug("worker start failed", exc_info=True)
-        results.send(("fatal", f"{type(e).__name__}: {e}"))
+        results.send(ipc.Fatal(message=f"{type(e).__name__}: {e}"))
         return
     try:
         worker.loop()
@@ -279,9 +220,10 @@ class Worker:
             num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
             sit_out_ms=cfg.sit_out_ms, loras=self.loras, split_decodes_above=cfg.split_decodes_above)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
-        self.chores = Chores(cfg.chore_slice_ms, lambda call, ok, value: results.send(("reply", call, ok, value)))
+        self.chores = Chores(cfg.chore_slice_ms, self.reply)
         self.heap = HeapTrimmer()  # freed host memory back to the OS: idle, and now and then while busy
-        self.unpublished: tuple[list, list[np.ndarray], list] | None = None  # the last step's results, not yet sent
+        # the last step's results, not yet sent
+        self.unpublished: tuple[list[ipc.ChunkSpan], list[np.ndarray], list] | None = None
         self.ahead: Launched | None = None  # a step launched ahead of the loop: the next one to collect
         self.last_collected = time.perf_counter()
         self.step_stats = StepStats()
@@ -294,9 +236,9 @@ class Worker:
         # the same after capturing its graphs)
         gc.collect()
         gc.freeze()
-        results.send(("ready", {"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
-                                "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
-                                "pid": os.getpid(), "memory": self.runner.memory}))
+        results.send(ipc.Ready(info={"num_blocks": self.runner.num_blocks, "block_size": cfg.block_size,
+                                     "device": str(self.runner.device), "dtype": str(self.runner.dtype).split(".")[-1],
+                                     "pid": os.getpid(), "memory": self.runner.memory}))
 
     def loop(self) -> None:
         while True:
@@ -320,7 +262,7 @@ class Worker:
                 self.step()
                 self.heap.busy()
             elif changed:
-                self.results.send(("stats", self.stats()))
+                self.results.send(ipc.Stats(stats=self.stats()))
 
     def receive(self) -> None:
         """Handle one batch of commands (engine.worker_handle sends them in batches); note a stop or a lost pool."""
@@ -335,56 +277,51 @@ class Worker:
             log.debug("received %d commands (%d bytes) at %.4f, unpickled in %.2f ms", len(batch), len(data),
                       time.time() - (time.perf_counter() - arrived), 1e3 * (time.perf_counter() - arrived))
         for msg in batch:
-            if msg[0] == "stop":
+            if isinstance(msg, ipc.Stop):
                 self.stopping = "stop"
                 return
             try:
                 self.handle(msg)
             except Exception as e:  # a broken command ends the worker (the pool restarts it), even mid-step
-                raise CommandFailed(f"command {msg[0]!r} failed") from e
+                raise CommandFailed(f"command {type(msg).__name__} failed") from e
 
-    def handle(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "add":
-            spec = msg[1]
-            log.debug("add %s at %.4f", spec.request_id, time.time())
-            if spec.lora is not None and (self.loras is None or not self.loras.knows(spec.lora)):
-                self.results.send(("failed", spec.request_id, f"LoRA adapter {spec.lora!r} is not loaded here"))
-            else:
+    def handle(self, msg: ipc.Command) -> None:
+        match msg:
+            case ipc.Add(spec=spec):
+                log.debug("add %s at %.4f", spec.request_id, time.time())
+                if spec.lora is not None and (self.loras is None or not self.loras.knows(spec.lora)):
+                    self.results.send(ipc.Failed(request_id=spec.request_id,
+                                                 message=f"LoRA adapter {spec.lora!r} is not loaded here"))
+                else:
+                    self.scheduler.add(spec)
+            case ipc.AddLoRA() | ipc.RemoveLoRA() if self.loras is None:
+                self.reply(msg.call, False, "this worker has no LoRA slots")
+            case ipc.AddLoRA(call=call, adapter=adapter):  # its copies in slices between steps
+                self.chores.add(self.loras.adding(adapter), call)  # a bad adapter fails its call only
+            case ipc.RemoveLoRA(call=call, name=name):
+                try:
+                    self.loras.remove(name)
+                except Exception as e:
+                    self.reply(call, False, f"{type(e).__name__}: {e}")
+                    return
+                self.reply(call, True, None)
+            case ipc.Cancel(request_id=request_id):
+                self.scheduler.cancel(request_id)
+            case ipc.Buffered(request_id=request_id, audio_ms=audio_ms):
+                self.scheduler.update_buffered(request_id, audio_ms)
+            case ipc.StoreVoice(call=call, spec=spec):
+                self.voice_calls[spec.request_id] = call
                 self.scheduler.add(spec)
-        elif kind in ("lora_add", "lora_remove"):
-            _, call, arg = msg
-            if self.loras is None:
-                self.results.send(("reply", call, False, "this worker has no LoRA slots"))
-                return
-            if kind == "lora_add":  # its copies in slices between steps; a bad adapter fails its call only
-                self.chores.add(self.loras.adding(arg), call)
-                return
-            try:
-                self.loras.remove(arg)
-            except Exception as e:
-                self.results.send(("reply", call, False, f"{type(e).__name__}: {e}"))
-                return
-            self.results.send(("reply", call, True, None))
-        elif kind == "cancel":
-            self.scheduler.cancel(msg[1])
-        elif kind == "buffered":
-            self.scheduler.update_buffered(msg[1], msg[2])
-        elif kind == "voice":
-            _, call, spec = msg
-            self.voice_calls[spec.request_id] = call
-            self.scheduler.add(spec)
-        elif kind == "remove_voice":
-            self.scheduler.remove_voice(msg[1])
-        elif kind == "encode":
-            from engine.prompt import encode_in_slices
+            case ipc.RemoveVoice(voice_id=voice_id):
+                self.scheduler.remove_voice(voice_id)
+            case ipc.Encode(call=call, samples=samples, pad=pad):
+                from engine.prompt import encode_in_slices
 
-            _, call, samples, pad = msg
-            self.chores.add(as_array(encode_in_slices(self.loaded.vae, samples, pad=pad,
-                                                      patch_size=self.loaded.config.patch_size,
-                                                      slice_ms=self.cfg.chore_slice_ms)), call)
-        else:
-            log.error("unknown command %r", kind)
+                self.chores.add(as_array(encode_in_slices(self.loaded.vae, samples, pad=pad,
+                                                          patch_size=self.loaded.config.patch_size,
+                                                          slice_ms=self.cfg.chore_slice_ms)), call)
+            case _:
+                log.error("unknown command %r", msg)
 
     def step(self) -> None:
         """Collect one step, with the device kept busy meanwhile.
@@ -404,7 +341,8 @@ class Worker:
                 if sched.waiting and not sched.running:  # nothing can ever free room for it
                     req = sched.blocked or sched.waiting[0]
                     sched.finish(req, "error")
-                    self.results.send(("failed", req.request_id, "the prompt does not fit the KV cache"))
+                    self.results.send(ipc.Failed(request_id=req.request_id,
+                                                 message="the prompt does not fit the KV cache"))
                 return
             current = Launched(seqs, None, sched.num_steps, time.perf_counter())
         if current.pending is not None:
@@ -445,7 +383,7 @@ class Worker:
             return
         live = [seq.request.status is Status.RUNNING for seq in current.seqs]  # not cancelled or stopped since
         finished = sched.postprocess(current.seqs, out.patches, out.stops)
-        chunks = []
+        chunks: list[ipc.ChunkSpan] = []
         audio_parts = []
         offset = 0
         for seq, audio, alive in zip(current.seqs, out.audio, live, strict=True):
@@ -453,8 +391,10 @@ class Worker:
                 continue
             req = seq.request
             last = req.stop_reason is not None
-            chunks.append((req.request_id, len(req.generated) - 1, req.generated[-1].float().numpy(),
-                           offset, offset + audio.shape[0], last, req.stop_reason, current.step))
+            chunks.append(ipc.ChunkSpan(request_id=req.request_id, index=len(req.generated) - 1,
+                                        latents=req.generated[-1].float().numpy(), start=offset,
+                                        end=offset + audio.shape[0], is_last=last, stop_reason=req.stop_reason,
+                                        step=current.step))
             audio_parts.append(audio)
             offset += audio.shape[0]
         self.unpublished = (chunks, audio_parts, finished)
@@ -502,19 +442,24 @@ class Worker:
         if chunks:
             audio = np.concatenate(audio_parts)
             span = self.ring.write(audio)
-            self.results.send(("step", chunks, span if span is not None else audio, self.stats()))
+            self.results.send(ipc.Step(chunks=chunks, audio=span if span is not None else audio, stats=self.stats()))
             if log.isEnabledFor(logging.DEBUG):  # to line up with the clients' first chunks (bench --timeline)
-                log.debug("published step %d at %.4f: %d chunks", chunks[0][-1], time.time(), len(chunks))
+                log.debug("published step %d at %.4f: %d chunks", chunks[0].step, time.time(), len(chunks))
         else:
-            self.results.send(("stats", self.stats()))
+            self.results.send(ipc.Stats(stats=self.stats()))
         for req in finished:  # after the stats, so a caller woken by the reply sees the voice's blocks
             call = self.voice_calls.pop(req.request_id, None)
             if call is not None:
-                self.results.send(("reply", call, True, None))
+                self.reply(call, True, None)
+
+    def reply(self, call: int, ok: bool, value: Any) -> None:
+        """Answer the command with id `call`."""
+        self.results.send(ipc.Reply(call=call, ok=ok, value=value))
 
     def fail(self, request_id: str, message: str) -> None:
+        """Fail a request in the worker: a voice's prefix fails its call, any other request its stream."""
         call = self.voice_calls.pop(request_id, None)
         if call is not None:
-            self.results.send(("reply", call, False, message))
+            self.reply(call, False, message)
         else:
-            self.results.send(("failed", request_id, message))
+            self.results.send(ipc.Failed(request_id=request_id, message=message))

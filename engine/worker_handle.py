@@ -20,10 +20,12 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from engine import ipc
 from engine.api import AudioChunk
 from engine.config import ModelConfig
-from engine.errors import InvalidAudio, WorkerCrashed
-from engine.worker import AudioRing, WorkerConfig
+from engine.errors import EngineError, InvalidAudio, WorkerCallFailed, WorkerCrashed
+from engine.ipc import AudioRing
+from engine.worker import WorkerConfig
 from engine.worker_process import shared_file, start_worker
 
 RING_SECONDS = 20.0  # shared-memory audio ring per worker, in seconds of audio at the model's rate
@@ -34,11 +36,11 @@ MAX_RESTARTS_PER_WINDOW = 5
 class WorkerHandle:
     """One worker process and the two threads that talk to it.
 
-    `on_event(handle, msg)` gets the worker's "step" (chunks unpacked), "failed" and "fatal" messages;
+    `on_event(handle, msg)` gets the worker's steps (as `ipc.StepAudio`), `ipc.Failed` and `ipc.Fatal` messages;
     `on_exit(handle, error)` is called once when the process ends unless `close` ended it."""
 
     def __init__(self, index: int, cfg: WorkerConfig, config: ModelConfig, loop: asyncio.AbstractEventLoop,
-                 on_event: Callable[[WorkerHandle, tuple[Any, ...]], None],
+                 on_event: Callable[[WorkerHandle, ipc.StepAudio | ipc.Failed | ipc.Fatal], None],
                  on_exit: Callable[[WorkerHandle, WorkerCrashed], None]):
         self.index, self.cfg = index, cfg
         self._sample_rate = config.sample_rate
@@ -53,7 +55,7 @@ class WorkerHandle:
         self.ready = asyncio.Event()
         self.alive = True
         self.in_flight: set[str] = set()
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, type[EngineError]]] = {}  # call id -> (reply, its failure)
         self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready_flag = threading.Event()
@@ -63,26 +65,28 @@ class WorkerHandle:
         # an engine its program never stopped: stop the worker and unmap the ring at exit
         atexit.register(self.close, 2.0)
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: ipc.Command) -> None:
         """Queue a message for the worker (sent once it is ready)."""
         self._outbox.put(msg)
 
-    def call(self, kind: str, *args: Any) -> asyncio.Future:
-        """Send a message the worker replies to; the future gets the reply (an error string as `InvalidAudio`)."""
+    def call(self, command: Callable[..., ipc.Command], *args: Any) -> asyncio.Future:
+        """Send `command(call id, *args)`, a message the worker replies to; the future gets the reply. A failed
+        `ipc.Encode` raises `InvalidAudio` (the audio could not be encoded), any other failed call
+        `WorkerCallFailed`."""
         call = next(self._call_ids)
         fut = self._loop.create_future()
-        self._calls[call] = fut
-        self.send((kind, call, *args))
+        self._calls[call] = fut, InvalidAudio if command is ipc.Encode else WorkerCallFailed
+        self.send(command(call, *args))
         return fut
 
-    def tell(self, kind: str, *args: Any) -> None:
-        """Send a message the worker replies to, without waiting for the reply."""
-        self.send((kind, next(self._call_ids), *args))
+    def tell(self, command: Callable[..., ipc.Command], *args: Any) -> None:
+        """Send `command(call id, *args)`, a message the worker replies to, without waiting for the reply."""
+        self.send(command(next(self._call_ids), *args))
 
     def fail_calls(self, error: BaseException) -> None:
         """Fail every call still waiting for its reply."""
         calls, self._calls = self._calls, {}
-        for fut in calls.values():
+        for fut, _ in calls.values():
             if not fut.done():
                 fut.set_exception(error)
 
@@ -93,7 +97,7 @@ class WorkerHandle:
         self._closed = True
         atexit.unregister(self.close)
         self.alive = False
-        self.send(("stop",))
+        self.send(ipc.Stop())
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
@@ -130,10 +134,10 @@ class WorkerHandle:
                     msg = self.results.recv()
                 except (EOFError, OSError):
                     break
-                if msg[0] == "ready":
+                if isinstance(msg, ipc.Ready):
                     self._ready_flag.set()
-                if msg[0] == "step":
-                    msg = self._unpack_step(msg)
+                elif isinstance(msg, ipc.Step):
+                    msg = self._read_step(msg)
                 if not self._to_loop(self._on_message, msg):
                     break
             elif self.process.sentinel in ready:
@@ -150,34 +154,36 @@ class WorkerHandle:
             return False
         return True
 
-    def _unpack_step(self, msg: tuple[Any, ...]) -> tuple[Any, ...]:
-        _, chunks, audio, stats = msg
+    def _read_step(self, msg: ipc.Step) -> ipc.StepAudio:
+        audio = msg.audio
         if isinstance(audio, tuple):  # a span of the shared ring: one copy out, then the slot is free again
             audio = self.ring.read(*audio)
-        out = [AudioChunk(audio[a:b], self._sample_rate, index, latents, last, reason, rid, step)
-               for rid, index, latents, a, b, last, reason, step in chunks]
-        return ("step", out, stats)
+        # AudioChunk's fields in order: keywords would cost this thread (which takes the GIL from the event loop)
+        # a third more per chunk
+        out = [AudioChunk(audio[c.start:c.end], self._sample_rate, c.index, c.latents, c.is_last, c.stop_reason,
+                          c.request_id, c.step)
+               for c in msg.chunks]
+        return ipc.StepAudio(chunks=out, stats=msg.stats)
 
     # ---- on the event loop -------------------------------------------------------------------------------
-    def _on_message(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            self.info = msg[1]
-            self.ready.set()
-        elif kind == "stats":
-            self.stats = msg[1]
-        elif kind == "reply":
-            _, call, ok, value = msg
-            fut = self._calls.pop(call, None)
-            if fut is not None and not fut.done():
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(InvalidAudio(value))
-        else:
-            if kind == "step":
-                self.stats = msg[2]
-            self._on_event(self, msg)
+    def _on_message(self, msg: ipc.Ready | ipc.Stats | ipc.Reply | ipc.StepAudio | ipc.Failed | ipc.Fatal) -> None:
+        match msg:
+            case ipc.Ready(info=info):
+                self.info = info
+                self.ready.set()
+            case ipc.Stats(stats=stats):
+                self.stats = stats
+            case ipc.Reply(call=call, ok=ok, value=value):
+                fut, failure = self._calls.pop(call, (None, WorkerCallFailed))
+                if fut is not None and not fut.done():
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(failure(value))
+            case _:
+                if isinstance(msg, ipc.StepAudio):
+                    self.stats = msg.stats
+                self._on_event(self, msg)
 
     def _ended(self) -> None:
         if not self.alive:  # closed on purpose

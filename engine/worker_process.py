@@ -98,7 +98,8 @@ def start_worker(cfg: Any, ring_fd: int, ring_size: int, name: str) -> tuple[Wor
 
 def worker_main() -> None:
     """Entry point of a worker subprocess: argv holds the inherited descriptors (see `start_worker`)."""
-    from engine.worker import AudioRing, run_worker
+    from engine.ipc import AudioRing
+    from engine.worker import run_worker
 
     # Ctrl-C in a terminal reaches the whole process group: the parent decides (it stops its workers at exit or on
     # its own SIGINT handling), so the worker neither dies mid-step nor prints a second traceback

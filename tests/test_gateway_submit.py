@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from engine import ipc
 from gateway.session import Session
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -26,12 +27,12 @@ class Events:
 
 @contextlib.contextmanager
 def submits_logged(engine: Any, events: Events) -> Iterator[None]:
-    """The real engine, its submissions (the "add" messages `generate` posts for its worker) logged."""
+    """The real engine, its submissions (the `ipc.Add` messages `generate` posts for its worker) logged."""
     post = engine._post
 
-    def logged(worker: Any, msg: tuple) -> None:
-        if msg[0] == "add":
-            events.log.append(("submit", msg[1].request_id.split(":")[1]))  # the context id
+    def logged(worker: Any, msg: ipc.Command) -> None:
+        if isinstance(msg, ipc.Add):
+            events.log.append(("submit", msg.spec.request_id.split(":")[1]))  # the context id
         post(worker, msg)
 
     engine._post = logged

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import guards
+from engine import guards, ipc
 from engine.config import ModelConfig
-from engine.errors import TextTooLong
+from engine.errors import InvalidAudio, InvalidRequest, TextTooLong, WorkerCallFailed
 from engine.model_configs import tiny
 from engine.prompt import AUDIO_START, CONTEXT_PATCHES, REF_AUDIO_END, REF_AUDIO_START, build_prompt, length_cap
 from engine.random_checkpoint import write_tokenizer
@@ -198,9 +198,10 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
     sent: list[tuple[str, str, int]] = []  # (kind, request id, requests started when it was sent)
     send = worker.send
 
-    def spy(msg: tuple) -> None:
-        rid = msg[1].request_id if msg[0] == "add" else msg[1] if msg[0] == "cancel" else ""
-        sent.append((msg[0], rid, len(started)))
+    def spy(msg: ipc.Command) -> None:
+        rid = msg.spec.request_id if isinstance(msg, ipc.Add) else msg.request_id if isinstance(msg, ipc.Cancel) \
+            else ""
+        sent.append((type(msg).__name__, rid, len(started)))
         send(msg)
 
     async def one(i: int) -> list:
@@ -212,7 +213,7 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
     try:
         results = await asyncio.gather(*(one(i) for i in range(6)))
         assert all(len(r) == 3 and r[-1].is_last for r in results)
-        adds = [s for s in sent if s[0] == "add"]
+        adds = [s for s in sent if s[0] == "Add"]
         assert sorted(s[1] for s in adds) == sorted(started)
         assert all(s[2] == 6 for s in adds)  # none left before every request of the burst was built
 
@@ -224,7 +225,7 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
         with pytest.raises(StopAsyncIteration):
             await first
         await asyncio.sleep(0)
-        assert [s[:2] for s in sent] == [("add", gen.request_id), ("cancel", gen.request_id)]
+        assert [s[:2] for s in sent] == [("Add", gen.request_id), ("Cancel", gen.request_id)]
     finally:
         worker.send = send
     for _ in range(200):  # the worker reports the cancelled request gone
@@ -296,7 +297,7 @@ async def test_prompt_audio_or_a_worker_not_up_is_sent_at_the_first_read(engine)
     worker = engine._workers[0]
     sent: list[str] = []
     send = worker.send
-    worker.send = lambda msg: (sent.append(msg[0]), send(msg))
+    worker.send = lambda msg: (sent.append(type(msg).__name__), send(msg))
     try:
         audio = np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1
         gen = engine.generate("After the prompt.", prompt_audio=audio, prompt_sample_rate=16000,
@@ -304,7 +305,7 @@ async def test_prompt_audio_or_a_worker_not_up_is_sent_at_the_first_read(engine)
         await asyncio.sleep(0.1)
         assert sent == []  # neither the audio to encode nor the request
         assert len([c async for c in gen]) == 2
-        assert sent == ["encode", "add"]
+        assert sent == ["Encode", "Add"]
 
         sent.clear()
         worker.ready.clear()  # as while it loads
@@ -316,7 +317,7 @@ async def test_prompt_audio_or_a_worker_not_up_is_sent_at_the_first_read(engine)
         assert sent == []  # the first read waits for the worker
         worker.ready.set()
         assert (await first).index == 0 and len([c async for c in gen]) == 1
-        assert sent == ["add"]
+        assert sent == ["Add"]
     finally:
         worker.send = send
         worker.ready.set()
@@ -351,3 +352,18 @@ async def test_unread_generations_of_an_adapter_let_it_drain(tiny_v2_dir, config
         assert _idle(eng)
     finally:
         await eng.stop()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_a_failed_worker_call_is_typed_by_its_cause(engine):
+    """An encode the worker cannot do is the audio's fault (`InvalidAudio`); any other failed call is the worker's
+    (`WorkerCallFailed`: an engine error, not a bad request), and the worker keeps serving."""
+    worker = engine._workers[0]
+    with pytest.raises(WorkerCallFailed, match="no LoRA slots") as failed:
+        await worker.call(ipc.AddLoRA, None)
+    assert not isinstance(failed.value, InvalidRequest)
+    with pytest.raises(InvalidAudio):
+        await worker.call(ipc.Encode, np.zeros(0, np.float32), "left")
+    chunks = [c async for c in engine.generate("Still serving.", seed=3, max_length=2, min_length=2)]
+    assert len(chunks) == 2 and chunks[-1].is_last

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import ipc
 from engine.config import ModelConfig
 from engine.errors import InvalidLoRA
 from engine.lora import AdapterSlots, LoRAAdapter, SharedAdapter, _all_finite, load_adapter, lora_layout
@@ -159,9 +160,9 @@ async def test_engine_registers_concurrently_and_leaves_no_segments(tiny_v2_dir,
         worker = eng._workers[0]
         call = worker.call
 
-        def call_then_cancel(kind, *args):  # the adapter is on its way to the worker when the caller gives up
-            fut = call(kind, *args)
-            if kind == "lora_add":
+        def call_then_cancel(command, *args):  # the adapter is on its way to the worker when the caller gives up
+            fut = call(command, *args)
+            if command is ipc.AddLoRA:
                 asyncio.get_running_loop().call_soon(task.cancel)
             return fut
 
