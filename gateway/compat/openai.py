@@ -92,7 +92,9 @@ def parse_speech_request(body: Any, stored_voices: set[str]) -> SpeechRequest:
         raise OpenAIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
-        raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+        # a key is echoed back: one that is not valid text (a lone surrogate) is echoed escaped
+        name = unknown[0].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {name}", param=name,
                           code="unknown_parameter")
     model, text, voice = (_required_str(body, name) for name in ("model", "input", "voice"))
     if not text.strip():
