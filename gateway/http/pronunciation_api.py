@@ -6,19 +6,17 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.app_keys import GATEWAY
+from gateway.auth import Caller
 from gateway.http.http_errors import error_response
-from gateway.http.voice_api import _caller, _refused
+from gateway.http.voice_api import keyed
 from gateway.protocol import ErrorCode, ProtocolError, load_json
 from gateway.text.pronunciation import RuleError
-from gateway.voices import VoiceRefused
 
 
-async def add_dictionary(request: web.Request) -> web.Response:
+@keyed
+async def add_dictionary(request: web.Request, caller: Caller) -> web.Response:
     """POST /v1/pronunciations: `{"name"?, "rules": [{"word" | "regex", "phonemes" | "alias", "case_sensitive"?}]}`
     -> 201 `{pronunciation_id, name, rules, public}`, owned by the calling key."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     try:
         body = load_json(await request.read())
     except ProtocolError as e:  # not JSON, or strings that are not valid Unicode
@@ -27,31 +25,19 @@ async def add_dictionary(request: web.Request) -> web.Response:
         view = await request.app[GATEWAY].pronunciations.create(caller, body)
     except RuleError as e:
         return error_response(400, ErrorCode.INVALID_VALUE, str(e))
-    except VoiceRefused as e:
-        return _refused(e)
     return web.json_response(view, status=201)
 
 
-async def list_dictionaries(request: web.Request) -> web.Response:
+@keyed
+async def list_dictionaries(request: web.Request, caller: Caller) -> web.Response:
     """GET /v1/pronunciations: the dictionaries this key may use."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
-    try:
-        return web.json_response({"pronunciations": await request.app[GATEWAY].pronunciations.list(caller)})
-    except VoiceRefused as e:
-        return _refused(e)
+    return web.json_response({"pronunciations": await request.app[GATEWAY].pronunciations.list(caller)})
 
 
-async def remove_dictionary(request: web.Request) -> web.Response:
+@keyed
+async def remove_dictionary(request: web.Request, caller: Caller) -> web.Response:
     """DELETE /v1/pronunciations/{id}: 204; another key's dictionary is a 404, as if it did not exist."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
-    try:
-        await request.app[GATEWAY].pronunciations.delete(caller, request.match_info["pronunciation_id"])
-    except VoiceRefused as e:
-        return _refused(e)
+    await request.app[GATEWAY].pronunciations.delete(caller, request.match_info["pronunciation_id"])
     return web.Response(status=204)
 
 

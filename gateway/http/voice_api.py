@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Awaitable, Callable
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -21,6 +23,8 @@ from gateway.voices import LORA, VOICE, VoiceRefused
 # broken part headers, an unknown charset, a body cut short (ValueError covers UnicodeDecodeError)
 MALFORMED_MULTIPART = (ValueError, LookupError, HttpProcessingError)
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
 
 def _malformed_multipart(e: Exception) -> web.Response:
     detail = str(getattr(e, "message", None) or e).strip().splitlines()
@@ -37,19 +41,29 @@ def _caller(request: web.Request) -> Caller | web.Response:
         return error_response(401, ErrorCode.UNAUTHORIZED, str(e))
 
 
-def _refused(e: VoiceRefused) -> web.Response:
-    return error_response(e.status, e.code, e.message)
+def keyed(handler: Callable[[web.Request, Caller], Awaitable[web.Response]]) -> Handler:
+    """A handler of a key's stored things: it gets the calling key (401 without a valid one), and a VoiceRefused it
+    raises (another key's item: 404, the store down: 503, ...) is answered as the refusal says."""
+    @functools.wraps(handler)
+    async def handle(request: web.Request) -> web.Response:
+        caller = _caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        try:
+            return await handler(request, caller)
+        except VoiceRefused as e:
+            return error_response(e.status, e.code, e.message)
+
+    return handle
 
 
 def _flag(value: object) -> bool:
     return str(value).lower() in ("1", "true", "yes")
 
 
-async def create_token(request: web.Request) -> web.Response:
+@keyed
+async def create_token(request: web.Request, caller: Caller) -> web.Response:
     """POST /v1/tokens: a short-lived single-use token for a browser's `?token=` (good once, on any node)."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     try:
         token, ttl = await request.app[GATEWAY].auth.issue_token(caller.key)
     except StoreUnavailable as e:
@@ -57,14 +71,12 @@ async def create_token(request: web.Request) -> web.Response:
     return web.json_response({"token": token, "expires_in": ttl})
 
 
-async def add_voice(request: web.Request) -> web.Response:
+@keyed
+async def add_voice(request: web.Request, caller: Caller) -> web.Response:
     """POST /v1/voices: multipart (`audio` file + optional `text`, `lora`, `public`) or a raw WAV/FLAC body (+
     `?text=`, `?lora=`, `?public=`). `lora` names an adapter the voice's requests use; with it the audio is
     optional. `public=true` (operator keys only) shares the voice with every key. A JSON body
     `{"description", "text"?, "seed"?, "public"?}` designs the voice from a description (gateway.voice_design)."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     gw = request.app[GATEWAY]
     text, lora, public = request.query.get("text"), request.query.get("lora"), _flag(request.query.get("public"))
     data = b""
@@ -99,8 +111,6 @@ async def add_voice(request: web.Request) -> web.Response:
     try:  # the file as is: the engine reads it (and says what is wrong with it)
         voice = await gw.voices.create_voice(caller, audio=data or None, text=text or None, lora=lora, public=public,
                                              design=design)
-    except VoiceRefused as e:
-        return _refused(e)
     except engine_errors.AudioTooLong as e:  # read from the file's header: nothing was decoded
         return error_response(413, ErrorCode.MESSAGE_TOO_LARGE, str(e))
     except engine_errors.UnknownLoRA as e:
@@ -112,65 +122,50 @@ async def add_voice(request: web.Request) -> web.Response:
     return web.json_response(voice, status=201)
 
 
-async def list_voices(request: web.Request) -> web.Response:
+@keyed
+async def list_voices(request: web.Request, caller: Caller) -> web.Response:
     """GET /v1/voices: the voices this key may use (its own, shared ones; every voice for an operator key)."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
-    try:
-        return web.json_response({"voices": await request.app[GATEWAY].voices.list_voices(caller)})
-    except VoiceRefused as e:
-        return _refused(e)
+    return web.json_response({"voices": await request.app[GATEWAY].voices.list_voices(caller)})
 
 
-async def remove_voice(request: web.Request) -> web.Response:
+@keyed
+async def remove_voice(request: web.Request, caller: Caller) -> web.Response:
     """DELETE /v1/voices/{voice_id}: another key's voice is a 404, as if it did not exist."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     voice_id = request.match_info["voice_id"]
     try:
         await request.app[GATEWAY].voices.delete_voice(caller, voice_id)
-    except VoiceRefused as e:
-        return _refused(e)
     except engine_errors.UnknownVoice:
         return error_response(404, ErrorCode.UNKNOWN_VOICE, f"no stored voice {voice_id!r}")
     return web.Response(status=204)
 
 
-async def _share(request: web.Request, kind: str, name: str) -> web.Response:
+async def _share(request: web.Request, caller: Caller, kind: str, name: str) -> web.Response:
     """PATCH /v1/voices/{voice_id} or /v1/loras/{name} with {"public": bool}: operator keys share or unshare."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         return error_response(400, ErrorCode.BAD_JSON, "send a JSON object: {\"public\": true}")
     if not isinstance(body, dict) or set(body) != {"public"} or not isinstance(body["public"], bool):
         return error_response(400, ErrorCode.INVALID_VALUE, "send a JSON object: {\"public\": true|false}")
-    try:
-        view = await request.app[GATEWAY].voices.set_public(caller, kind, name, body["public"])
-    except VoiceRefused as e:
-        return _refused(e)
+    view = await request.app[GATEWAY].voices.set_public(caller, kind, name, body["public"])
     return web.json_response(view if kind == VOICE else {"lora": view})
 
 
-async def share_voice(request: web.Request) -> web.Response:
-    return await _share(request, VOICE, request.match_info["voice_id"])
+@keyed
+async def share_voice(request: web.Request, caller: Caller) -> web.Response:
+    return await _share(request, caller, VOICE, request.match_info["voice_id"])
 
 
-async def share_lora(request: web.Request) -> web.Response:
-    return await _share(request, LORA, request.match_info["name"])
+@keyed
+async def share_lora(request: web.Request, caller: Caller) -> web.Response:
+    return await _share(request, caller, LORA, request.match_info["name"])
 
 
-async def add_lora(request: web.Request) -> web.Response:
+@keyed
+async def add_lora(request: web.Request, caller: Caller) -> web.Response:
     """POST /v1/loras: multipart with `name`, `weights` (lora_weights.safetensors), `config` (the contents of
     lora_config.json, as a field or a file) and optional `public`. 201 with the adapter's info; a bad adapter is a
     400 naming the problem. Names are per key: two keys may each have an adapter `alice`."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     gw = request.app[GATEWAY]
     if not request.content_type.startswith("multipart/"):
         return error_response(400, ErrorCode.INVALID_VALUE,
@@ -202,8 +197,6 @@ async def add_lora(request: web.Request) -> web.Response:
                                            public=_flag(fields.get("public", b"").decode()))
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         return error_response(400, ErrorCode.INVALID_VALUE, f"cannot read the adapter: {e}")
-    except VoiceRefused as e:
-        return _refused(e)
     except engine_errors.InvalidRequest as e:
         return error_response(400, ErrorCode.INVALID_VALUE, str(e))
     except engine_errors.EngineError as e:
@@ -211,27 +204,18 @@ async def add_lora(request: web.Request) -> web.Response:
     return web.json_response({"lora": info}, status=201)
 
 
-async def list_loras(request: web.Request) -> web.Response:
+@keyed
+async def list_loras(request: web.Request, caller: Caller) -> web.Response:
     """GET /v1/loras: the adapters this key may use."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
-    try:
-        return web.json_response({"loras": await request.app[GATEWAY].voices.list_loras(caller)})
-    except VoiceRefused as e:
-        return _refused(e)
+    return web.json_response({"loras": await request.app[GATEWAY].voices.list_loras(caller)})
 
 
-async def remove_lora(request: web.Request) -> web.Response:
+@keyed
+async def remove_lora(request: web.Request, caller: Caller) -> web.Response:
     """DELETE /v1/loras/{name}: new requests for it are refused at once; answers 204 once those in flight finished
     and the adapter is freed."""
-    caller = _caller(request)
-    if isinstance(caller, web.Response):
-        return caller
     try:
         await request.app[GATEWAY].voices.delete_lora(caller, request.match_info["name"])
-    except VoiceRefused as e:
-        return _refused(e)
     except engine_errors.UnknownLoRA as e:
         return error_response(404, ErrorCode.UNKNOWN_LORA, str(e))
     except engine_errors.InvalidRequest as e:  # still named by a stored voice
