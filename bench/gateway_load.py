@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import re
 import statistics
@@ -414,7 +415,8 @@ def _segment_detail(turns: list[TurnResult]) -> dict:
 
 def _step_detail(before: list[dict], after: list[dict]) -> dict | None:
     """Engine step times between two snapshots of the workers' `step_hist` (engine.worker.StepStats), by step kind:
-    count, p50, p99 and max wall ms. A max near the longest underrun means the engine itself stalled."""
+    count, p50, p99 and max wall ms and device ms (a wall far above the device time: the host is the bottleneck).
+    A max near the longest underrun means the engine itself stalled."""
     try:
         from engine.worker import hist_percentile
     except ImportError:
@@ -422,24 +424,38 @@ def _step_detail(before: list[dict], after: list[dict]) -> dict | None:
     hists: dict[str, dict[int, int]] = {}
     for b, a in zip(before, after, strict=False):
         for name, counts in (a.get("step_hist") or {}).items():
-            if not name.endswith("_wall"):
-                continue
             old = {int(k): v for k, v in ((b.get("step_hist") or {}).get(name) or {}).items()}
-            diff = hists.setdefault(name[:-5], {})
+            diff = hists.setdefault(name, {})
             for bucket, c in counts.items():
                 n = c - old.get(int(bucket), 0)
                 if n:
                     diff[int(bucket)] = diff.get(int(bucket), 0) + n
-    out: dict[str, Any] = {kind: {"steps": sum(h.values()), "wall_ms_p50": _round(hist_percentile(h, 50)),
-                                  "wall_ms_p99": _round(hist_percentile(h, 99)),
-                                  "wall_ms_max": _round(hist_percentile(h, 100))}
-                           for kind, h in sorted(hists.items()) if h}
+    out: dict[str, Any] = {}
+    for name, h in sorted(hists.items()):
+        kind, _, clock = name.rpartition("_")  # "<kind>_wall" / "<kind>_gpu": host wall clock / device time
+        if h and clock in ("wall", "gpu"):
+            row = out.setdefault(kind, {"steps": sum(h.values())} if clock == "wall" else {})
+            row.update({f"{clock}_ms_p50": _round(hist_percentile(h, 50)),
+                        f"{clock}_ms_p99": _round(hist_percentile(h, 99)),
+                        f"{clock}_ms_max": _round(hist_percentile(h, 100))})
     if not out:
         return None
     # a Triton compile mid-level (a shape the warm-up did not cover) stalls every stream for its duration
     for key in ("triton_compiles", "prefill_tokens"):
         out[key] = sum((a.get(key) or 0) - (b.get(key) or 0) for b, a in zip(before, after, strict=False))
     return out
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every core of this machine has been busy since boot (/proc/stat), or None off Linux: the level's
+    share shows whether the gateway, the engine's host thread and the clients contend for cores."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _round(x: float | None) -> float | None:
@@ -531,7 +547,7 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                 await asyncio.to_thread(proc.reset)
                 before = await asyncio.to_thread(proc.stats)
             steps0 = _worker_stats(engine)
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, cpu0, machine0 = time.perf_counter(), time.process_time(), _machine_busy_s()
             # the instant the level's turns begin: client processes start and sessions connect meanwhile
             args.level_t0 = time.monotonic() + args.start_delay
             turns = await _level(url, level, args)
@@ -547,7 +563,10 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                 if runner is not None and args.client_procs:  # this process is the gateway alone
                     gateway = {"used": {"cpu_s": cpu, "wall_s": wall, "threads_cpu_s": None}, "loop_lag": None}
                 steps = _step_detail(steps0, _worker_stats(engine))
-            results.append({**_summary(level, turns, wall, cpu, args, gateway), "engine_steps": steps})
+            busy = _machine_busy_s()
+            machine = None if busy is None or machine0 is None else round((busy - machine0) / wall, 2)
+            results.append({**_summary(level, turns, wall, cpu, args, gateway), "engine_steps": steps,
+                            "machine_cores_busy": machine})
             print(_table(results[-1:], header=len(results) == 1), file=sys.stderr, flush=True)  # progress
     finally:
         if proc is not None:
