@@ -78,6 +78,17 @@ class _EndMark:
     pass
 
 
+class SegmentQueue(asyncio.Queue):
+    """The synthesis task's queue, whose head may be started ahead of its turn (`TurnPipeline._start_next`)."""
+
+    _queue: Any  # asyncio.Queue's deque, the storage its subclass hooks (`_get`, `_put`) work on
+
+    def start_head(self, start: Callable[[Segment], _Started]) -> None:
+        """Replace a plain `Segment` at the head by `start(segment)`, in place; marks and started ones stay."""
+        if self._queue and isinstance(self._queue[0], Segment):
+            self._queue[0] = start(self._queue[0])
+
+
 @dataclass
 class Turn:
     """One context: text in, audio out, in order."""
@@ -93,7 +104,7 @@ class Turn:
     # ~50 us: in a burst of new turns, every one of them waits for the others' set-up)
     encoder: Encoder | None = None
     offload: OffloadPool | None = None  # where encoding runs: a thread pool, or None for on the loop
-    segments: asyncio.Queue = field(default_factory=asyncio.Queue)  # Segment | _Started | _FlushMark | _EndMark
+    segments: SegmentQueue = field(default_factory=SegmentQueue)  # Segment | _Started | _FlushMark | _EndMark
     # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
     # released segment goes to the engine from the handler that released it (`Session._release`)
     idle: bool = True
@@ -151,6 +162,7 @@ class TurnPipeline:
     metrics: GatewayMetrics
     model_rate: int
     id: str
+    closed: bool
 
     async def _segment_timer(self, turn: Turn) -> None:
         """Let time-based segment boundaries fire (the first segment leaves after max_delay_ms without a clause)."""
@@ -167,7 +179,6 @@ class TurnPipeline:
 
     async def _synthesise(self, turn: Turn) -> None:
         """Segments in order through the engine; encoded audio into the bounded frame queue."""
-        gen = turn.generation
         try:
             turn.encoder = Encoder(turn.fmt, self.model_rate)
             while True:
@@ -197,10 +208,8 @@ class TurnPipeline:
                 seg = started.segment
                 seg_audio = SegmentAudio(seg.text, turn.fed_ms)
                 turn.audio.append(seg_audio)
-                latents = await self._generate(turn, started)
+                await self._generate(turn, started)
                 seg_audio.end_ms = turn.fed_ms
-                if turn.continues and latents:
-                    turn.prompt = (np.stack(latents)[-gen.continuation_patches:], seg.speak())  # [T, P, D]
         except ProtocolError as e:
             e.context_id = turn.id
             self._background(self._abort_turn(turn, e))
@@ -211,8 +220,10 @@ class TurnPipeline:
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
 
-    async def _generate(self, turn: Turn, started: _Started) -> list[np.ndarray]:
-        """Read one segment's stream to its end, encoding and queueing its audio; its latents (the next prompt)."""
+    async def _generate(self, turn: Turn, started: _Started) -> None:
+        """Read one segment's stream to its end, encoding and queueing its audio. Its last chunk makes the next
+        segment's continuation prompt, and that segment's request goes out before the chunk is encoded
+        (`_start_next`)."""
         seg = started.segment
         timing = SegmentTiming(seg.index, self._turn_ms(turn, started.t0), started.lead_ms)
         turn.segment_log.append(timing)
@@ -249,6 +260,8 @@ class TurnPipeline:
                     timing.max_wait_ms, timing.max_wait_end_ms = wait_ms, self._turn_ms(turn, t1)
                 if chunk.latents is not None:
                     latents.append(np.asarray(chunk.latents))
+                if chunk.is_last:
+                    self._start_next(turn, seg, latents)
                 turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
                 await self._encode_chunk(turn, chunk.audio)
         except engine_errors.InvalidRequest as e:
@@ -262,7 +275,14 @@ class TurnPipeline:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
             await _aclose(stream)  # cancels the engine request when we stop early
-        return latents
+
+    def _start_next(self, turn: Turn, seg: Segment, latents: list[np.ndarray]) -> None:
+        """The segment after `seg` is done at the engine: its continuation prompt is known, so the next released
+        segment's request goes out now, not after `seg`'s last chunk has waited for its turn in the encode pool."""
+        if turn.continues and latents:
+            turn.prompt = (np.stack(latents)[-turn.generation.continuation_patches:], seg.speak())  # [T, P, D]
+        if not self.closed:
+            turn.segments.start_head(lambda head: self._start(turn, head))
 
     def _turn_ms(self, turn: Turn, now: float) -> float:
         """Milliseconds since the turn's first text (the origin of its TTFB)."""
