@@ -131,6 +131,8 @@ class Playout:
         """How many of the next `available` (>= 1) frames may go now. With the listener max_lead_ms ahead, none
         until PACE_QUANTUM_MS (or all that is available) fits again: `wait_s` says when that is, if nothing else
         changes (a position report may bring it earlier or later: ask again after the wait)."""
+        if available < 1:  # nothing to send would never be allowed to go: a caller's bug, not a wait
+            raise ValueError(f"available: {available} frames, need at least 1")
         need = min(available, max(1, int(PACE_QUANTUM_MS // self.frame_ms)))
         room = self.room_ms(now)
         if room >= (available - 1) * self.frame_ms:

@@ -93,6 +93,11 @@ def test_no_lead_limit_sends_everything_at_once():
     assert playout.fits(500, 0.0)
 
 
+def test_pacing_nothing_is_refused():
+    with pytest.raises(ValueError, match="available"):
+        Playout(max_lead_ms=300.0, frame_ms=FRAME_MS).pace(0, 0.0)
+
+
 def test_fits_agrees_with_pace():
     rng = random.Random(7)
     for _ in range(200):
