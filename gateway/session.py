@@ -226,9 +226,7 @@ class Session(TurnPipeline, TurnSender):
             if turn is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no context {m.context_id!r}",
                                     context_id=m.context_id)
-            turn.play_base_ms = min(m.played_ms, turn.sent_ms)
-            turn.t_play = self.clock()
-            turn.client_reported = True
+            turn.playout.position(m.played_ms, self.clock())
             self._report_buffered(turn, force=True)
 
     async def _apply_settings(self, voice: str | None, output: dict | None, chunking: dict | None,
@@ -308,7 +306,7 @@ class Session(TurnPipeline, TurnSender):
             if turn.t_first_text is None and m.text.strip():
                 turn.t_first_text = self.clock()
             turn.text += m.text
-            turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
+            turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
             self._release(turn, turn.segmenter.push(m.text))  # a first segment's engine request leaves here
             turn.wake.set()
         finally:
@@ -369,7 +367,7 @@ class Session(TurnPipeline, TurnSender):
             # only segments without a continuation prompt (the official rule): a turn's first, or every one with
             # continuation off; later ones continue from the designed voice's audio
             kwargs["instruction"] = gen.instruction
-        lead_ms = turn.buffered_ms(now)
+        lead_ms = turn.playout.buffered_ms(now)
         try:
             stream = self.engine.generate(seg.speak(), **kwargs)
         except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
@@ -410,12 +408,12 @@ class Session(TurnPipeline, TurnSender):
         else:
             await self._stop_turn(turn)
             self.metrics.turns_done.labels(outcome="cancelled").inc()
-        played = turn.played_ms(self.clock())
+        played = turn.playout.played_ms(self.clock())
         texts = [s.text for s in turn.segmenter.segments] + [turn.segmenter.pending_text]
         spoken, remaining = split_heard(texts, turn.audio, played)
         await self._send(p.ContextCancelled(
-            context_id, audio_sent_ms=round(turn.sent_ms, 1), audio_played_ms=round(played, 1),
-            played_source="client" if turn.client_reported else "estimate", text_spoken=spoken,
+            context_id, audio_sent_ms=round(turn.playout.sent_ms, 1), audio_played_ms=round(played, 1),
+            played_source="client" if turn.playout.client_reported else "estimate", text_spoken=spoken,
             text_remaining=remaining))
 
     async def _abort_turn(self, turn: Turn, error: ProtocolError) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from gateway import protocol as p
 from gateway.audio import Encoder, OutputFormat
 from gateway.metrics import GatewayMetrics
 from gateway.offload import OffloadPool
+from gateway.playout_model import Playout
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment, Segmenter
 from gateway.turn_report import SegmentAudio, SegmentTiming
@@ -99,7 +100,7 @@ class Turn:
     voice: str | None
     generation: p.GenerationSettings
     segmenter: Segmenter
-    max_lead_ms: float
+    max_lead_ms: InitVar[float]  # audio sent ahead of the listener's playout (`playout`'s limit)
     # made by the synthesis task, off the path from a turn's first text to its engine request (a soxr stream costs
     # ~50 us: in a burst of new turns, every one of them waits for the others' set-up)
     encoder: Encoder | None = None
@@ -117,39 +118,24 @@ class Turn:
     ended: bool = False
     seq: int = 0
     request_id: str | None = None
-    queued_ms: float = 0.0  # encoded, not yet sent
     held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
     sending: bool = False  # an item of `frames` (or a batch the synthesis task sends itself) is being sent
-    reported_at: float = 0.0  # last update_buffered to the engine
     fed_ms: float = 0.0  # audio produced by the engine so far
     audio: list[SegmentAudio] = field(default_factory=list)
-    # pacing: the client's playout is modelled as real time from (t_play, play_base_ms), capped at what was sent
-    sent_ms: float = 0.0
-    t_play: float | None = None
-    play_base_ms: float = 0.0
-    client_reported: bool = False
+    playout: Playout = field(init=False)  # what was queued and sent, and the listener's playout
     # metrics
     t_first_text: float | None = None
-    t_first_audio: float | None = None
     engine_ttfb_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
-    max_gap_ms: float = 0.0
-    segment_released_at: float = 0.0  # when the segment being sent left the segmenter
+
+    def __post_init__(self, max_lead_ms: float) -> None:
+        self.playout = Playout(max_lead_ms, self.fmt.frame_ms)
 
     def sent_chars(self) -> int:
         """Characters of segments whose audio has all been sent."""
-        return sum(len(a.text) for a in self.audio if a.end_ms is not None and a.end_ms <= self.sent_ms)
-
-    def played_ms(self, now: float) -> float:
-        if self.t_play is None:
-            return 0.0
-        return min(self.sent_ms, self.play_base_ms + (now - self.t_play) * 1000.0)
-
-    def buffered_ms(self, now: float) -> float:
-        """Audio the listener has or will have before it runs dry: queued at the client plus queued here."""
-        return self.sent_ms - self.played_ms(now) + self.queued_ms
+        return sum(len(a.text) for a in self.audio if a.end_ms is not None and a.end_ms <= self.playout.sent_ms)
 
 
 
@@ -174,7 +160,7 @@ class TurnPipeline:
                 async with asyncio.timeout(timeout):
                     await turn.wake.wait()
             if deadline is not None and not turn.ended and self.clock() >= deadline:
-                turn.segmenter.set_queued_audio_ms(turn.buffered_ms(self.clock()))
+                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
                 self._release(turn, turn.segmenter.poll())
 
     async def _synthesise(self, turn: Turn) -> None:
@@ -297,7 +283,7 @@ class TurnPipeline:
         work = encoder.finish if pcm is None else encoder.encode
         args = () if pcm is None else (pcm,)
         if turn.offload is not None:
-            return await turn.offload.run(work, *args, urgency=turn.buffered_ms(self.clock()))
+            return await turn.offload.run(work, *args, urgency=turn.playout.buffered_ms(self.clock()))
         return work(*args)
 
     async def _drain(self, turn: Turn) -> None:
@@ -306,7 +292,7 @@ class TurnPipeline:
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         if turn.offload is not None:
-            frames, padding = await turn.offload.run(encoder.drain, urgency=turn.buffered_ms(self.clock()))
+            frames, padding = await turn.offload.run(encoder.drain, urgency=turn.playout.buffered_ms(self.clock()))
         else:
             frames, padding = encoder.drain()
         turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
@@ -323,10 +309,10 @@ class TurnPipeline:
         # `_queue_packets` holds the newest frame back (it may be the turn's last): HEAD_FRAMES leave only when the
         # head brings one more than that (a first chunk has no earlier frame held back to go with them)
         frames = HEAD_FRAMES + 1
-        if turn.offload is None or turn.queued_ms or len(pcm) <= frames * step:  # not a first chunk to split
+        if turn.offload is None or turn.playout.queued_ms or len(pcm) <= frames * step:  # not a first chunk to split
             await self._queue_packets(turn, await self._encode(turn, pcm))
             return
-        buffered = turn.buffered_ms(self.clock())
+        buffered = turn.playout.buffered_ms(self.clock())
         head, used = await turn.offload.run(_encode_head, encoder, pcm, frames, step, urgency=buffered)
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over (and pops)
         urgency = buffered + len(head) * turn.fmt.frame_ms
@@ -337,7 +323,7 @@ class TurnPipeline:
     async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False) -> None:
         """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
         known) so the turn's last frame can carry FLAG_LAST. Frames are whole: the encoder pads the end."""
-        turn.queued_ms += len(payloads) * turn.fmt.frame_ms
+        turn.playout.queued(len(payloads))
         batch = payloads if turn.held is None else [turn.held, *payloads]
         turn.held = None if last or not batch else batch.pop()
         if not batch:
