@@ -41,7 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine  # noqa: E402
-from engine.scheduler import SPLIT_DECODES_ABOVE  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+
+DEFAULTS = EngineConfig()
 
 TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving, so a voice agent can "
         "start speaking within a fraction of a second. The gateway splits the text into short segments, the "
@@ -536,10 +538,10 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     blocks = -(-(context + 1) // 16)
     # the Engine's token budget, so a burst's prefill step takes the worker's path (padded flat buffers; s15b's
     # 4,096 sent it down the unpadded one)
-    tokens = Engine.__init__.__kwdefaults__["max_num_batched_tokens"]
+    tokens = DEFAULTS.max_num_batched_tokens
     runner = Runner(loaded, WorkerConfig(
         model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=tokens,
-        block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
+        block_size=16, num_kv_blocks=max(batches) * blocks,
         inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank, fp8_prefill=fp8_prefill,
         fp8_dit=fp8_dit))
     from gateway_proc import git_commit  # bench/ is on the path: this file's folder
@@ -936,13 +938,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
     p.add_argument("--no-merge-lora", action="store_true", help="LoRA kernels even when every running request "
                    "uses one adapter (default: such steps run it merged into the weights)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
+    p.add_argument("--vae-dtype", default=DEFAULTS.vae_dtype,
+                   help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--fp8-prefill", action="store_true", help="the LMs' large (prefill) GEMMs in FP8")
     p.add_argument("--fp8-dit", action="store_true", help="the LocDiT's GEMMs of busy steps in FP8")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--split-decodes-above", type=int, default=SPLIT_DECODES_ABOVE,
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    p.add_argument("--split-decodes-above", type=int, default=DEFAULTS.split_decodes_above,
                    help="more speaking streams than this decode in two halves taking turns (0: never split)")
     p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
                    "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")

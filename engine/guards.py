@@ -85,22 +85,6 @@ def check_audio_length(frames: int, sample_rate: int, channels: int = 1) -> None
                            f"{MAX_PROMPT_AUDIO_S:.0f} s and {MAX_PROMPT_SAMPLES} samples are taken")
 
 
-def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, inference_timesteps: int,
-                      max_timesteps: int | None, max_loras: int, max_lora_rank: int,
-                      gpu_memory_utilization: float) -> None:
-    """The `Engine` sizes that need no model config."""
-    check_int("max_num_seqs", max_num_seqs, 1)
-    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-    check_int("block_size", block_size, 1)
-    check_int("inference_timesteps", inference_timesteps, 1, MAX_TIMESTEPS)
-    if max_timesteps is not None:
-        check_int("max_timesteps", max_timesteps, inference_timesteps, MAX_TIMESTEPS)
-    check_int("max_loras", max_loras, 0, 4096)
-    check_int("max_lora_rank", max_lora_rank, 1, 1024)
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise InvalidParameter(f"gpu_memory_utilization must be in (0, 1] (got {gpu_memory_utilization})")
-
-
 def sampling_params(*, text: Any, cfg_value: Any, temperature: Any, timesteps: Any, min_length: Any,
                     max_length: Any, priority: Any, seed: Any, ranges: SamplingRanges) -> SamplingParams:
     """The text to speak is a non-empty string and the sampling parameters are in `ranges`; `seed=None` draws one.
