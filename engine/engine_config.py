@@ -56,15 +56,15 @@ class EngineConfig:
     inference_timesteps: int = option(
         10, flag="--timesteps", check=int_in(1, MAX_TIMESTEPS), help="diffusion steps per patch")
     max_timesteps: int | None = option(
-        None, flag="--max-timesteps", parse=int, default_text="--timesteps",  # checked in __post_init__
+        None, flag="--max-timesteps", default_text="--timesteps",  # checked in __post_init__
         help="the most diffusion steps a request may ask for. Fewer than --timesteps cost nothing; a request above "
              "it adds a short tail (its extra LocDiT evaluations, for its own rows only) to the steps it is in")
     dtype: str | None = option(
-        None, flag="--dtype", parse=str, default_text="the checkpoint's on a GPU, float32 on a CPU",
+        None, flag="--dtype", default_text="the checkpoint's on a GPU, float32 on a CPU",
         help="the model's weights and activations: float32, bfloat16 or float16")
     block_size: int = option(16, flag="--block-size", check=int_in(1), help="positions per KV cache block")
     num_kv_blocks: int | None = option(
-        None, flag="--num-kv-blocks", parse=int, check=int_in(1), default_text="sized from --gpu-memory-utilization",
+        None, flag="--num-kv-blocks", check=int_in(1), default_text="sized from --gpu-memory-utilization",
         help="KV cache blocks per worker")
     sit_out_ms: float = option(
         2000.0, flag="--sit-out-ms", check=float_in(0),

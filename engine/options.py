@@ -22,25 +22,27 @@ Check = Callable[[str, Any], None]
 
 @dataclass(frozen=True)
 class Option:
-    """How one config field is set from outside: its flag, help text, check and parsing."""
+    """How one config field is set from outside: its flag, help text and check (a flag's text is parsed as the
+    field's int or float, else kept as text: `gateway.flags`)."""
 
     flag: str  # the long command-line flag; a bool field's flag sets the opposite of its default
     help: str  # what it does; the CLI adds "(default ...)" from the field's default or `default_text`
     check: Check | None = None  # raises InvalidParameter naming the field; None values skip it (see `optional`)
-    parse: Callable[[str], Any] | None = None  # the flag's text -> value (default: the default's type: int/float/str)
     choices: tuple[str, ...] | None = None
     # the parsed flag value -> the field's value (ValueError: a bad value, shown with the flag), e.g. "0,1" -> [0, 1]
     from_flag: Callable[[Any], Any] | None = None
     default_text: str | None = None  # the default in words, where the value alone does not say it
     optional: bool = False  # None is a valid value (it means "not set": the check does not see it)
+    metavar: str | None = None  # the flag's value in help (default: argparse's, the flag in capitals)
 
 
-def option(default: Any, *, flag: str, help: str, check: Check | None = None, parse: Callable[[str], Any] | None = None,
-           choices: tuple[str, ...] | None = None, from_flag: Callable[[Any], Any] | None = None,
-           default_text: str | None = None, optional: bool | None = None) -> Any:
+def option(default: Any, *, flag: str, help: str, check: Check | None = None, choices: tuple[str, ...] | None = None,
+           from_flag: Callable[[Any], Any] | None = None, default_text: str | None = None,
+           optional: bool | None = None, metavar: str | None = None) -> Any:
     """A dataclass field with `default` and its `Option` metadata (`optional` defaults to "the default is None")."""
-    meta = Option(flag=flag, help=help, check=check, parse=parse, choices=choices, from_flag=from_flag,
-                  default_text=default_text, optional=default is None if optional is None else optional)
+    meta = Option(flag=flag, help=help, check=check, choices=choices, from_flag=from_flag,
+                  default_text=default_text, optional=default is None if optional is None else optional,
+                  metavar=metavar)
     return field(default=default, metadata={"option": meta})
 
 
