@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 
 DEFAULTS = EngineConfig()
 
@@ -75,7 +76,8 @@ def prompt_text(model: str, positions: int | None) -> tuple[str, int]:
     return text, len(tokenizer.encode(text)) + 1
 
 
-async def one_request(engine: Engine, patches: int, seed: int, timesteps: int, cfg_value: float = 2.0,
+async def one_request(engine: Engine, patches: int, seed: int, timesteps: int,
+                      cfg_value: float = SamplingParams.cfg_value,
                       default: bool = True) -> dict:
     """One fixed-length request; `default`: at the run's default settings (the mixed modes report those apart)."""
     start, start_wall = time.perf_counter(), time.time()
@@ -100,7 +102,7 @@ def request_settings(args: argparse.Namespace, mode: str, index: int, concurrenc
     --other-timesteps and --other-cfg in turn."""
     every = (MIXED_MODES[mode] or concurrency) if mode in MIXED_MODES else 0
     if not every or index % every:
-        return {"timesteps": args.timesteps, "cfg_value": 2.0, "default": True}
+        return {"timesteps": args.timesteps, "cfg_value": SamplingParams.cfg_value, "default": True}
     k = index // every
     return {"timesteps": args.other_timesteps[k % len(args.other_timesteps)],
             "cfg_value": args.other_cfg[k % len(args.other_cfg)], "default": False}
@@ -482,7 +484,8 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     runner._stage_padding(b)
     for j in range(b):
         table = list(range(j * blocks, (j + 1) * blocks))
-        h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, 2.0
+        h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, \
+            SamplingParams.cfg_value
         h["slots"][j] = table[context // 16] * 16 + context % 16
         h["block_tables"][j, :blocks] = table
     h["noise"][:b] = np.random.default_rng(b).standard_normal(h["noise"][:b].shape)

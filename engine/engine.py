@@ -43,7 +43,7 @@ from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
 from engine.registries import LoRARegistry, VoiceRegistry, lora_info
-from engine.request import RequestSpec
+from engine.request import RequestSpec, SamplingParams
 from engine.routing import device_groups, pick_worker
 from engine.specs import request_spec, voice_prefix_spec
 from engine.sync import SyncEngine
@@ -220,9 +220,10 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------------
     def generate(self, text: str, *, voice: str | None = None, prompt_audio: Any = None,
                  prompt_sample_rate: int | None = None, prompt_latents: Any = None, prompt_text: str | None = None,
-                 reference_audio: Any = None, reference_latents: Any = None, cfg_value: float = 2.0,
-                 temperature: float = 1.0, seed: int | None = None, max_length: int | None = None,
-                 min_length: int = 2, timesteps: int | None = None, priority: int = 0,
+                 reference_audio: Any = None, reference_latents: Any = None,
+                 cfg_value: float = SamplingParams.cfg_value, temperature: float = SamplingParams.temperature,
+                 seed: int | None = None, max_length: int | None = None, min_length: int = SamplingParams.min_length,
+                 timesteps: int | None = None, priority: int = SamplingParams.priority,
                  request_id: str | None = None, lora: str | None = None, tenant: str | None = None,
                  instruction: str | None = None) -> Generation:
         """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.

@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.errors import InvalidParameter
-from engine.guards import MAX_TIMESTEPS
 from engine.options import check_options, float_in, fraction, int_in, option
 
 VAE_DTYPES = ("float32", "bfloat16")  # what `EngineConfig.vae_dtype` may be
+MAX_TIMESTEPS = 100  # the most an operator may serve (`max_timesteps`); a request may ask for what is served
 
 
 def device_list(raw: str) -> list[int | str]:

@@ -6,7 +6,6 @@ They run in the caller's process (no weights there), so a bad request never reac
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import uuid
 from dataclasses import dataclass
@@ -16,11 +15,12 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.engine_config import MAX_TIMESTEPS
 from engine.errors import AudioTooLong, EmptyText, InvalidAudio, InvalidParameter
+from engine.options import check_int
 from engine.request import SamplingParams
 from engine.text import normalize_text
 
-MAX_TIMESTEPS = 100  # the most an operator may serve (`max_timesteps`); a request may ask for what is served
 # Prompt and voice audio: VoxCPM clones a voice from a few seconds to a few tens of seconds of speech (the official
 # examples use 3-20 s); a minute is ample, and keeps one prompt within ~375 VoxCPM2 positions of KV and its encode a
 # bounded amount of work. Decoded samples (all channels) are capped too: a minute of 48 kHz stereo, 23 MB as float32.
@@ -61,19 +61,6 @@ class SamplingRanges:
         """`value` is valid for `name`, else InvalidParameter naming the valid values."""
         if not self.valid(name, value):
             raise InvalidParameter(f"{name} must be {self.describe(name)} (got {value!r})")
-
-
-def check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
-    """`value` is an int (not a bool) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidParameter(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
-
-
-def check_float(name: str, value: Any, lo: float, hi: float) -> None:
-    """`value` is a finite real number (not a bool) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not lo <= value <= hi:
-        raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
 
 
 def check_audio_length(frames: int, sample_rate: int, channels: int = 1) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine import guards
 from engine.errors import InvalidParameter
 
 Check = Callable[[str, Any], None]
@@ -72,15 +71,28 @@ def default_text(cls: type, name: str) -> str:
     return "none" if f.default is None else f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 
-# ---- checks, built on the engine's guards (one implementation, one wording)
+# ---- checks (the request guards, `engine.guards`, use the same functions: one wording everywhere)
+def check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
+    """`value` is an int (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidParameter(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
+
+
+def check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    """`value` is a finite real number (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
+
+
 def int_in(lo: int, hi: float = math.inf) -> Check:
-    """An int (not a bool) in [lo, hi]."""
-    return lambda name, value: guards.check_int(name, value, lo, hi)
+    """A check: an int (not a bool) in [lo, hi]."""
+    return lambda name, value: check_int(name, value, lo, hi)
 
 
 def float_in(lo: float, hi: float = math.inf) -> Check:
-    """A finite real number (not a bool) in [lo, hi]."""
-    return lambda name, value: guards.check_float(name, value, lo, hi)
+    """A check: a finite real number (not a bool) in [lo, hi]."""
+    return lambda name, value: check_float(name, value, lo, hi)
 
 
 def fraction(name: str, value: Any) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.engine_config import EngineConfig
+from engine.request import SamplingParams
 from gateway.config_file import ConfigFileError, with_config_file
 from gateway.flags import FlagError, add_flags, given
 from gateway.gateway_config import GatewayConfig
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--api-key", help="API key for --server")
     say.add_argument("--seed", type=int, default=None,
                      help="random seed: the same seed, text and voice give the same audio (default: a new one)")
-    say.add_argument("--cfg", type=float, default=2.0,
+    say.add_argument("--cfg", type=float, default=SamplingParams.cfg_value,
                      help="classifier-free guidance: higher follows the text and voice more closely (default "
                           "%(default)s)")
     say.add_argument("--normalize", choices=spoken.MODES, default="auto",

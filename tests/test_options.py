@@ -171,3 +171,13 @@ def test_bad_flags_are_one_line_errors(capsys, argv, words):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_protocols_request_defaults_are_the_engines():
+    """`gateway.protocol` stays importable without torch (clients and load generators use it), so it cannot import
+    the engine's request defaults: it writes them, and they must be the engine's."""
+    from engine.request import SamplingParams
+    from gateway.protocol import GenerationSettings
+
+    ours, engines = GenerationSettings(), SamplingParams()
+    assert (ours.cfg_value, ours.temperature) == (engines.cfg_value, engines.temperature)
