@@ -174,8 +174,8 @@ def test_bad_flags_are_one_line_errors(capsys, argv, words):
 
 
 def test_the_protocols_request_defaults_are_the_engines():
-    """`gateway.protocol` stays importable without torch (clients and load generators use it), so it cannot import
-    the engine's request defaults: it writes them, and they must be the engine's."""
+    """The sans-I/O protocol module imports nothing of the engine (the gateway uses the engine's public API only), so
+    it writes a turn's default settings itself: they must be the engine's request defaults."""
     from engine.request import SamplingParams
     from gateway.protocol import GenerationSettings
 
