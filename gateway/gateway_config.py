@@ -26,7 +26,7 @@ def home_relative(path: Path) -> str:
     return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
 
 
-def log_level(name: str, value: Any) -> None:
+def check_log_level(name: str, value: Any) -> None:
     """A logging level's name, in any case (debug, info, warning, error, critical)."""
     if not isinstance(value, str) or not isinstance(logging.getLevelNamesMapping().get(value.upper()), int):
         raise InvalidParameter(f"{name}: unknown level {value!r} (debug, info, warning, error)")
@@ -81,7 +81,7 @@ class GatewayConfig:
     web_client_dir: str | None = option(
         None, flag="--web-client", default_text="the demo page, gateway/web_client/",
         help="folder of the browser client to serve at /")
-    log_level: str = option("warning", flag="--log-level", check=log_level,
+    log_level: str = option("warning", flag="--log-level", check=check_log_level,
                             help="debug, info, warning or error")
     log_json: bool = option(False, flag="--log-json", help="one JSON object per log line")
 
