@@ -77,8 +77,8 @@ class EngineConfig:
                                 help="the largest adapter rank accepted")
     vae_dtype: str = option(
         "float32", flag="--vae-dtype", choices=VAE_DTYPES,
-        help="the audio decoder's precision: bfloat16 is faster at scale, with ~2.7% relative audio error (float32 "
-             "as the official code)")
+        help="the streaming audio decoder's precision: bfloat16 is faster at scale, with ~2.7% relative audio error "
+             "(float32 as the official code; prompts are always encoded in float32)")
     # beyond 320 speaking streams a full VoxCPM2 step is long enough that a new prompt's ~3 steps of wait approach the
     # 300 ms TTFB target (split, each wait is about half as long, for a few % of throughput)
     split_decodes_above: int | None = option(
