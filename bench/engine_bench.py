@@ -929,7 +929,7 @@ def parse_args() -> argparse.Namespace:
                    "seconds (about one request's length keeps them spread; 0: all at once)")
     p.add_argument("--poisson", type=float, default=0.0, help="open loop: RATE requests/s (uses --requests)")
     p.add_argument("--context", type=int, default=160, help="--profile: KV positions per sequence")
-    p.add_argument("--timesteps", type=int, default=10)
+    p.add_argument("--timesteps", type=int, default=DEFAULTS.inference_timesteps)
     p.add_argument("--max-timesteps", type=int, default=None, help="the most diffusion steps served (the engine's "
                    "max_timesteps; default --timesteps)")
     p.add_argument("--other-timesteps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 5],
@@ -937,7 +937,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--other-cfg", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 3.0],
                    help="mixed modes: the other streams' cfg_value, taken in turn (default 1,3)")
     p.add_argument("--lora", type=int, default=0, help="register N random LoRA adapters; requests spread across them")
-    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=DEFAULTS.max_lora_rank)
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
     p.add_argument("--no-merge-lora", action="store_true", help="LoRA kernels even when every running request "
                    "uses one adapter (default: such steps run it merged into the weights)")
