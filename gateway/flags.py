@@ -1,8 +1,8 @@
 """Command-line flags generated from config dataclasses (`EngineConfig`, `GatewayConfig`): a new field is a new flag.
 
-Each flag's name, help, parsing and choices come from the field's `engine.options.Option`; argparse's default is
-None (a bool field: the flag is a switch), so only the flags given on the command line (or in a config file) reach
-the config, and everything else keeps the config's own default.
+Each flag's name, help and choices come from the field's `engine.options.Option` and its value's parsing from the
+field's type; argparse's default is None (a bool field's flag is a switch), so only the flags given on the command
+line (or in a config file) reach the config, and everything else keeps the config's own default.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[st
                             metavar=opt.metavar, help=text)
 
 
-def given(cls: type, args: argparse.Namespace, *, skip: Collection[str] = ()) -> dict[str, Any]:
+def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """Field -> value for every option field of `cls` whose flag `args` holds (FlagError for a bad value)."""
     defaults = {f.name: f.default for f in fields(cls)}
     values: dict[str, Any] = {}
-    for name, opt in _selected(cls, skip, None).items():
-        value = getattr(args, dest(opt), None)
+    for name, opt in options_of(cls).items():
+        value = getattr(args, dest(opt), None)  # None: not given, or not a flag of this command
         if value is None or value is False:  # not given (a switch not given is False)
             continue
         if isinstance(defaults[name], bool):
