@@ -538,13 +538,10 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     loaded = load_model(model, "cuda", dtype)
     if loras:
         _random_lora_slots(loaded.model, loras, lora_rank)
-    blocks = -(-(context + 1) // 16)
-    # the Engine's token budget, so a burst's prefill step takes the worker's path (padded flat buffers; s15b's
-    # 4,096 sent it down the unpadded one)
-    tokens = DEFAULTS.max_num_batched_tokens
+    blocks = -(-(context + 1) // DEFAULTS.block_size)
+    # the Engine's token budget (its default), so a burst's prefill step takes the worker's path (padded flat buffers)
     runner = Runner(loaded, WorkerConfig(
-        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=tokens,
-        block_size=16, num_kv_blocks=max(batches) * blocks,
+        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), num_kv_blocks=max(batches) * blocks,
         inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank, fp8_prefill=fp8_prefill,
         fp8_dit=fp8_dit))
     from gateway_proc import git_commit  # bench/ is on the path: this file's folder
