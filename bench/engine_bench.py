@@ -41,7 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine  # noqa: E402
-from engine.scheduler import SPLIT_DECODES_ABOVE  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+DEFAULTS = EngineConfig()
 
 TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving, so a voice agent can "
         "start speaking within a fraction of a second. The gateway splits the text into short segments, the "
@@ -73,7 +76,8 @@ def prompt_text(model: str, positions: int | None) -> tuple[str, int]:
     return text, len(tokenizer.encode(text)) + 1
 
 
-async def one_request(engine: Engine, patches: int, seed: int, timesteps: int, cfg_value: float = 2.0,
+async def one_request(engine: Engine, patches: int, seed: int, timesteps: int,
+                      cfg_value: float = SamplingParams.cfg_value,
                       default: bool = True) -> dict:
     """One fixed-length request; `default`: at the run's default settings (the mixed modes report those apart)."""
     start, start_wall = time.perf_counter(), time.time()
@@ -98,7 +102,7 @@ def request_settings(args: argparse.Namespace, mode: str, index: int, concurrenc
     --other-timesteps and --other-cfg in turn."""
     every = (MIXED_MODES[mode] or concurrency) if mode in MIXED_MODES else 0
     if not every or index % every:
-        return {"timesteps": args.timesteps, "cfg_value": 2.0, "default": True}
+        return {"timesteps": args.timesteps, "cfg_value": SamplingParams.cfg_value, "default": True}
     k = index // every
     return {"timesteps": args.other_timesteps[k % len(args.other_timesteps)],
             "cfg_value": args.other_cfg[k % len(args.other_cfg)], "default": False}
@@ -480,7 +484,8 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     runner._stage_padding(b)
     for j in range(b):
         table = list(range(j * blocks, (j + 1) * blocks))
-        h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, 2.0
+        h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, \
+            SamplingParams.cfg_value
         h["slots"][j] = table[context // 16] * 16 + context % 16
         h["block_tables"][j, :blocks] = table
     h["noise"][:b] = np.random.default_rng(b).standard_normal(h["noise"][:b].shape)
@@ -533,13 +538,10 @@ def profile(model: str, dtype: str | None, timesteps: int, context: int, batches
     loaded = load_model(model, "cuda", dtype)
     if loras:
         _random_lora_slots(loaded.model, loras, lora_rank)
-    blocks = -(-(context + 1) // 16)
-    # the Engine's token budget, so a burst's prefill step takes the worker's path (padded flat buffers; s15b's
-    # 4,096 sent it down the unpadded one)
-    tokens = Engine.__init__.__kwdefaults__["max_num_batched_tokens"]
+    blocks = -(-(context + 1) // DEFAULTS.block_size)
+    # the Engine's token budget (its default), so a burst's prefill step takes the worker's path (padded flat buffers)
     runner = Runner(loaded, WorkerConfig(
-        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=tokens,
-        block_size=16, num_kv_blocks=max(batches) * blocks, gpu_memory_utilization=0.9,
+        model=model, device="cuda", dtype=dtype, max_num_seqs=max(batches), num_kv_blocks=max(batches) * blocks,
         inference_timesteps=timesteps, max_loras=loras, max_lora_rank=lora_rank, fp8_prefill=fp8_prefill,
         fp8_dit=fp8_dit))
     from gateway_proc import git_commit  # bench/ is on the path: this file's folder
@@ -924,7 +926,7 @@ def parse_args() -> argparse.Namespace:
                    "seconds (about one request's length keeps them spread; 0: all at once)")
     p.add_argument("--poisson", type=float, default=0.0, help="open loop: RATE requests/s (uses --requests)")
     p.add_argument("--context", type=int, default=160, help="--profile: KV positions per sequence")
-    p.add_argument("--timesteps", type=int, default=10)
+    p.add_argument("--timesteps", type=int, default=DEFAULTS.inference_timesteps)
     p.add_argument("--max-timesteps", type=int, default=None, help="the most diffusion steps served (the engine's "
                    "max_timesteps; default --timesteps)")
     p.add_argument("--other-timesteps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 5],
@@ -932,17 +934,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--other-cfg", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 3.0],
                    help="mixed modes: the other streams' cfg_value, taken in turn (default 1,3)")
     p.add_argument("--lora", type=int, default=0, help="register N random LoRA adapters; requests spread across them")
-    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=DEFAULTS.max_lora_rank)
     p.add_argument("--max-loras", type=int, default=0, help="LoRA GPU slots (default: --lora, all resident)")
     p.add_argument("--no-merge-lora", action="store_true", help="LoRA kernels even when every running request "
                    "uses one adapter (default: such steps run it merged into the weights)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--vae-dtype", default="float32", help="the streaming VAE decoder's dtype (float32, bfloat16)")
+    p.add_argument("--vae-dtype", default=DEFAULTS.vae_dtype,
+                   help="the streaming VAE decoder's dtype (float32, bfloat16)")
     p.add_argument("--fp8-prefill", action="store_true", help="the LMs' large (prefill) GEMMs in FP8")
     p.add_argument("--fp8-dit", action="store_true", help="the LocDiT's GEMMs of busy steps in FP8")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--split-decodes-above", type=int, default=SPLIT_DECODES_ABOVE,
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    p.add_argument("--split-decodes-above", type=int, default=DEFAULTS.split_decodes_above,
                    help="more speaking streams than this decode in two halves taking turns (0: never split)")
     p.add_argument("--timeline", action="store_true", help="per-request start and TTFB in the JSON (with "
                    "VOXGATE_LOG=DEBUG the worker logs each step's wall-clock start beside it)")

@@ -524,13 +524,15 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                                            *(["--ms-per-char", "1000"] if args.max_length else []),
                                            "--compile-stall-ms", str(args.compile_stall_ms)]
         profile = ["--profile", args.profile] if args.profile else []
-        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, "--max-num-seqs", str(args.max_num_seqs))
+        seqs = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
+        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, *seqs)
         url = proc.url
     elif url is None:
         from engine import Engine
         from gateway.server import ServerConfig, create_app, start_server
 
-        engine = Engine.from_pretrained(args.model, max_num_seqs=args.max_num_seqs)
+        engine = Engine.from_pretrained(args.model, **({} if args.max_num_seqs is None else
+                                                       {"max_num_seqs": args.max_num_seqs}))
         await engine.wait_for_ready()
         if engine.model_info().is_demo:
             print("note: tiny demo model (random weights): timings are the gateway's, the audio is not speech",
@@ -615,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick-ms", type=float, help="--engine paced: ms per patch (default 160: real time; 60 is the "
                     "real engine's RTF of ~0.37 at 256 streams); with --max-length every segment speaks exactly "
                     "that many patches")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, help="real engine: concurrent requests (default: the engine's)")
     ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="--engine paced: the first step serving a "
                     "continuation segment stalls this long, once (as a kernel compiled mid-serving would)")
     ap.add_argument("--api-key")

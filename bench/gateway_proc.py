@@ -95,7 +95,7 @@ async def _serve(args: argparse.Namespace) -> None:
     else:
         from engine import Engine
 
-        engine = Engine(args.model, max_num_seqs=args.max_num_seqs)
+        engine = Engine(args.model, **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}))
         await engine.wait_for_ready()
     limits = Limits(idle_timeout_s=3600.0)
     config = ServerConfig(session=SessionConfig(limits=limits), max_sessions=args.max_sessions,
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=("paced", "real"), default="paced")
     ap.add_argument("--model", help="real engine: model dir (default: the tiny demo model without a GPU)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, help="real engine: concurrent requests (default: the engine's)")
     ap.add_argument("--tick-ms", type=float, default=None, help="paced engine: ms between chunks (default 160: "
                     "real time)")
     ap.add_argument("--ms-per-char", type=float, default=65.0, help="paced engine: audio per character of text "

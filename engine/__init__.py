@@ -2,6 +2,7 @@
 
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.engine import Engine
+from engine.engine_config import EngineConfig
 from engine.errors import (
     AudioTooLong,
     EmptyText,
@@ -23,8 +24,8 @@ from engine.generation import Generation
 from engine.sync import SyncEngine
 
 __all__ = [
-    "AudioChunk", "AudioTooLong", "EmptyText", "Engine", "EngineError", "EngineOverloaded", "EngineStats",
-    "EngineStopped", "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest", "LoRAInfo",
-    "ModelInfo", "SyncEngine", "TenantOverloaded", "TextTooLong", "UnknownLoRA", "UnknownVoice", "VoiceInfo",
-    "WorkerCallFailed", "WorkerCrashed",
+    "AudioChunk", "AudioTooLong", "EmptyText", "Engine", "EngineConfig", "EngineError", "EngineOverloaded",
+    "EngineStats", "EngineStopped", "Generation", "InvalidAudio", "InvalidLoRA", "InvalidParameter", "InvalidRequest",
+    "LoRAInfo", "ModelInfo", "SyncEngine", "TenantOverloaded", "TextTooLong", "UnknownLoRA", "UnknownVoice",
+    "VoiceInfo", "WorkerCallFailed", "WorkerCrashed",
 ]

@@ -149,7 +149,7 @@ def run_follower(conn: Connection) -> None:
     setup: ipc.RankSetup = _recv(conn)
     rank, port = setup.rank, setup.port
     cfg = dataclasses.replace(setup.cfg, device=setup.cfg.tp_devices[rank])
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.worker_threads)
     device = torch.device(cfg.device)
     group = init_group(rank, len(cfg.tp_devices), port, device)
     loaded = load_model(cfg.model, device, cfg.dtype)

@@ -20,6 +20,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from engine import guards, ipc
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.checkpoint import resolve_model_dir
 from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
 from engine.errors import (
     EngineError,
     EngineStopped,
@@ -41,14 +43,13 @@ from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
 from engine.registries import LoRARegistry, VoiceRegistry, lora_info
-from engine.request import RequestSpec
+from engine.request import RequestSpec, SamplingParams
 from engine.routing import device_groups, pick_worker
-from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.specs import request_spec, voice_prefix_spec
 from engine.sync import SyncEngine
 from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
-from engine.worker import VAE_DTYPES, WorkerConfig
+from engine.worker import WorkerConfig
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow, WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -57,15 +58,11 @@ log = logging.getLogger(__name__)
 class Engine:
     """Async streaming TTS engine: one worker process per device, continuous batching inside each."""
 
-    def __init__(self, model: str | None = None, *, devices: list[int | str] | None = None,
-                 tensor_parallel_size: int = 1, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 32768, max_prefill_tokens_while_speaking: int = 8192,
-                 gpu_memory_utilization: float = 0.9, inference_timesteps: int = 10,
-                 max_timesteps: int | None = None, dtype: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_waiting: int | None = None, sit_out_ms: float = 2000.0,
-                 worker_threads: int = 1, max_loras: int = 0, max_lora_rank: int = 32, vae_dtype: str = "float32",
-                 split_decodes_above: int | None = SPLIT_DECODES_ABOVE, merge_lora: bool = True,
-                 fp8_prefill: bool = False, fp8_dit: bool = False, max_queued_per_tenant: int | None = None):
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any):
+        """`model`: a directory or Hugging Face id (default: VoxCPM2 on a GPU, else the tiny demo model). `config`:
+        the engine's sizes and switches (`EngineConfig`); keyword `options` are its fields, e.g. `max_num_seqs=64`
+        (with `config`, they override its fields). Bad values raise `InvalidParameter` before any worker starts."""
+        config = EngineConfig(**options) if config is None else replace(config, **options)
         self.loop = asyncio.get_running_loop()
         # The pool's I/O threads (requests out to the workers, chunks back) take the GIL from the event loop at every
         # hand-off; at Python's default 5 ms switch interval each hand-off could wait up to 5 ms behind a busy loop.
@@ -75,51 +72,27 @@ class Engine:
             from engine.random_checkpoint import demo_model_dir
 
             model = str(demo_model_dir()) if self.is_demo else "openbmb/VoxCPM2"
-        guards.check_int("max_prefill_tokens_while_speaking", max_prefill_tokens_while_speaking, 1)
-        if split_decodes_above is not None:
-            guards.check_int("split_decodes_above", split_decodes_above, 1)
-        if vae_dtype not in VAE_DTYPES:
-            raise InvalidParameter(f"vae_dtype: {vae_dtype!r} is not one of {', '.join(VAE_DTYPES)}")
-        guards.check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 block_size=block_size, inference_timesteps=inference_timesteps,
-                                 max_timesteps=max_timesteps, max_loras=max_loras,
-                                 max_lora_rank=max_lora_rank, gpu_memory_utilization=gpu_memory_utilization)
         self.path: Path = resolve_model_dir(model)
         self.name = model
         self.config = ModelConfig.from_file(self.path / "config.json")
         self.tokenizer = Tokenizer.from_dir(self.path)
-        guards.check_int("tensor_parallel_size", tensor_parallel_size, 1)
-        if fp8_prefill or fp8_dit:
-            if max_loras:  # a merged adapter changes the weights the FP8 copies came from
-                raise InvalidParameter("fp8_prefill and fp8_dit do not combine with LoRA slots (max_loras) yet")
-            if tensor_parallel_size > 1:  # the sharded linears keep no FP8 copy yet
-                raise InvalidParameter("fp8_prefill and fp8_dit do not combine with tensor parallelism yet")
         try:
-            check_tensor_parallel(self.config, tensor_parallel_size)
+            check_tensor_parallel(self.config, config.tensor_parallel_size)
         except ValueError as e:
             raise InvalidParameter(str(e)) from None
-        groups = device_groups(devices, tensor_parallel_size)
+        groups = device_groups(config.devices, config.tensor_parallel_size)
         disable_nvls()  # inherited by every worker and tensor-parallel rank started from here
-        self.default_timesteps = inference_timesteps
+        self.engine_config = config
+        self.default_timesteps = config.inference_timesteps
         # what a request may ask for (the gateway checks its protocol's settings against the same object)
-        self.sampling_ranges = guards.SamplingRanges(max_timesteps=max_timesteps or inference_timesteps)
-        self.max_num_seqs = max_num_seqs
-        self.max_waiting = max_num_seqs if max_waiting is None else max_waiting
-        self.queued_prompts = QueuedPrompts(max_queued_per_tenant)  # per tenant, requests without audio yet
-        self._worker_configs = [WorkerConfig(
-            model=str(self.path), device=group[0], dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_tokens_while_speaking=max_prefill_tokens_while_speaking, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            inference_timesteps=inference_timesteps, max_timesteps=max_timesteps, sit_out_ms=sit_out_ms,
-            threads=worker_threads,
-            tp_devices=tuple(group) if len(group) > 1 else (), max_loras=max_loras, max_lora_rank=max_lora_rank,
-            vae_dtype=vae_dtype, split_decodes_above=split_decodes_above, merge_lora=merge_lora,
-            fp8_prefill=fp8_prefill, fp8_dit=fp8_dit)
-            for group in groups]
+        self.sampling_ranges = guards.SamplingRanges(max_timesteps=config.served_timesteps)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_waiting = config.waiting_room
+        self.queued_prompts = QueuedPrompts(config.max_queued_per_tenant)  # per tenant, requests without audio yet
+        self._worker_configs = [WorkerConfig.for_group(config, str(self.path), group) for group in groups]
         self._streams: dict[str, Stream] = {}
         self._voices = VoiceRegistry(self.config)
-        self._loras = LoRARegistry(self.config, max_loras, max_lora_rank)
+        self._loras = LoRARegistry(self.config, config.max_loras, config.max_lora_rank)
         self._restarts = 0
         self._crashes = CrashWindow()
         # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
@@ -247,9 +220,10 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------------
     def generate(self, text: str, *, voice: str | None = None, prompt_audio: Any = None,
                  prompt_sample_rate: int | None = None, prompt_latents: Any = None, prompt_text: str | None = None,
-                 reference_audio: Any = None, reference_latents: Any = None, cfg_value: float = 2.0,
-                 temperature: float = 1.0, seed: int | None = None, max_length: int | None = None,
-                 min_length: int = 2, timesteps: int | None = None, priority: int = 0,
+                 reference_audio: Any = None, reference_latents: Any = None,
+                 cfg_value: float = SamplingParams.cfg_value, temperature: float = SamplingParams.temperature,
+                 seed: int | None = None, max_length: int | None = None, min_length: int = SamplingParams.min_length,
+                 timesteps: int | None = None, priority: int = SamplingParams.priority,
                  request_id: str | None = None, lora: str | None = None, tenant: str | None = None,
                  instruction: str | None = None) -> Generation:
         """Stream one patch of audio per step. Input errors raise here; closing the iterator cancels.

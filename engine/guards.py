@@ -6,7 +6,6 @@ They run in the caller's process (no weights there), so a bad request never reac
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import uuid
 from dataclasses import dataclass
@@ -16,11 +15,12 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.engine_config import MAX_TIMESTEPS
 from engine.errors import AudioTooLong, EmptyText, InvalidAudio, InvalidParameter
+from engine.options import check_int
 from engine.request import SamplingParams
 from engine.text import normalize_text
 
-MAX_TIMESTEPS = 100  # the most an operator may serve (`max_timesteps`); a request may ask for what is served
 # Prompt and voice audio: VoxCPM clones a voice from a few seconds to a few tens of seconds of speech (the official
 # examples use 3-20 s); a minute is ample, and keeps one prompt within ~375 VoxCPM2 positions of KV and its encode a
 # bounded amount of work. Decoded samples (all channels) are capped too: a minute of 48 kHz stereo, 23 MB as float32.
@@ -63,19 +63,6 @@ class SamplingRanges:
             raise InvalidParameter(f"{name} must be {self.describe(name)} (got {value!r})")
 
 
-def check_int(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
-    """`value` is an int (not a bool) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidParameter(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
-
-
-def check_float(name: str, value: Any, lo: float, hi: float) -> None:
-    """`value` is a finite real number (not a bool) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not lo <= value <= hi:
-        raise InvalidParameter(f"{name} must be a finite number in [{lo}, {hi}] (got {value!r})")
-
-
 def check_audio_length(frames: int, sample_rate: int, channels: int = 1) -> None:
     """Prompt audio of `frames` samples per channel is at most `MAX_PROMPT_AUDIO_S` long and at most
     `MAX_PROMPT_SAMPLES` samples in all (`AudioTooLong`); checked from a file's header before it is decoded."""
@@ -83,22 +70,6 @@ def check_audio_length(frames: int, sample_rate: int, channels: int = 1) -> None
     if seconds > MAX_PROMPT_AUDIO_S or frames * channels > MAX_PROMPT_SAMPLES:
         raise AudioTooLong(f"prompt audio is {seconds:.1f} s ({frames * channels} samples); at most "
                            f"{MAX_PROMPT_AUDIO_S:.0f} s and {MAX_PROMPT_SAMPLES} samples are taken")
-
-
-def check_engine_args(*, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, inference_timesteps: int,
-                      max_timesteps: int | None, max_loras: int, max_lora_rank: int,
-                      gpu_memory_utilization: float) -> None:
-    """The `Engine` sizes that need no model config."""
-    check_int("max_num_seqs", max_num_seqs, 1)
-    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-    check_int("block_size", block_size, 1)
-    check_int("inference_timesteps", inference_timesteps, 1, MAX_TIMESTEPS)
-    if max_timesteps is not None:
-        check_int("max_timesteps", max_timesteps, inference_timesteps, MAX_TIMESTEPS)
-    check_int("max_loras", max_loras, 0, 4096)
-    check_int("max_lora_rank", max_lora_rank, 1, 1024)
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise InvalidParameter(f"gpu_memory_utilization must be in (0, 1] (got {gpu_memory_utilization})")
 
 
 def sampling_params(*, text: Any, cfg_value: Any, temperature: Any, timesteps: Any, min_length: Any,

@@ -19,9 +19,11 @@ from engine.checkpoint import LoadedModel
 from engine.errors import InvalidParameter, TextTooLong
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.prompt import Prompt, build_prompt, encode_prompt_audio, length_cap, positions_left, read_audio
+from engine.request import SamplingParams
 
 AudioInput = str | Path | bytes | tuple[np.ndarray | Tensor, int]
 BLOCK_SIZE = 64
+DEFAULT = SamplingParams()  # the request defaults the engine uses, so the reference path matches it
 
 
 class Synthesizer:
@@ -51,8 +53,9 @@ class Synthesizer:
             reference_patches=None if reference_audio is None else self.encode_audio(reference_audio, "right"))
 
     def stream(self, text: str, *, prompt_audio: AudioInput | None = None, prompt_text: str | None = None,
-               reference_audio: AudioInput | None = None, instruction: str | None = None, cfg_value: float = 2.0,
-               timesteps: int = 10, temperature: float = 1.0, seed: int | None = None, min_len: int = 2,
+               reference_audio: AudioInput | None = None, instruction: str | None = None,
+               cfg_value: float = DEFAULT.cfg_value, timesteps: int = DEFAULT.timesteps,
+               temperature: float = DEFAULT.temperature, seed: int | None = None, min_len: int = DEFAULT.min_length,
                max_len: int | None = None) -> Iterator[np.ndarray]:
         """Audio at `sample_rate`, one chunk of `samples_per_patch` per generated patch, as it is generated.
 
@@ -84,8 +87,9 @@ class Synthesizer:
         latents = patches.float().reshape(1, -1, self.config.feat_dim).transpose(1, 2)  # [1, D, frames]
         return self.vae.decode_stream(latents, state)[0, 0].cpu().numpy()
 
-    def _patches(self, prompt: Prompt, cfg_value: float = 2.0, timesteps: int = 10, temperature: float = 1.0,
-                 seed: int | None = None, min_len: int = 2, max_len: int | None = None) -> Iterator[Tensor]:
+    def _patches(self, prompt: Prompt, cfg_value: float = DEFAULT.cfg_value, timesteps: int = DEFAULT.timesteps,
+                 temperature: float = DEFAULT.temperature, seed: int | None = None,
+                 min_len: int = DEFAULT.min_length, max_len: int | None = None) -> Iterator[Tensor]:
         """Generated patches [1, P, D], one per step, until the stop head fires (after min_len) or the cap.
 
         Arguments are checked here, before the first step, so bad input fails at the call, not mid-stream."""

@@ -44,7 +44,7 @@ def headroom(stats: dict[str, Any], in_flight: int, max_num_seqs: int) -> float:
     return room
 
 
-def device_groups(devices: list[int | str] | None, tp: int) -> list[list[str]]:
+def device_groups(devices: Sequence[int | str] | None, tp: int) -> list[list[str]]:
     """Device names, one list per worker: `tp` consecutive devices form one tensor-parallel group.
 
     `devices` holds CUDA indices (0, 1) or torch device names ("cuda:1", "cpu"); "cpu" may repeat, for several CPU

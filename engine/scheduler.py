@@ -37,15 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
 
 SETTLED_MS = 1000.0  # a stream's deadline slack counts for routing once it has spoken this long
-# the default `split_decodes_above`: beyond it a full VoxCPM2 step is long enough that a new prompt's ~3 steps of
-# wait approach the 300 ms TTFB target (split, each wait is about half as long, for a few % of throughput)
-SPLIT_DECODES_ABOVE = 320
 
 
 @dataclass
@@ -69,7 +67,7 @@ def _admission_order(req: Request) -> tuple:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
-                 patch_ms: float, sit_out_ms: float = 2000.0, loras: AdapterSlots | None = None,
+                 patch_ms: float, sit_out_ms: float = EngineConfig.sit_out_ms, loras: AdapterSlots | None = None,
                  max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None):
         self.max_num_seqs = max_num_seqs
         self.split_decodes_above = split_decodes_above

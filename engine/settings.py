@@ -85,7 +85,7 @@ def read_env(cls: type, environ: Mapping[str, str] | None = None) -> Any:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The engine's environment switches (for A/B timing, debugging and tests; the engine's options are arguments)."""
+    """The engine's environment switches (A/B timing, debugging, tests; the engine's options are `EngineConfig`)."""
 
     cuda_graphs: bool = switch(
         "VOXGATE_CUDA_GRAPHS", "1", "0 | 1", "capture decode steps in CUDA graphs; 0: every step eager",

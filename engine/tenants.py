@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from engine import guards
 from engine.errors import InvalidParameter, TenantOverloaded
 
 
@@ -18,9 +17,7 @@ class QueuedPrompts:
     """Requests without audio yet, counted per tenant; at most `limit` each (None: no limit)."""
 
     def __init__(self, limit: int | None):
-        if limit is not None:
-            guards.check_int("max_queued_per_tenant", limit, 1)
-        self.limit = limit
+        self.limit = limit  # `EngineConfig.max_queued_per_tenant`, checked there
         self.counts: Counter[str] = Counter()
 
     def check(self, tenant: Any) -> str | None:

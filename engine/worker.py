@@ -22,11 +22,11 @@ import torch
 
 from engine import ipc
 from engine.chores import CHORE_SLICE_MS, Chores, as_array
+from engine.engine_config import EngineConfig
 from engine.host_memory import HeapTrimmer
 from engine.ipc import AudioRing
 from engine.process_env import disable_nvls
 from engine.request import Status
-from engine.scheduler import SPLIT_DECODES_ABOVE
 from engine.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -40,47 +40,16 @@ class CommandFailed(Exception):
     """A command from the pool could not be handled: the worker ends, as a crash would."""
 
 
-VAE_DTYPES = ("float32", "bfloat16")  # what `WorkerConfig.vae_dtype` may be
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(EngineConfig):
+    """One worker's configuration: the engine's (`EngineConfig`, every size and switch with its one default) plus
+    the model, the device(s) this worker runs on and the environment switches as its parent read them."""
 
-
-@dataclass
-class WorkerConfig:
     model: str
     device: str
-    dtype: str | None
-    max_num_seqs: int
-    max_num_batched_tokens: int  # positions per step at most (sizes the eager activations)
-    block_size: int
-    num_kv_blocks: int | None  # fixed pool size (CPU default); None: size from gpu_memory_utilization
-    gpu_memory_utilization: float
-    inference_timesteps: int
-    # the most diffusion steps a request may ask for (None: the default); rows above the default finish their extra
-    # evaluations in a tail of just those rows after the step (`engine.runner`)
-    max_timesteps: int | None = None
-    sit_out_ms: float = 2000.0
-    # prefill positions per step while some stream is speaking (see `Scheduler`); None: max_num_batched_tokens
-    max_prefill_tokens_while_speaking: int | None = None
-    threads: int = 1
-    # more speaking streams than this decode in two halves taking turns (see `Scheduler`): steps about half as long,
-    # so first audio about twice as fast at high load; None: every stream decodes every step
-    split_decodes_above: int | None = SPLIT_DECODES_ABOVE
-    # the streaming VAE decoder's dtype: "float32" as the official code keeps it, or "bfloat16" (faster at large
-    # batches, relative audio error ~2.7% on random weights); prompts are always encoded in float32
-    vae_dtype: str = "float32"
+    tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
     # capture decode steps on CUDA (False, or VOXGATE_CUDA_GRAPHS=0: every step eager, for debugging)
     cuda_graphs: bool = field(default_factory=lambda: EngineSettings.from_env().cuda_graphs)
-    max_loras: int = 0  # LoRA adapters resident on the device at once (0: no LoRA slots, no cost)
-    # the LMs' GEMMs of >= engine.model.fp8.MIN_ROWS rows (prefill bursts) in FP8: faster GEMMs,
-    # for FP8's rounding and one more byte per LM weight; needs a GPU of compute capability 8.9+ (or the CPU)
-    fp8_prefill: bool = False
-    # the LocDiT's GEMMs of >= MIN_ROWS rows (from ~47 streams on, 22 rows each, and prefill bursts) in FP8 too: every
-    # patch of a busy step then goes through FP8's rounding
-    fp8_dit: bool = False
-    max_lora_rank: int = 32
-    # steps whose running requests all use one adapter run it merged into the weights: the base model's speed, for
-    # one device copy of the adapted linears' weights (~0.8 GB for VoxCPM2); False: always the LoRA kernels
-    merge_lora: bool = True
-    tp_devices: tuple[str, ...] = ()  # tensor parallelism: one rank per device, this process is rank 0 on the first
     # launch each steady decode step before the previous one ends (False, or VOXGATE_ASYNC_SCHEDULING=0: one step at
     # a time, the host preparing each step while the device waits)
     async_scheduling: bool = field(default_factory=lambda: EngineSettings.from_env().async_scheduling)
@@ -95,6 +64,12 @@ class WorkerConfig:
     vae_stream: bool = field(default_factory=lambda: EngineSettings.from_env().vae_stream)
     # host time between two steps given to chores (prompt encodes, adapter loads) at most, one slice past it at worst
     chore_slice_ms: float = CHORE_SLICE_MS
+
+    @classmethod
+    def for_group(cls, config: EngineConfig, model: str, group: list[str]) -> WorkerConfig:
+        """The config of the worker that runs on `group` (one device, or a tensor-parallel group of them)."""
+        return cls(**config.as_kwargs(), model=model, device=group[0],
+                   tp_devices=tuple(group) if len(group) > 1 else ())
 
     def mixed_ahead(self, cuda: bool) -> bool:
         """Whether steps launched ahead admit prompts (`async_mixed`, resolved for the device)."""
@@ -168,7 +143,7 @@ class StepStats:
 def run_worker(cfg: WorkerConfig, commands: Connection, results: Connection, ring: AudioRing) -> None:
     """The worker process's life (started by `engine.worker_process.worker_main`): load, then serve until stopped."""
     disable_nvls()
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.worker_threads)
     logging.basicConfig(level=EngineSettings.from_env().log)
     try:
         worker = Worker(cfg, commands, results, ring)

@@ -1,8 +1,9 @@
 """`voxgate serve --config voxgate.toml`: a TOML file that sets serve flags, for deployments configured from files.
 
 The file's keys are the flags' long names without the dashes (`max-sessions = 500`; `max_sessions` works too). It is
-read into command-line tokens that go before the real command line, so the flags' own argparse definitions check
-every value (one definition per setting) and a flag given on the command line overrides the file."""
+read into command-line tokens that go before the real command line, so the flags' own argparse definitions (made
+from the `EngineConfig` and `GatewayConfig` fields by `gateway.flags`) parse every value, the configs check it (one
+definition per setting), and a flag given on the command line overrides the file."""
 
 from __future__ import annotations
 

@@ -17,11 +17,12 @@ from aiohttp import web
 from gateway.app_keys import GATEWAY
 from gateway.auth import Auth, AuthError
 from gateway.compat import routes as compat_routes
+from gateway.gateway_config import GatewayConfig
 from gateway.http import pronunciation_api, voice_api
 from gateway.http.http_errors import error_response, quiet_malformed_http, typed_errors
 from gateway.http.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.http.refusals import log_refusal
-from gateway.leases import DEFAULT_LEASE_TTL_S, Leases
+from gateway.leases import Leases
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorCode, Limits, ProtocolError
 from gateway.session import Session, SessionConfig
@@ -39,9 +40,10 @@ WEB_CLIENT_DIR = Path(__file__).resolve().parent / "web_client"  # package data:
 @dataclass(frozen=True)
 class ServerConfig:
     session: SessionConfig = field(default_factory=SessionConfig)
-    max_sessions: int = 1000
-    max_sessions_per_key: int = 100
-    shutdown_timeout_s: float = 10.0  # turns in progress may finish within this, then sessions are closed
+    # the defaults of what `voxgate serve` sets are GatewayConfig's (one definition with the flag's range and help)
+    max_sessions: int = GatewayConfig.max_sessions
+    max_sessions_per_key: int = GatewayConfig.max_sessions_per_key
+    shutdown_timeout_s: float = GatewayConfig.shutdown_timeout_s  # turns in progress may finish, then sessions close
     web_client_dir: Path | None = WEB_CLIENT_DIR
     max_voice_bytes: int = 20 << 20
     max_lora_bytes: int = 1 << 30  # a LoRA upload (streamed, so not bound by max_voice_bytes)
@@ -50,8 +52,8 @@ class ServerConfig:
     # local store in `data_dir` (None: memory only, gone with the process)
     store_url: str | None = None
     data_dir: Path | None = None
-    strict_voices: bool = False  # compat protocols answer unknown voice ids with their not-found error
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    strict_voices: bool = GatewayConfig.strict_voices  # compat protocols answer unknown voice ids with not-found
+    lease_ttl_s: float = GatewayConfig.lease_ttl_s
     # a socket that identifies itself with its first message (ElevenLabs' xi_api_key, Twilio's start event) must send
     # it within this; until then it counts against max_sessions
     handshake_timeout_s: float = 10.0

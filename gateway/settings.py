@@ -18,7 +18,7 @@ def optional_threads(raw: str) -> int | None:
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """The gateway's environment switches (its options are CLI flags and `ServerConfig`)."""
+    """The gateway's environment switches (its options are `GatewayConfig`)."""
 
     encode_threads: int | None = switch(
         "VOXGATE_ENCODE_THREADS", "", "unset | integer", "the Opus encode pool's threads (unset: 3 per 4 cores, at "

@@ -21,6 +21,7 @@ from engine import (
     UnknownVoice,
 )
 from engine.checkpoint import load_model
+from engine.engine_config import EngineConfig
 from engine.offline import Synthesizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,8 +30,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def engine(tiny_v1_dir):
-    eng = Engine.from_pretrained(str(tiny_v1_dir), max_num_seqs=2, max_waiting=1, num_kv_blocks=32,
-                                 block_size=8, inference_timesteps=STEPS)
+    config = EngineConfig(max_num_seqs=2, max_waiting=1, num_kv_blocks=32, block_size=8, inference_timesteps=STEPS)
+    eng = Engine.from_pretrained(str(tiny_v1_dir), config=config)  # the config object; other tests use keywords
     assert isinstance(eng, SyncEngine)  # no running event loop here
     eng.wait_for_ready()
     yield eng
