@@ -15,9 +15,9 @@ import pytest
 
 from engine.api import AudioChunk, ModelInfo
 from gateway import session as session_module
-from gateway.audio import FLAG_LAST, Encoder, OutputFormat, float_to_int16
+from gateway.audio import Encoder, OutputFormat, float_to_int16
 from gateway.offload import OffloadPool
-from gateway.protocol import AudioFrame, unpack_frame
+from gateway.protocol import FLAG_LAST, AudioFrame, AudioPackets, ServerMessage
 from gateway.session import Session
 from gateway.turn import _encode_head
 
@@ -101,22 +101,19 @@ class TickEngine:
 
 
 class Transport:
-    """Messages and frames one session sent; frame sends also go to the shared log."""
+    """The session's EventSink: messages and frames one session emitted; audio batches also go to the shared log."""
 
     def __init__(self, name: str, log: list[tuple]):
         self.name, self.log = name, log
-        self.messages: list[dict] = []
+        self.messages: list[ServerMessage] = []
         self.frames: list[AudioFrame] = []
 
-    async def send_text(self, data: str) -> None:
-        self.messages.append(json.loads(data))
+    async def message(self, msg: ServerMessage) -> None:
+        self.messages.append(msg)
 
-    async def send_bytes(self, data: bytes) -> None:
-        await self.send_frames([data])
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.log.append(("send", self.name, len(frames)))
-        self.frames += [unpack_frame(f) for f in frames]
+    async def audio(self, packets: AudioPackets) -> None:
+        self.log.append(("send", self.name, len(packets.payloads)))
+        self.frames += packets.frames()
 
     def send_ready(self) -> bool:
         return True
@@ -128,7 +125,7 @@ class Transport:
         pass
 
     def got(self, kind: str) -> bool:
-        return any(m["type"] == kind for m in self.messages)
+        return any(kind == m.TYPE for m in self.messages)
 
 
 class LoggedPool(OffloadPool):

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from engine import ipc
+from gateway import protocol as p
 from gateway.session import Session
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -43,17 +44,18 @@ def submits_logged(engine: Any, events: Events) -> Iterator[None]:
 
 
 class Transport:
+    """The session's EventSink: the messages it emits go to the shared log."""
+
     def __init__(self, events: Events):
         self.events = events
         self.done: dict[str, asyncio.Event] = {}
 
-    async def send_text(self, data: str) -> None:
-        msg = json.loads(data)
-        self.events.log.append((msg["type"], msg.get("context_id", "")))
-        if msg["type"] == "context.done":
-            self.done.setdefault(msg["context_id"], asyncio.Event()).set()
+    async def message(self, msg: p.ServerMessage) -> None:
+        self.events.log.append((msg.TYPE, getattr(msg, "context_id", "")))
+        if isinstance(msg, p.ContextDone):
+            self.done.setdefault(msg.context_id, asyncio.Event()).set()
 
-    async def send_bytes(self, data: bytes) -> None:
+    async def audio(self, packets: p.AudioPackets) -> None:
         pass
 
     async def close(self, code: int, reason: str) -> None:
