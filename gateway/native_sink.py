@@ -7,7 +7,7 @@ import struct
 
 from aiohttp import web
 
-from gateway.protocol import AudioPackets, ServerMessage
+from gateway.protocol import AudioFrame, AudioPackets, ServerMessage, pack_frame
 
 RAW_WRITE_LIMIT = 64 << 10  # bytes queued in the transport above which sends go through aiohttp (and wait)
 # below this, no send can make aiohttp wait for the socket to drain (it waits only once asyncio's transport pauses
@@ -39,6 +39,12 @@ class NativeSink:
 
     async def audio(self, packets: AudioPackets) -> None:
         await self._send_frames(packets.encode())
+
+    async def frame(self, frame: AudioFrame) -> None:
+        """One binary frame outside a turn's batches (a Twilio call's caller audio on its control socket); index, seq
+        and pts wrap as the header's fields do."""
+        await self.ws.send_bytes(pack_frame(frame.kind, frame.flags, frame.index, frame.seq, frame.pts_ms,
+                                            frame.payload))
 
     def send_ready(self) -> bool:
         """Little is queued for the socket, so a send completes without waiting for the client."""

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from gateway import protocol as p
 from gateway.compat import AuthError, gateway_of, json_object, native
 from gateway.native_sink import NativeSink
-from gateway.protocol import Error, ErrorCode, ProtocolError, pack_frame_header
+from gateway.protocol import Error, ErrorCode, ProtocolError
 from gateway.session import Session
 from gateway.sockets import FirstMessageTimeout, Messages, abort, open_socket
 
@@ -222,11 +222,10 @@ class CallBridge:
                 payload = base64.b64decode(m.media.payload, validate=True)
             except ValueError:
                 return  # a damaged frame is dropped, like a lost packet
-            pts = m.media.timestamp & 0xFFFFFFFF
-            header = pack_frame_header(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq & 0xFFFFFFFF, pts)
+            frame = p.AudioFrame(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq, m.media.timestamp, payload)
             self._caller_seq += 1
             with contextlib.suppress(ConnectionError):
-                await self.control.send_bytes(header + payload)
+                await self.agent.frame(frame)
         elif isinstance(m, Mark):
             name = m.mark.name
             played = self.marks.pop(name, None)
