@@ -11,12 +11,16 @@ PROTOCOL_VERSION = 1
 
 
 class ServerMessage:
+    """A message from the server; each subclass is one `type` of PROTOCOL.md."""
+
     TYPE: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
+        """The message as the JSON object the protocol defines."""
         return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}  # type: ignore[arg-type]
 
     def encode(self) -> str:
+        """The message as one compact JSON text frame (the native sink's wire form)."""
         return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
 
 
