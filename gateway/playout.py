@@ -66,8 +66,8 @@ class TurnSender:
             self._track_playout(turn, self.clock())
             part = payloads[done:done + n]
             done += n
-            await self._send_frames(p.pack_frames(turn.fmt.kind, turn.index, turn.seq, playout.sent_ms,
-                                                  turn.fmt.frame_ms, part, last=item.last and done == len(payloads)))
+            await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, turn.fmt.kind, turn.seq, playout.sent_ms,
+                                                          turn.fmt.frame_ms, part, item.last and done == len(payloads)))
             turn.seq += n
             playout.sent(n)
             self._report_buffered(turn)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,8 @@ from gateway.http.readiness import drain, readyz, refuse_sockets_while_draining
 from gateway.http.refusals import log_refusal
 from gateway.leases import Leases
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ErrorCode, Limits, ProtocolError
+from gateway.native_sink import NativeSink
+from gateway.protocol import ErrorCode, EventSink, Limits, ProtocolError
 from gateway.session import Session, SessionConfig
 from gateway.sockets import Messages, open_socket
 from gateway.store import Store, StoreUnavailable, open_store
@@ -121,7 +121,7 @@ class Gateway:
             self.sessions.discard(session)
             self.leases.release(lease)
 
-    def session(self, transport: Any, key: str, config: SessionConfig | None = None,
+    def session(self, sink: EventSink, key: str, config: SessionConfig | None = None,
                 session_id: str | None = None) -> Session:
         """A new session for this key: it speaks the stored voices the key may use."""
         caller = self.auth.caller(key)
@@ -142,7 +142,7 @@ class Gateway:
             except VoiceRefused as e:
                 raise ProtocolError(ErrorCode.UNKNOWN_PRONUNCIATION, e.message) from None
 
-        session = Session(self.engine, transport, config or self.config.session, metrics=self.metrics,
+        session = Session(self.engine, sink, config or self.config.session, metrics=self.metrics,
                           voices=voices, session_id=session_id, pronunciations=pronunciations)
         session.tenant = caller.tenant or None  # the engine shares prefill fairly and limits queued prompts per key
         return session
@@ -232,62 +232,6 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
 # ---------------------------------------------------------------------------------------------------- WebSocket
 
 
-RAW_WRITE_LIMIT = 64 << 10  # bytes queued in the transport above which sends go through aiohttp (and wait)
-# below this, no send can make aiohttp wait for the socket to drain (it waits only once asyncio's transport pauses
-# writing, at its high-water mark of 64 KiB), so the session needs no stall timer for it
-SEND_READY_LIMIT = 16 << 10
-_WS_LEN7 = struct.Struct("!BB")
-_WS_LEN16 = struct.Struct("!BBH")
-_WS_LEN64 = struct.Struct("!BBQ")
-
-
-def _ws_binary_header(n: int) -> bytes:
-    """RFC 6455 header of one unmasked, final binary frame of n bytes."""
-    if n < 126:
-        return _WS_LEN7.pack(0x82, n)
-    if n < 1 << 16:
-        return _WS_LEN16.pack(0x82, 126, n)
-    return _WS_LEN64.pack(0x82, 127, n)
-
-
-class _WsTransport:
-    def __init__(self, ws: web.WebSocketResponse, request: web.Request):
-        self.ws, self.request = ws, request
-
-    async def send_text(self, data: str) -> None:
-        await self.ws.send_str(data)
-
-    async def send_bytes(self, data: bytes) -> None:
-        await self.ws.send_bytes(data)
-
-    def send_ready(self) -> bool:
-        """Little is queued for the socket, so a send completes without waiting for the client."""
-        transport = self.request.transport
-        return transport is not None and transport.get_write_buffer_size() < SEND_READY_LIMIT
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        """Several binary messages in one socket write (one syscall per engine chunk rather than per 20 ms frame:
-        measured 0.8 vs 4.5 us of loop time per frame). Server frames are unmasked, so framing them is the RFC 6455
-        header alone; aiohttp writes its own frames to the same transport synchronously, so order is kept. Once
-        the client falls behind (bytes pile up in the transport), aiohttp's own send path takes over: it waits for
-        the socket to drain, which is what the session's stall timeout watches."""
-        transport = self.request.transport
-        if transport is None or self.ws.closed or transport.get_write_buffer_size() > RAW_WRITE_LIMIT:
-            for data in frames:
-                await self.ws.send_bytes(data)
-            return
-        if transport.is_closing():
-            raise ConnectionResetError("the connection is closing")
-        transport.write(b"".join([_ws_binary_header(len(data)) + data for data in frames]))
-
-    async def close(self, code: int, reason: str) -> None:
-        await self.ws.close(code=code, message=reason.encode()[:120])
-
-    def abort(self) -> None:
-        if self.request.transport is not None:
-            self.request.transport.abort()
-
-
 async def stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/stream: the native protocol (docs/PROTOCOL.md)."""
     gw = request.app[GATEWAY]
@@ -299,7 +243,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     if gw.draining:
         return error_response(503, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
     ws = await open_socket(request, gw.config.limits.ws_max_msg_size, gw.config.socket_send_buffer)
-    session = gw.session(_WsTransport(ws, request), key)
+    session = gw.session(NativeSink(ws, request), key)
     session.open()
     refusal = await gw.refusal(key)
     if refusal is not None:

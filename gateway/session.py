@@ -1,6 +1,7 @@
 """One client session of the native protocol: turns (contexts), their segments in flight, pacing against the
 client's playout, cancellation with a heard report, limits. Talks to the engine through its async API and to the
-client through a `Transport`; knows nothing about aiohttp. A turn's synthesis pipeline is in `gateway.turn`, its
+client through an `EventSink` (`gateway.protocol.sink`), to which it emits typed messages and audio packets;
+knows nothing about aiohttp, JSON or the binary frame header. A turn's synthesis pipeline is in `gateway.turn`, its
 paced sender in `gateway.playout`, its report in `gateway.turn_report`."""
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gateway import protocol as p
 from gateway.audio import OutputFormat, opus_available
+from gateway.engine_contract import SessionEngine
 from gateway.metrics import GatewayMetrics
 from gateway.offload import shared_pool
 from gateway.playout import TurnSender
-from gateway.protocol import ErrorCode, ProtocolError
+from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
 from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
 from gateway.turn import OFFLOADED_FORMATS, SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
 from gateway.turn_report import split_heard
@@ -38,22 +40,6 @@ VoiceResolver = Callable[[str], Awaitable[str | None]]
 PronunciationResolver = Callable[[list[str]], Awaitable[Callable[[str], str] | None]]
 
 
-class Transport(Protocol):
-    """How a session reaches its client; sends may block while the client is not reading."""
-
-    async def send_text(self, data: str) -> None: ...
-
-    async def send_bytes(self, data: bytes) -> None: ...
-
-    # optional: `async def send_frames(self, frames: list[bytes]) -> None`, several binary messages in one write;
-    # without it the session calls send_bytes per frame.
-    # optional: `def send_ready(self) -> bool`, True when a send now completes without waiting for the client
-
-    async def close(self, code: int, reason: str) -> None: ...
-
-    def abort(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class SessionConfig:
     limits: p.Limits = p.Limits()
@@ -67,7 +53,7 @@ class SessionConfig:
 class Session(TurnPipeline, TurnSender):
     """Drive with `receive()` per client frame; `close()` when the connection ends."""
 
-    def __init__(self, engine: Any, transport: Transport, config: SessionConfig = SessionConfig(), *,
+    def __init__(self, engine: SessionEngine, sink: EventSink, config: SessionConfig = SessionConfig(), *,
                  metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  session_id: str | None = None, voices: VoiceResolver | None = None,
                  pronunciations: PronunciationResolver | None = None):
@@ -79,7 +65,7 @@ class Session(TurnPipeline, TurnSender):
         self.sampling_ranges = getattr(engine, "sampling_ranges", None)
         self.pronunciations = pronunciations
         self.rewrite: Callable[[str], str] | None = None  # the selected pronunciation dictionaries' rules
-        self.transport = transport
+        self.sink = sink
         self.config = config
         self.limits = config.limits
         self.metrics = metrics or GatewayMetrics()
@@ -102,7 +88,7 @@ class Session(TurnPipeline, TurnSender):
         self.next_index = 0
         self.last_activity = clock()
         self._watchdog: asyncio.Task | None = None
-        self._send_ready: Callable[[], bool] | None = getattr(transport, "send_ready", None)
+        self._send_ready: Callable[[], bool] | None = getattr(sink, "send_ready", None)
         self._tasks: set[asyncio.Task] = set()
         self._dropped = False  # drop_slow_consumer ran
 
@@ -126,9 +112,9 @@ class Session(TurnPipeline, TurnSender):
             self.metrics.turns_done.labels(outcome="disconnected").inc()  # the session ended under it
         try:
             async with asyncio.timeout(1.0):
-                await self.transport.close(code, reason)
+                await self.sink.close(code, reason)
         except TimeoutError:  # a client that does not read would hold the connection open with our unsent bytes
-            self.transport.abort()
+            self.sink.abort()
         except Exception:  # the connection is gone already
             pass
 
@@ -140,7 +126,7 @@ class Session(TurnPipeline, TurnSender):
             # the client may not be reading: do not let the error report stall the close
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    await self.transport.send_text(error.to_message().encode())
+                    await self.sink.message(error.to_message())
             await self.close(1008 if error.code != ErrorCode.SERVER_SHUTDOWN else 1001, str(error.code))
             return
         await self._send(error.to_message())
@@ -436,19 +422,11 @@ class Session(TurnPipeline, TurnSender):
     # ------------------------------------------------------------------------------------------------ output
 
     async def _send(self, message: p.ServerMessage) -> None:
-        await self._guarded(self.transport.send_text(message.encode()))
+        await self._guarded(self.sink.message(message))
 
-    async def _send_bytes(self, data: bytes) -> None:
-        await self._guarded(self.transport.send_bytes(data))
-
-    async def _send_frames(self, frames: list[bytes]) -> None:
-        """Several binary messages under one stall timeout (one write where the transport can batch)."""
-        send_frames = getattr(self.transport, "send_frames", None)
-        await self._guarded(send_frames(frames) if send_frames is not None else self._send_each(frames))
-
-    async def _send_each(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            await self.transport.send_bytes(frame)
+    async def _send_audio_packets(self, packets: AudioPackets) -> None:
+        """A batch of frames under one stall timeout (one write where the sink can batch)."""
+        await self._guarded(self.sink.audio(packets))
 
     async def _guarded(self, send: Any) -> None:
         """A send that cannot complete within the stall timeout means the client stopped reading."""
@@ -482,7 +460,7 @@ class Session(TurnPipeline, TurnSender):
         self._dropped = True
         self.metrics.errors.labels(code=str(ErrorCode.SLOW_CONSUMER)).inc()
         log.info("session %s: slow consumer, closing", self.id)
-        self.transport.abort()
+        self.sink.abort()
         self._background(self.close(1008, str(ErrorCode.SLOW_CONSUMER)))
 
     def _background(self, coro: Any) -> None:

@@ -13,7 +13,6 @@ import soxr
 from gateway.audio import (
     CODECS,
     FORMATS,
-    HEADER_SIZE,
     NATIVE_FORMATS,
     Encoder,
     OpusFrames,
@@ -25,8 +24,6 @@ from gateway.audio import (
     mulaw_decode,
     mulaw_encode,
     opus_available,
-    pack_frame_header,
-    unpack_frame_header,
 )
 
 MODEL_RATES = (16000, 44100, 48000)  # VoxCPM-0.5B, VoxCPM1.5, VoxCPM2
@@ -319,35 +316,7 @@ def test_g711_roundtrip():
         assert np.all(err <= np.maximum(np.abs(x.astype(np.int32)) // 16, 16) + 8)  # logarithmic: ~6% steps
 
 
-# --- frame header and output format validation ------------------------------------------------------------------------
-
-def test_frame_header_round_trip():
-    for values in ((1, 0, 0, 0, 0), (4, 1, 65535, 2**32 - 1, 2**32 - 1), (2, 0x80, 7, 123456, 98765)):
-        header = pack_frame_header(*values)
-        # PROTOCOL.md's field list (4 bytes + u16 + u32 + u32) adds up to 14, not the "12" its text says
-        assert len(header) == HEADER_SIZE == 14
-        assert header[0] == 0x56 and header[1] == 1
-        assert unpack_frame_header(header + b"payload") == values
-
-
-@pytest.mark.parametrize("field,values", [
-    ("kind", (-1, 256, 1.5)), ("flags", (256,)), ("index", (65536, -1)), ("seq", (2**32,)), ("pts_ms", (-5, "0")),
-])
-def test_frame_header_rejects_bad_values(field, values):
-    good = {"kind": 1, "flags": 0, "index": 0, "seq": 0, "pts_ms": 0}
-    for value in values:
-        with pytest.raises(ValueError, match=field):
-            pack_frame_header(**{**good, field: value})
-
-
-def test_unpack_rejects_garbage():
-    with pytest.raises(ValueError, match="header"):
-        unpack_frame_header(b"V\x01")
-    with pytest.raises(ValueError, match="magic"):
-        unpack_frame_header(b"X" + pack_frame_header(1, 0, 0, 0, 0)[1:])
-    with pytest.raises(ValueError, match="version"):
-        unpack_frame_header(b"V\x09" + pack_frame_header(1, 0, 0, 0, 0)[2:])
-
+# --- output format validation ------------------------------------------------------------------------------------
 
 def test_output_format_defaults():
     assert OutputFormat.from_dict({}) == OutputFormat("opus", 48000, 32000, 20)

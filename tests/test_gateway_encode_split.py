@@ -15,9 +15,9 @@ import pytest
 
 from engine.api import AudioChunk, ModelInfo
 from gateway import session as session_module
-from gateway.audio import FLAG_LAST, Encoder, OutputFormat, float_to_int16
+from gateway.audio import Encoder, OutputFormat, float_to_int16
 from gateway.offload import OffloadPool
-from gateway.protocol import AudioFrame, unpack_frame
+from gateway.protocol import FLAG_LAST, AudioFrame, AudioPackets, ServerMessage
 from gateway.session import Session
 from gateway.turn import _encode_head
 
@@ -100,23 +100,20 @@ class TickEngine:
             queue.put_nowait(pcm)
 
 
-class Transport:
-    """Messages and frames one session sent; frame sends also go to the shared log."""
+class Sink:
+    """The session's EventSink: messages and frames one session emitted; audio batches also go to the shared log."""
 
     def __init__(self, name: str, log: list[tuple]):
         self.name, self.log = name, log
-        self.messages: list[dict] = []
+        self.messages: list[ServerMessage] = []
         self.frames: list[AudioFrame] = []
 
-    async def send_text(self, data: str) -> None:
-        self.messages.append(json.loads(data))
+    async def message(self, msg: ServerMessage) -> None:
+        self.messages.append(msg)
 
-    async def send_bytes(self, data: bytes) -> None:
-        await self.send_frames([data])
-
-    async def send_frames(self, frames: list[bytes]) -> None:
-        self.log.append(("send", self.name, len(frames)))
-        self.frames += [unpack_frame(f) for f in frames]
+    async def audio(self, packets: AudioPackets) -> None:
+        self.log.append(("send", self.name, len(packets.payloads)))
+        self.frames += packets.frames()
 
     def send_ready(self) -> bool:
         return True
@@ -128,7 +125,7 @@ class Transport:
         pass
 
     def got(self, kind: str) -> bool:
-        return any(m["type"] == kind for m in self.messages)
+        return any(kind == m.TYPE for m in self.messages)
 
 
 class LoggedPool(OffloadPool):
@@ -155,7 +152,7 @@ class LoggedPool(OffloadPool):
 
 @pytest.fixture
 def pool(monkeypatch) -> Iterator[LoggedPool]:
-    """The sessions' encode pool: one thread, each call logged in `pool.log` (transports log their sends there too)."""
+    """The sessions' encode pool: one thread, each call logged in `pool.log` (sinks log their sends there too)."""
     logged = LoggedPool([])
     monkeypatch.setattr(session_module, "shared_pool", lambda: logged)
     yield logged
@@ -170,9 +167,9 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
             await asyncio.sleep(0.002)
 
 
-async def open_turn(engine: TickEngine, transport: Transport, output: dict | None = None,
+async def open_turn(engine: TickEngine, sink: Sink, output: dict | None = None,
                     clock: Callable[[], float] | None = None) -> Session:
-    session = Session(engine, transport, **({"clock": clock} if clock else {}))
+    session = Session(engine, sink, **({"clock": clock} if clock else {}))
     session.open()
     await session.receive(json.dumps({"type": "session.start", "output": output or {"format": "opus"}}))
     await session.receive(json.dumps({"type": "text.append", "context_id": "t", "text": "Hello there."}))
@@ -197,8 +194,8 @@ def check_frames(frames: list[AudioFrame], chunks: int) -> None:
 async def test_new_turns_first_frames_go_out_before_anyones_rest(pool):
     log = pool.log
     engine = TickEngine(chunks=3)
-    transports = {name: Transport(name, log) for name in "ab"}
-    sessions = {name: await open_turn(engine, t) for name, t in transports.items()}
+    sinks = {name: Sink(name, log) for name in "ab"}
+    sessions = {name: await open_turn(engine, t) for name, t in sinks.items()}
     who = {id(s.turns["t"].encoder): name for name, s in sessions.items()}
     engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
     await until(lambda: sum(e[0] == "encode" for e in log) == 2)
@@ -212,24 +209,24 @@ async def test_new_turns_first_frames_go_out_before_anyones_rest(pool):
         assert ("send", name, 2) in log[:rest]
     for _ in range(2):
         engine.tick()
-    await until(lambda: all(t.got("context.done") for t in transports.values()))
+    await until(lambda: all(t.got("context.done") for t in sinks.values()))
     for session in sessions.values():
         await session.close()
-    for t in transports.values():
+    for t in sinks.values():
         check_frames(t.frames, 3)
 
 
 async def test_only_a_turns_first_chunk_is_split(pool):
     log = pool.log
     engine = TickEngine(chunks=5)
-    transport = Transport("a", log)
+    sink = Sink("a", log)
     # the clock stands still: the listener plays nothing, so the urgencies are what was sent
-    session = await open_turn(engine, transport, clock=lambda: 1000.0)
+    session = await open_turn(engine, sink, clock=lambda: 1000.0)
     for k in range(1, 5):
         engine.tick()
-        await until(lambda k=k: len(transport.frames) == 8 * k - 1)  # the newest frame is held back
+        await until(lambda k=k: len(sink.frames) == 8 * k - 1)  # the newest frame is held back
     engine.tick()  # the last chunk
-    await until(lambda: transport.got("context.done"))
+    await until(lambda: sink.got("context.done"))
     await session.close()
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     assert calls == [
@@ -240,36 +237,36 @@ async def test_only_a_turns_first_chunk_is_split(pool):
     # frames per write: the head's go out at once (its newest held back), then each chunk's with the previous held
     # frame; the end releases the last held frame with the tail
     assert [e[2] for e in log if e[0] == "send"] == [2, 5, 8, 8, 8, 8, 2]
-    check_frames(transport.frames, 5)
+    check_frames(sink.frames, 5)
 
 
 async def test_formats_encoded_on_the_loop_make_no_pool_calls(pool):
     log = pool.log
     engine = TickEngine(chunks=2)
-    transport = Transport("a", log)
-    session = await open_turn(engine, transport, output={"format": "pcm_s16le", "sample_rate": RATE})
+    sink = Sink("a", log)
+    session = await open_turn(engine, sink, output={"format": "pcm_s16le", "sample_rate": RATE})
     engine.tick()
     engine.tick()
-    await until(lambda: transport.got("context.done"))
+    await until(lambda: sink.got("context.done"))
     await session.close()
     assert [e for e in log if e[0] != "send"] == []
-    assert b"".join(f.payload for f in transport.frames) == float_to_int16(SOURCE[:2 * CHUNK]).astype("<i2").tobytes()
+    assert b"".join(f.payload for f in sink.frames) == float_to_int16(SOURCE[:2 * CHUNK]).astype("<i2").tobytes()
 
 
 async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_rest(pool):
     log = pool.log
     pool.gate = threading.Event()
     engine = TickEngine(chunks=3)
-    transport = Transport("a", log)
-    session = await open_turn(engine, transport)
+    sink = Sink("a", log)
+    session = await open_turn(engine, sink)
     engine.tick()
     await until(pool.head_running.is_set)
     await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
-    assert transport.got("context.cancelled") and not session.turns
+    assert sink.got("context.cancelled") and not session.turns
     assert engine.cancelled == [f"{session.id}:t:0"]
     pool.gate.set()
     await session.close()
     await until(lambda: any(e[0] == "_encode_head" for e in log))  # the head's encode ran
     await asyncio.sleep(0.05)  # its result (for nobody) delivered
     assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
-    assert transport.frames == []
+    assert sink.frames == []

@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 
 from engine import ipc
+from gateway import protocol as p
 from gateway.session import Session
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
 
 class Events:
-    """One ordered log for the engine (submissions) and the transport (messages sent)."""
+    """One ordered log for the engine (submissions) and the sink (messages sent)."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, str]] = []
@@ -42,18 +43,19 @@ def submits_logged(engine: Any, events: Events) -> Iterator[None]:
         del engine._post  # the class's method again
 
 
-class Transport:
+class Sink:
+    """The session's EventSink: the messages it emits go to the shared log."""
+
     def __init__(self, events: Events):
         self.events = events
         self.done: dict[str, asyncio.Event] = {}
 
-    async def send_text(self, data: str) -> None:
-        msg = json.loads(data)
-        self.events.log.append((msg["type"], msg.get("context_id", "")))
-        if msg["type"] == "context.done":
-            self.done.setdefault(msg["context_id"], asyncio.Event()).set()
+    async def message(self, msg: p.ServerMessage) -> None:
+        self.events.log.append((msg.TYPE, getattr(msg, "context_id", "")))
+        if isinstance(msg, p.ContextDone):
+            self.done.setdefault(msg.context_id, asyncio.Event()).set()
 
-    async def send_bytes(self, data: bytes) -> None:
+    async def audio(self, packets: p.AudioPackets) -> None:
         pass
 
     async def close(self, code: int, reason: str) -> None:
@@ -65,9 +67,9 @@ class Transport:
 
 async def test_each_turn_is_submitted_before_the_next_message_is_handled(engine):
     events = Events()
-    transport = Transport(events)
+    sink = Sink(events)
     with submits_logged(engine, events):
-        session = Session(engine, transport)
+        session = Session(engine, sink)
         session.open()
         await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"},
                                           "generation": {"seed": 3}}))
@@ -79,8 +81,8 @@ async def test_each_turn_is_submitted_before_the_next_message_is_handled(engine)
             await session.receive(json.dumps({"type": "context.end", "context_id": cid}))
         log = list(events.log)
         for cid in ("a", "b"):
-            transport.done.setdefault(cid, asyncio.Event())
-            await asyncio.wait_for(transport.done[cid].wait(), 60)
+            sink.done.setdefault(cid, asyncio.Event())
+            await asyncio.wait_for(sink.done[cid].wait(), 60)
         await session.close()
     # turn a's request was out before turn b's message was handled (b's context.started is sent by its handler),
     # and each turn's request went out before its own context.started
@@ -121,7 +123,7 @@ class _Closable:
 async def test_a_request_started_by_a_handler_is_closed_when_its_turn_stops_unread(engine):
     events = Events()
     recorded = Recorded(engine)
-    session = Session(recorded, Transport(events))
+    session = Session(recorded, Sink(events))
     session.open()
     await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
     await session.receive(json.dumps({"type": "text.append", "context_id": "a",

@@ -184,3 +184,47 @@ def test_unpack_rejects_what_is_not_a_frame():
         p.unpack_frame(b"short")
     with pytest.raises(ValueError):
         p.unpack_frame(b"X" * 12)
+
+
+# the 14-byte header itself (moved here from gateway.audio with the header)
+
+def test_frame_header_round_trip():
+    for values in ((1, 0, 0, 0, 0), (4, 1, 65535, 2**32 - 1, 2**32 - 1), (2, 0x80, 7, 123456, 98765)):
+        header = p.pack_frame_header(*values)
+        # PROTOCOL.md's field list (4 bytes + u16 + u32 + u32) adds up to 14, not the "12" its text says
+        assert len(header) == p.HEADER_SIZE == 14
+        assert header[0] == 0x56 and header[1] == 1
+        assert p.unpack_frame_header(header + b"payload") == values
+
+
+@pytest.mark.parametrize("field,values", [
+    ("kind", (-1, 256, 1.5)), ("flags", (256,)), ("index", (65536, -1)), ("seq", (2**32,)), ("pts_ms", (-5, "0")),
+])
+def test_frame_header_rejects_bad_values(field, values):
+    good = {"kind": 1, "flags": 0, "index": 0, "seq": 0, "pts_ms": 0}
+    for value in values:
+        with pytest.raises(ValueError, match=field):
+            p.pack_frame_header(**{**good, field: value})
+
+
+def test_unpack_frame_header_rejects_garbage():
+    with pytest.raises(ValueError, match="header"):
+        p.unpack_frame_header(b"V\x01")
+    with pytest.raises(ValueError, match="magic"):
+        p.unpack_frame_header(b"X" + p.pack_frame_header(1, 0, 0, 0, 0)[1:])
+    with pytest.raises(ValueError, match="version"):
+        p.unpack_frame_header(b"V\x09" + p.pack_frame_header(1, 0, 0, 0, 0)[2:])
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_audio_packets_carry_what_the_header_carries(last):
+    """A batch's typed frames are what the native wire's header says of each (the bytes the native sink writes)."""
+    payloads = [b"a", b"bb", b"ccc"]
+    packets = p.AudioPackets("ctx", 65536 + 2, 2, 2**32 - 1, 39.5, 20.0, payloads, last)
+    assert packets.end_ms == 39.5 + 3 * 20.0
+    wire = [p.unpack_frame(data) for data in packets.encode()]
+    assert packets.frames() == wire
+    assert [f.seq for f in wire] == [2**32 - 1, 0, 1] and {f.index for f in wire} == {2}
+    assert [f.pts_ms for f in wire] == [39, 59, 79]
+    assert [f.flags for f in wire] == [0, 0, p.FLAG_LAST if last else 0]
+    assert [f.payload for f in wire] == payloads

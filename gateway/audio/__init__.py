@@ -5,9 +5,9 @@ fixed frames (remainders carried across chunks), encode (Opus, PCM s16le, G.711 
 flush everything so the ending is never cut off. Container formats for HTTP streaming (WAV, Ogg Opus, and through
 PyAV when installed: MP3, FLAC, AAC) come out of the same Encoder as byte chunks to concatenate.
 
-The package by job: `formats` (the formats table, `OutputFormat`), `frame_header` (the native binary header), `pcm`
-(int16 conversion, resampling), `g711`, `opus`, `containers` (Ogg, WAV, PyAV), `codecs` (the one format -> codec
-registry) and `encoder` (the per-turn `Encoder`).
+The package by job: `formats` (the formats table, `OutputFormat`), `pcm` (int16 conversion, resampling), `g711`,
+`opus`, `containers` (Ogg, WAV, PyAV), `codecs` (the one format -> codec registry) and `encoder` (the per-turn
+`Encoder`). The native protocol's binary frame header is `gateway.protocol.frames`.
 """
 
 from gateway.audio.codecs import CODECS
@@ -24,22 +24,12 @@ from gateway.audio.formats import (
     PCM_RATES,
     OutputFormat,
 )
-from gateway.audio.frame_header import (
-    FLAG_LAST,
-    FRAME_MAGIC,
-    FRAME_VERSION,
-    HEADER_SIZE,
-    pack_frame_header,
-    pack_frames,
-    unpack_frame_header,
-)
 from gateway.audio.g711 import alaw_decode, alaw_encode, mulaw_decode, mulaw_encode
 from gateway.audio.opus import OpusFrames, opus_available
 from gateway.audio.pcm import Resampler, float_to_int16
 
 __all__ = [
-    "FORMATS", "NATIVE_FORMATS", "KINDS", "HEADER_SIZE", "FLAG_LAST", "OutputFormat", "Resampler", "Encoder",
-    "OggOpusWriter", "OpusFrames", "WavStreamWriter", "pack_frame_header", "pack_frames", "unpack_frame_header",
-    "mulaw_encode", "mulaw_decode", "alaw_encode", "alaw_decode", "float_to_int16", "opus_available", "av_available",
-    "CODECS", "AAC_RATES", "MP3_RATES", "PCM_RATES", "OPUS_RATES", "OPUS_FRAME_MS", "FRAME_MAGIC", "FRAME_VERSION",
+    "FORMATS", "NATIVE_FORMATS", "KINDS", "OutputFormat", "Resampler", "Encoder", "OggOpusWriter", "OpusFrames",
+    "WavStreamWriter", "mulaw_encode", "mulaw_decode", "alaw_encode", "alaw_decode", "float_to_int16",
+    "opus_available", "av_available", "CODECS", "AAC_RATES", "MP3_RATES", "PCM_RATES", "OPUS_RATES", "OPUS_FRAME_MS",
 ]

@@ -1,8 +1,9 @@
 """Foreign protocols over the one native `Session`: OpenAI speech (HTTP), the ElevenLabs, Cartesia and Deepgram
 streaming WebSockets, and a Twilio Media Streams bridge. Each adapter only translates messages: it feeds the session
-native client messages and is the session's `Transport`, turning the native messages and audio frames the session
-sends into the foreign form. Segmenting, pacing, encoding and cancellation exist once, in gateway.session and
-gateway.audio; the life of a foreign socket's session exists once, in `SocketBridge`."""
+native client messages and is the session's `EventSink`, translating the typed messages and audio packets the session
+emits into the foreign form (nothing is serialised to be parsed again). Segmenting, pacing, encoding and cancellation
+exist once, in gateway.session and gateway.audio; the life of a foreign socket's session exists once, in
+`SocketBridge`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from aiohttp import web
 from gateway.app_keys import GATEWAY
 from gateway.audio import Encoder, OutputFormat
 from gateway.auth import AuthError
-from gateway.protocol import ErrorCode, Limits, ProtocolError, load_json
+from gateway.protocol import AudioPackets, ErrorCode, Limits, ProtocolError, ServerMessage, load_json
 from gateway.session import Session
 from gateway.sockets import FirstMessageTimeout, Messages
 
@@ -115,9 +116,9 @@ class SocketBridge:
     """One foreign-protocol WebSocket over one native Session, from the first message to the release of everything.
 
     A subclass translates the client's messages (`handle`, which feeds the session through `to_session`) and is the
-    session's Transport: `send_text` receives each native message, `send_bytes` each audio frame (native header
-    included). The session is opened by `start_session` once the adapter knows the key and the settings, and counts
-    like a native one (server limits, readiness, the shutdown drain)."""
+    session's EventSink: `message` receives each typed native message, `audio` each batch of audio frames. The session
+    is opened by `start_session` once the adapter knows the key and the settings, and counts like a native one
+    (server limits, readiness, the shutdown drain)."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse):
         self.request, self.ws = request, ws
@@ -138,10 +139,12 @@ class SocketBridge:
         """One message from the client."""
         raise NotImplementedError
 
-    async def send_text(self, data: str) -> None:
+    async def message(self, msg: ServerMessage) -> None:
+        """One message the session emits, to translate for the client."""
         raise NotImplementedError
 
-    async def send_bytes(self, data: bytes) -> None:
+    async def audio(self, packets: AudioPackets) -> None:
+        """One batch of a turn's audio frames, to translate for the client."""
         raise NotImplementedError
 
     async def start_session(self, limits: Limits, **start: Any) -> None:
@@ -165,7 +168,7 @@ class SocketBridge:
         await self.session.receive(native(kind, **fields))
 
     async def close(self, code: int, reason: str) -> None:
-        """Close the session (which closes the socket through this Transport), or the socket alone."""
+        """Close the session (which closes the socket through this sink), or the socket alone."""
         self.closing = True
         if self.session is not None and not self.session.closed:
             await self.session.close(code, reason)  # comes back here through the transport

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.audio import OutputFormat
 from gateway.compat import share_span
+from gateway.protocol import ContextDone
 
 Span = tuple[float, str, float]  # a segment: (start_ms, text, end_ms) in its turn's audio
 
@@ -95,8 +96,8 @@ class AlignedLines:
             return b""
         return self._lines(self.carrier.segment_end((*self.segments[k], end_ms)))
 
-    def trailer(self, done: dict[str, Any]) -> bytes:
-        return self.segment_done(len(self.segments) - 1, done["audio_ms"]) + self._lines(self.carrier.finish())
+    def trailer(self, done: ContextDone) -> bytes:
+        return self.segment_done(len(self.segments) - 1, done.audio_ms) + self._lines(self.carrier.finish())
 
     @staticmethod
     def _lines(due: list[tuple[bytes, list[Span]]]) -> bytes:

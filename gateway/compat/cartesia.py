@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE, PCM_RATES, OutputFormat, av_available, unpack_frame_header
+from gateway import protocol as p
+from gateway.audio import PCM_RATES, OutputFormat, av_available
 from gateway.auth import AuthError
 from gateway.compat import (
     SocketBridge,
@@ -55,7 +56,7 @@ from gateway.compat import (
     json_object,
     share_span,
 )
-from gateway.compat.oneshot import NativeError, OneTurn
+from gateway.compat.oneshot import NativeError, OneTurn, Spoken
 from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode, Limits
 from gateway.sockets import open_socket
 from gateway.voices import VoiceRefused
@@ -101,13 +102,12 @@ class _Context:
 
 
 class CartesiaBridge(SocketBridge):
-    """One Cartesia socket: translates its messages for the session, and is the session's Transport."""
+    """One Cartesia socket: translates its messages for the session, and is the session's EventSink."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, key: str):
         super().__init__(request, ws)
         self.key = key
         self.contexts: dict[str, _Context] = {}
-        self.by_index: dict[int, str] = {}
         self.settings: tuple[str | None, str] = (None, "")  # (voice, output as JSON) of the session now
 
     async def on_open(self) -> None:
@@ -159,59 +159,57 @@ class CartesiaBridge(SocketBridge):
             await self.to_session("context.end", context_id=cid)
 
     # ------------------------------------------------------------------------------------------------ us -> client
-    # (the session's Transport)
+    # (the session's EventSink)
 
-    async def send_text(self, data: str) -> None:
-        m = json.loads(data)
-        kind, cid = m.get("type"), m.get("context_id")
+    async def message(self, msg: p.ServerMessage) -> None:
+        cid: str | None = getattr(msg, "context_id", None)
         ctx = self.contexts.get(cid) if cid is not None else None
-        if kind == "error":
-            await self._native_error(m, cid, ctx)
-        elif ctx is None:
+        if isinstance(msg, p.Error):
+            await self._native_error(msg, ctx)
+        elif ctx is None or cid is None:
             return  # session replies, and what comes after a cancel or an error
-        elif kind == "context.started":
-            ctx.index = m["index"]
-            self.by_index[ctx.index] = cid
-        elif kind == "segment.started":
-            await self._timestamps(cid, ctx, m["pts_ms"])
-            ctx.segment = (m["pts_ms"], m["text"])
-        elif kind == "text.flushed" and m.get("flush_id") is not None:
-            ctx.flushed = int(m["flush_id"])
+        elif isinstance(msg, p.ContextStarted):
+            ctx.index = msg.index
+        elif isinstance(msg, p.SegmentStarted):
+            await self._timestamps(cid, ctx, msg.pts_ms)
+            ctx.segment = (msg.pts_ms, msg.text)
+        elif isinstance(msg, p.TextFlushed) and msg.flush_id is not None:
+            ctx.flushed = int(msg.flush_id)
             await self.send_json({"type": "flush_done", "context_id": cid, "flush_id": ctx.flushed, "flush_done": True,
                                   "done": False, "status_code": 206})
-        elif kind == "context.done":
-            await self._timestamps(cid, ctx, m["audio_ms"])
+        elif isinstance(msg, p.ContextDone):
+            await self._timestamps(cid, ctx, msg.audio_ms)
             self._forget(cid)
             await self.send_json({"type": "done", "context_id": cid, "done": True, "status_code": 200})
-        elif kind == "context.cancelled":
+        elif isinstance(msg, p.ContextCancelled):
             self._forget(cid)
 
-    async def send_bytes(self, data: bytes) -> None:
-        cid = self.by_index.get(unpack_frame_header(data)[2])
-        ctx = self.contexts.get(cid) if cid is not None else None
-        if ctx is None:
+    async def audio(self, packets: p.AudioPackets) -> None:
+        cid = packets.context_id
+        ctx = self.contexts.get(cid)
+        if ctx is None or ctx.index != packets.index:  # a context that ended here (done, cancelled, refused)
             return
-        payload = bytes(data[HEADER_SIZE:])
-        if ctx.encoding == "pcm_f32le":
-            payload = _f32(payload)
-        now = time.monotonic()
-        message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
-                   "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
-        if ctx.flushed < ctx.flushes:  # audio after the last flush requested belongs to none
-            message["flush_id"] = ctx.flushed + 1
-        ctx.last_chunk_at = now
-        await self.send_json(message)
+        for payload in packets.payloads:
+            if ctx.encoding == "pcm_f32le":
+                payload = _f32(payload)
+            now = time.monotonic()
+            message = {"type": "chunk", "context_id": cid, "data": base64.b64encode(payload).decode(), "done": False,
+                       "status_code": 206, "step_time": round((now - ctx.last_chunk_at) * 1000.0, 1)}
+            if ctx.flushed < ctx.flushes:  # audio after the last flush requested belongs to none
+                message["flush_id"] = ctx.flushed + 1
+            ctx.last_chunk_at = now
+            await self.send_json(message)
 
-    async def _native_error(self, m: dict[str, Any], cid: str | None, ctx: _Context | None) -> None:
+    async def _native_error(self, error: p.Error, ctx: _Context | None) -> None:
         """A refused message leaves its context running (done: false); an error that ended the context, or the
         session, is its last word (done: true)."""
         assert self.session is not None
-        over = m.get("fatal") is True or ctx is not None and not self.session.is_live(cid)
-        code = m.get("code", "")
-        await self._error(cid, http_status(code), code, m.get("message", ""), done=over)
-        if m.get("fatal") is True:
+        cid = error.context_id
+        over = error.fatal or ctx is not None and cid is not None and not self.session.is_live(cid)
+        await self._error(cid, http_status(error.code), error.code, error.message, done=over)
+        if error.fatal:
             self.closing = True  # the session closes the socket next
-        elif over:
+        elif over and cid is not None:
             self._forget(cid)
 
     async def _timestamps(self, cid: str, ctx: _Context, end_ms: float) -> None:
@@ -226,9 +224,7 @@ class CartesiaBridge(SocketBridge):
                               "title": code.replace("_", " "), "error_code": code, "message": message})
 
     def _forget(self, cid: str) -> None:
-        ctx = self.contexts.pop(cid, None)
-        if ctx is not None and ctx.index is not None:
-            self.by_index.pop(ctx.index, None)
+        self.contexts.pop(cid, None)
 
 
 def _check(m: dict[str, Any], limits: Limits) -> None:
@@ -382,7 +378,7 @@ async def _http_request(request: web.Request) -> tuple[str, dict[str, Any], str,
 
 @contextlib.asynccontextmanager
 async def _spoken(request: web.Request, key: str, transcript: str, voice: str | None, out: OutputFormat,
-                  style: str | None) -> AsyncIterator[tuple[OneTurn, dict[str, Any] | bytes]]:
+                  style: str | None) -> AsyncIterator[tuple[OneTurn, Spoken]]:
     """The request's turn and its first audio, for the block; a refusal (unknown voice, ...) as CartesiaError."""
     async with OneTurn.open(request, key) as turn:
         try:
@@ -420,7 +416,7 @@ async def tts_sse(request: web.Request) -> web.StreamResponse:
         return e.response()
 
 
-async def _sse_response(request: web.Request, turn: OneTurn, first: dict[str, Any] | bytes, out: OutputFormat,
+async def _sse_response(request: web.Request, turn: OneTurn, first: Spoken, out: OutputFormat,
                         encoding: str, cid: str, timestamps: bool) -> web.StreamResponse:
     """/tts/sse's body: each chunk, each segment's word timestamps once its span is known (the next starts), then
     done."""
@@ -438,8 +434,8 @@ async def _sse_response(request: web.Request, turn: OneTurn, first: dict[str, An
         message = _word_timestamps(cid, *turn.segments[k], end_ms) if timestamps else None
         return _sse(message) if message is not None else b""
 
-    def done(event: dict[str, Any]) -> bytes:
-        last_words = segment_done(len(turn.segments) - 1, event["audio_ms"]) if turn.segments else b""
+    def done(event: p.ContextDone) -> bytes:
+        last_words = segment_done(len(turn.segments) - 1, event.audio_ms) if turn.segments else b""
         return last_words + _sse({"type": "done", "context_id": cid, "done": True, "status_code": 200})
 
     return await turn.respond(request, first, Transcoder(out), {"Content-Type": "text/event-stream"},

@@ -26,7 +26,6 @@ a Warning BUFFER_FULL."""
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import uuid
 from collections import deque
@@ -35,7 +34,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE, OutputFormat, av_available
+from gateway import protocol as p
+from gateway.audio import OutputFormat, av_available
 from gateway.auth import AuthError
 from gateway.compat import SocketBridge, Transcoder, check_api_key, gateway_of, http_status, json_body, json_object
 from gateway.compat.oneshot import NativeError, OneTurn
@@ -79,7 +79,7 @@ class _Utterance:
 
 
 class DeepgramBridge(SocketBridge):
-    """One Deepgram socket: translates its messages for the session, and is the session's Transport."""
+    """One Deepgram socket: translates its messages for the session, and is the session's EventSink."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, key: str, voice: str | None,
                  output: dict[str, Any]):
@@ -181,15 +181,14 @@ class DeepgramBridge(SocketBridge):
             self.background(self.close(1000, "Close"))
 
     # ------------------------------------------------------------------------------------------------ us -> client
-    # (the session's Transport)
+    # (the session's EventSink)
 
-    async def send_text(self, data: str) -> None:
-        m = json.loads(data)
-        kind, cid = m.get("type"), m.get("context_id")
-        if kind == "error":
-            await self._warning(m.get("code", ""), m.get("message", ""))
+    async def message(self, msg: p.ServerMessage) -> None:
+        cid: str | None = getattr(msg, "context_id", None)
+        if isinstance(msg, p.Error):
+            await self._warning(msg.code, msg.message)
             assert self.session is not None
-            if m.get("fatal") is True:
+            if msg.fatal:
                 self.closing = True  # the session closes the socket next
                 return
             if cid is None or cid != self.current or self.session.is_live(cid):
@@ -197,10 +196,10 @@ class DeepgramBridge(SocketBridge):
             self.current = None  # the error ended it: a Flush it had is answered, nothing more of it comes
             if not self.open and self.cancelling != cid:
                 await self._answer("Flushed")
-        elif kind == "context.done" and cid == self.current:
+        elif isinstance(msg, p.ContextDone) and cid == self.current:
             self.current = None
             await self._answer("Flushed")
-        elif kind == "context.cancelled" and cid == self.cancelling:  # also when it finished before the Clear
+        elif isinstance(msg, p.ContextCancelled) and cid == self.cancelling:  # also when it finished before the Clear
             self.cancelling = None
             if cid == self.current:
                 self.current = None
@@ -212,8 +211,9 @@ class DeepgramBridge(SocketBridge):
         self.open = False
         self.background(self._advance())  # not from inside the session's own send
 
-    async def send_bytes(self, data: bytes) -> None:
-        await self.ws.send_bytes(bytes(data[HEADER_SIZE:]))  # one context speaks at a time: its frames in order
+    async def audio(self, packets: p.AudioPackets) -> None:
+        for payload in packets.payloads:  # one context speaks at a time: its frames in order
+            await self.ws.send_bytes(payload)
 
     async def _answer(self, kind: str) -> None:
         await self.send_json({"type": kind, "sequence_id": self.sequence})

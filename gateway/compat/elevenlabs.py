@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE, MP3_RATES, PCM_RATES, OutputFormat, av_available, unpack_frame_header
+from gateway import protocol as p
+from gateway.audio import MP3_RATES, PCM_RATES, OutputFormat, av_available
 from gateway.compat import (
     AuthError,
     SocketBridge,
@@ -138,7 +139,7 @@ class _Context:
 
 
 class Bridge(SocketBridge):
-    """One ElevenLabs socket: translates its messages for the session, and is the session's Transport."""
+    """One ElevenLabs socket: translates its messages for the session, and is the session's EventSink."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, voice_id: str, multi: bool):
         super().__init__(request, ws)
@@ -150,7 +151,6 @@ class Bridge(SocketBridge):
         self.sync_alignment = request.query.get("sync_alignment", "").lower() == "true"
         self.inactivity_s = float(DEFAULT_INACTIVITY_S)  # the query's inactivity_timeout, once parsed
         self.contexts: dict[str, _Context] = {}
-        self.by_index: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------------------------ client -> us
 
@@ -258,47 +258,41 @@ class Bridge(SocketBridge):
             await self.to_session("context.end", context_id=cid)
 
     # ------------------------------------------------------------------------------------------------ us -> client
-    # (the session's Transport)
+    # (the session's EventSink)
 
-    async def send_text(self, data: str) -> None:
-        m = json.loads(data)
-        kind, cid = m.get("type"), m.get("context_id")
-        if kind == "context.started":
-            ctx = self.contexts.setdefault(cid, _Context(opened=True))
-            ctx.index = m["index"]
+    async def message(self, msg: p.ServerMessage) -> None:
+        if isinstance(msg, p.ContextStarted):
+            ctx = self.contexts.setdefault(msg.context_id, _Context(opened=True))
+            ctx.index = msg.index
             ctx.transcoder = Transcoder(self.wire.container) if self.wire.container is not None else None
-            self.by_index[ctx.index] = cid
-        elif kind == "segment.started" and cid in self.contexts:
-            ctx = self.contexts[cid]
-            await self._segment_end(cid, ctx, m["pts_ms"])
-            ctx.segment = (m["pts_ms"], m["text"])
-        elif kind in ("context.done", "context.cancelled"):
+        elif isinstance(msg, p.SegmentStarted) and msg.context_id in self.contexts:
+            ctx = self.contexts[msg.context_id]
+            await self._segment_end(msg.context_id, ctx, msg.pts_ms)
+            ctx.segment = (msg.pts_ms, msg.text)
+        elif isinstance(msg, p.ContextDone | p.ContextCancelled):
+            cid = msg.context_id
             ctx = self.contexts.pop(cid, None)
-            if ctx is not None and ctx.index is not None:
-                self.by_index.pop(ctx.index, None)
-                if kind == "context.done":
-                    if ctx.transcoder is not None:
-                        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.finish(), m["audio_ms"]))
-                    await self._segment_end(cid, ctx, m["audio_ms"])
-                    await self._send_audio(cid, ctx.carrier.finish())
+            if ctx is not None and ctx.index is not None and isinstance(msg, p.ContextDone):
+                if ctx.transcoder is not None:
+                    await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.finish(), msg.audio_ms))
+                await self._segment_end(cid, ctx, msg.audio_ms)
+                await self._send_audio(cid, ctx.carrier.finish())
             await self._final(cid)
             if not self.multi:
                 self.background(self.close(1000, "done"))
-        elif kind == "error":
-            code = m.get("code", "")
-            await self.fail(ElevenLabsError(_ERROR_NAMES.get(code, code), m.get("message", ""),
-                                            INTERNAL_ERROR if code in _SERVER_FAULTS else POLICY_VIOLATION))
+        elif isinstance(msg, p.Error):
+            await self.fail(ElevenLabsError(_ERROR_NAMES.get(msg.code, msg.code), msg.message,
+                                            INTERNAL_ERROR if msg.code in _SERVER_FAULTS else POLICY_VIOLATION))
 
-    async def send_bytes(self, data: bytes) -> None:
-        index = unpack_frame_header(data)[2]
-        cid = self.by_index.get(index)
-        ctx = self.contexts.get(cid) if cid is not None else None
-        if ctx is None:
+    async def audio(self, packets: p.AudioPackets) -> None:
+        cid = packets.context_id
+        ctx = self.contexts.get(cid)
+        if ctx is None or ctx.index != packets.index:  # a context that ended here (done, cancelled, refused)
             return
-        payload = bytes(data[HEADER_SIZE:])
-        end_ms = unpack_frame_header(data)[4] + len(payload) * 1000.0 / self._bytes_per_s
-        await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.write(payload) if ctx.transcoder is not None
-                                                else payload, end_ms))
+        for frame in packets.frames():
+            end_ms = frame.pts_ms + len(frame.payload) * 1000.0 / self._bytes_per_s
+            await self._send_audio(cid, ctx.carrier.audio(ctx.transcoder.write(frame.payload)
+                                                          if ctx.transcoder is not None else frame.payload, end_ms))
 
     async def fail(self, e: ElevenLabsError) -> None:
         """ElevenLabs reports an error as a JSON message, then closes the socket with the code."""
@@ -407,7 +401,7 @@ async def text_to_speech(request: web.Request) -> web.StreamResponse:
                                           {"Content-Type": CONTENT_TYPES[output.format]})
             if "/stream" not in request.path:  # one JSON object: the whole audio and its alignment
                 audio, done = await turn.collect(first, Transcoder(output))
-                alignment = http_alignment(segment_spans(turn.segments, done["audio_ms"]))
+                alignment = http_alignment(segment_spans(turn.segments, done.audio_ms))
                 return web.json_response({"audio_base64": base64.b64encode(audio).decode(), "alignment": alignment,
                                           "normalized_alignment": alignment})
         except NativeError as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.audio import HEADER_SIZE
+from gateway import protocol as p
 from gateway.compat import Transcoder, gateway_of, native
 from gateway.protocol import ErrorCode
 from gateway.session import Session
@@ -28,30 +27,33 @@ log = logging.getLogger("voxgate.compat")
 
 INBOX_SIZE = 64  # session messages waiting for the HTTP writer: beyond this the session waits (backpressure)
 CONTEXT = "speech"  # the request's one turn
+# what the response writer waits for: an audio payload, or the message that says what comes next
+Event = bytes | p.SessionStarted | p.SegmentStarted | p.ContextDone
+Spoken = bytes | p.ContextDone  # a turn's next audio payload, or its end
 
 
 class NativeError(Exception):
     """The session's `error` message (or its unexpected close), for the adapter to answer in its own form."""
 
-    def __init__(self, event: dict[str, Any]):
-        super().__init__(event.get("message", "error"))
-        self.code = str(event.get("code", ErrorCode.INTERNAL_ERROR))
-        self.message = str(event.get("message", "error"))
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = str(code), message
 
 
 class Inbox:
-    """The session's transport for one HTTP request: what the session sends, queued for the response writer."""
+    """The session's EventSink for one HTTP request: what the session emits, queued for the response writer."""
 
     def __init__(self, request: web.Request, size: int = INBOX_SIZE):
         self.request = request
-        self.queue: asyncio.Queue[dict[str, Any] | bytes | None] = asyncio.Queue(size)
+        self.queue: asyncio.Queue[p.ServerMessage | bytes | None] = asyncio.Queue(size)
         self.closed = False
 
-    async def send_text(self, data: str) -> None:
-        await self.queue.put(json.loads(data))
+    async def message(self, msg: p.ServerMessage) -> None:
+        await self.queue.put(msg)
 
-    async def send_bytes(self, data: bytes) -> None:
-        await self.queue.put(bytes(data[HEADER_SIZE:]))  # one turn per request: the header says nothing new
+    async def audio(self, packets: p.AudioPackets) -> None:
+        for payload in packets.payloads:  # one turn per request: only the payloads say anything new
+            await self.queue.put(payload)
 
     async def close(self, code: int, reason: str) -> None:
         self.closed = True
@@ -64,18 +66,17 @@ class Inbox:
         if self.request.transport is not None:
             self.request.transport.abort()
 
-    async def next(self) -> dict[str, Any] | bytes:
+    async def next(self) -> Event:
         """The next audio payload, session.started, segment.started or context.done; NativeError for an error or the
         session closing."""
         while True:
             item = None if self.closed and self.queue.empty() else await self.queue.get()
             if item is None:
-                raise NativeError({"code": ErrorCode.INTERNAL_ERROR,
-                                   "message": "the synthesis session closed unexpectedly"})
-            if isinstance(item, bytes) or item.get("type") in ("session.started", "segment.started", "context.done"):
+                raise NativeError(ErrorCode.INTERNAL_ERROR, "the synthesis session closed unexpectedly")
+            if isinstance(item, bytes | p.SessionStarted | p.SegmentStarted | p.ContextDone):
                 return item
-            if item.get("type") == "error":
-                raise NativeError(item)
+            if isinstance(item, p.Error):
+                raise NativeError(item.code, item.message)
 
 
 class OneTurn:
@@ -86,11 +87,14 @@ class OneTurn:
         self.session, self.inbox = session, inbox
         self.segments: list[tuple[float, str]] = []  # (pts_ms, text) of each segment started so far
 
-    async def _next(self) -> dict[str, Any] | bytes:
+    async def _next(self) -> Spoken:
         """Audio or context.done; the segments that start on the way are recorded."""
-        while isinstance(item := await self.inbox.next(), dict) and item["type"] == "segment.started":
-            self.segments.append((float(item["pts_ms"]), item["text"]))
-        return item
+        while True:
+            item = await self.inbox.next()
+            if isinstance(item, p.SegmentStarted):
+                self.segments.append((float(item.pts_ms), item.text))
+            elif isinstance(item, bytes | p.ContextDone):
+                return item
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -114,7 +118,7 @@ class OneTurn:
                                           output={"format": "pcm_s16le", "sample_rate": sample_rate}))
         await self.inbox.next()
 
-    async def say(self, text: str) -> dict[str, Any] | bytes:
+    async def say(self, text: str) -> Spoken:
         """The whole text as the turn's input (in pieces of the session's message limit), then its end."""
         step = self.session.limits.max_text_chars
         for i in range(0, len(text), step):
@@ -123,12 +127,12 @@ class OneTurn:
         return await self._next()
 
     async def speak(self, text: str, *, voice: str | None, sample_rate: int,
-                    generation: dict[str, Any] | None = None) -> dict[str, Any] | bytes:
+                    generation: dict[str, Any] | None = None) -> Spoken:
         """`start`, then `say`: the first audio (or context.done); NativeError if either is refused."""
         await self.start(voice=voice, sample_rate=sample_rate, generation=generation)
         return await self.say(text)
 
-    async def collect(self, first: dict[str, Any] | bytes, transcoder: Transcoder) -> tuple[bytes, dict[str, Any]]:
+    async def collect(self, first: Spoken, transcoder: Transcoder) -> tuple[bytes, p.ContextDone]:
         """All of the turn's audio, from `first` on, through the transcoder, and context.done: for an answer sent
         whole. NativeError if the turn fails."""
         parts, item = [], first
@@ -138,9 +142,9 @@ class OneTurn:
         parts.append(transcoder.finish())
         return b"".join(parts), item
 
-    async def respond(self, request: web.Request, first: dict[str, Any] | bytes, transcoder: Transcoder,
+    async def respond(self, request: web.Request, first: Spoken, transcoder: Transcoder,
                       headers: dict[str, str], frame: Callable[[bytes], bytes] | None = None,
-                      trailer: Callable[[dict[str, Any]], bytes] | None = None,
+                      trailer: Callable[[p.ContextDone], bytes] | None = None,
                       segment_done: Callable[[int, float], bytes] | None = None) -> web.StreamResponse:
         """The turn's audio, from `first` on, through the transcoder as the chunked body of a 200 response (`frame`
         wraps each piece; `trailer` makes a last piece from context.done; `segment_done(k, end_ms)` one for each

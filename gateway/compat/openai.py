@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.audio import OutputFormat, av_available
 from gateway.compat import AuthError, Transcoder, gateway_of, json_body
 from gateway.compat.oneshot import NativeError, OneTurn
-from gateway.protocol import MAX_INSTRUCTION_CHARS, ErrorCode
+from gateway.protocol import MAX_INSTRUCTION_CHARS, ContextDone, ErrorCode
 from gateway.voices import VoiceRefused
 
 if TYPE_CHECKING:
@@ -192,8 +192,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
         def delta(data: bytes) -> bytes:
             return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
-        def usage(done: dict[str, Any]) -> bytes:
-            patches = round(float(done.get("audio_ms", 0.0)) / (turn.session.model_info.patch_ms or 1.0))
+        def usage(done: ContextDone) -> bytes:
+            patches = round(float(done.audio_ms) / (turn.session.model_info.patch_ms or 1.0))
             return _sse({"type": "speech.audio.done", "usage": {
                 "input_tokens": len(req.input), "output_tokens": patches, "total_tokens": len(req.input) + patches}})
 

@@ -1,6 +1,6 @@
 """Twilio Media Streams bridge: a phone call's audio bound to a native session that a voice agent drives.
 
-Two sockets meet in one `CallBridge`, which is the session's Transport:
+Two sockets meet in one `CallBridge`, which is the session's EventSink:
 - the agent opens `GET /v1/twilio/control` (native auth) and speaks the native protocol: `session.start` (output is
   mu-law 8 kHz in 20 ms frames, the only thing a phone line plays), text.append, context.end, context.cancel, ...
   It receives every native message, and the caller's side as events: `call.started`, `call.mark`, `call.dtmf`,
@@ -28,8 +28,9 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from gateway.audio import HEADER_SIZE, pack_frame_header
+from gateway import protocol as p
 from gateway.compat import AuthError, gateway_of, json_object, native
+from gateway.native_sink import NativeSink
 from gateway.protocol import Error, ErrorCode, ProtocolError
 from gateway.session import Session
 from gateway.sockets import FirstMessageTimeout, Messages, abort, open_socket
@@ -130,10 +131,11 @@ def parse_twilio(raw: str | bytes) -> Start | Media | Mark | Dtmf | Stop | Conne
 
 
 class CallBridge:
-    """The session's Transport: native JSON to the agent, audio and marks to Twilio; Twilio's events back in."""
+    """The session's EventSink: native messages to the agent, audio and marks to Twilio; Twilio's events back in."""
 
     def __init__(self, request: web.Request, control: web.WebSocketResponse):
         self.request, self.control = request, control
+        self.agent = NativeSink(control, request)  # the control socket speaks the native protocol
         self.session: Session | None = None
         self.twilio: web.WebSocketResponse | None = None
         self.stream_sid: str | None = None
@@ -143,25 +145,24 @@ class CallBridge:
         self._mark_ids = itertools.count()
         self._caller_seq = 0
 
-    # ------------------------------------------------------------------------------------------------ Transport
+    # ------------------------------------------------------------------------------------------------ EventSink
 
-    async def send_text(self, data: str) -> None:
-        await self.control.send_str(data)
-        m = json.loads(data)
-        kind, cid = m.get("type"), m.get("context_id")
-        if kind == "context.started":
+    async def message(self, msg: p.ServerMessage) -> None:
+        await self.agent.message(msg)
+        if isinstance(msg, p.ContextStarted):
             self.sent_ms = 0.0
-        elif kind in ("segment.started", "context.done"):
-            await self._mark(cid, self.sent_ms)
-        elif kind == "context.cancelled" and self.twilio is not None:
+        elif isinstance(msg, p.SegmentStarted | p.ContextDone):
+            await self._mark(msg.context_id, self.sent_ms)
+        elif isinstance(msg, p.ContextCancelled) and self.twilio is not None:
+            cid = msg.context_id
             self.marks = {k: v for k, v in self.marks.items() if v[0] != cid}  # Twilio echoes them on clear
             await self._to_twilio({"event": "clear"})
 
-    async def send_bytes(self, data: bytes) -> None:
-        await self.attached.wait()  # audio before the call joined waits (the session's stall timeout bounds it)
-        payload = base64.b64encode(bytes(data[HEADER_SIZE:])).decode()
-        await self._to_twilio({"event": "media", "media": {"payload": payload}})
-        self.sent_ms += TWILIO_OUTPUT["frame_ms"]
+    async def audio(self, packets: p.AudioPackets) -> None:
+        for payload in packets.payloads:
+            await self.attached.wait()  # audio before the call joined waits (the session's stall timeout bounds it)
+            await self._to_twilio({"event": "media", "media": {"payload": base64.b64encode(payload).decode()}})
+            self.sent_ms += TWILIO_OUTPUT["frame_ms"]
 
     async def close(self, code: int, reason: str) -> None:
         for ws in (self.twilio, self.control):
@@ -199,7 +200,7 @@ class CallBridge:
                 if output is not None and not telephony:
                     error = Error(str(ErrorCode.INVALID_VALUE), f"the Twilio bridge sends {TWILIO_OUTPUT}; leave "
                                   "output out or ask for exactly that")
-                    await self.control.send_str(error.encode())
+                    await self.agent.message(error)
                     return
                 if m["type"] == "session.start":
                     raw = json.dumps({**m, "output": TWILIO_OUTPUT})
@@ -221,11 +222,10 @@ class CallBridge:
                 payload = base64.b64decode(m.media.payload, validate=True)
             except ValueError:
                 return  # a damaged frame is dropped, like a lost packet
-            pts = m.media.timestamp & 0xFFFFFFFF
-            header = pack_frame_header(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq & 0xFFFFFFFF, pts)
+            frame = p.AudioFrame(MULAW_KIND, FLAG_CALLER, 0, self._caller_seq, m.media.timestamp, payload)
             self._caller_seq += 1
             with contextlib.suppress(ConnectionError):
-                await self.control.send_bytes(header + payload)
+                await self.agent.frame(frame)
         elif isinstance(m, Mark):
             name = m.mark.name
             played = self.marks.pop(name, None)

@@ -1,96 +1,20 @@
-"""The native streaming protocol, sans I/O: client messages parsed and validated into dataclasses, server messages
-serialised to JSON, and the 14-byte header of binary audio frames. docs/PROTOCOL.md is the reference."""
+"""Client -> server messages of the native protocol, sans I/O: each frame parsed and validated into a dataclass
+(every malformed one a typed `ProtocolError`), the generation settings and their rules, and `load_json`, the one
+way client JSON is read. docs/PROTOCOL.md is the reference."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
-from enum import StrEnum
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from gateway.audio import (  # noqa: F401 (re-exported)
-    FLAG_LAST,
-    HEADER_SIZE,
-    pack_frame_header,
-    pack_frames,
-    unpack_frame_header,
-)
+from gateway.protocol.errors import ErrorCode, Limits, ProtocolError
 from gateway.text.normalize import MODES as NORMALIZE_MODES
 from gateway.text.unicode_text import first_invalid, is_text
 
-PROTOCOL_VERSION = 1
 MAX_INSTRUCTION_CHARS = 500  # a style instruction is prefill text of a turn's first segment: kept short
 MAX_PRONUNCIATIONS = 8  # pronunciation dictionaries one session selects (gateway.text.pronunciation)
-
-
-class ErrorCode(StrEnum):
-    BAD_JSON = "bad_json"
-    BAD_MESSAGE = "bad_message"  # not an object, or no string `type`
-    UNKNOWN_FIELD = "unknown_field"
-    MISSING_FIELD = "missing_field"
-    INVALID_VALUE = "invalid_value"
-    UNSUPPORTED_FRAME = "unsupported_frame"  # a binary frame from the client
-    MESSAGE_TOO_LARGE = "message_too_large"
-    NOT_STARTED = "not_started"
-    ALREADY_STARTED = "already_started"
-    UNKNOWN_CONTEXT = "unknown_context"
-    CONTEXT_CLOSED = "context_closed"  # text for a turn after its context.end
-    TOO_MANY_CONTEXTS = "too_many_contexts"
-    TEXT_TOO_LONG = "text_too_long"
-    BUFFER_FULL = "buffer_full"
-    UNKNOWN_VOICE = "unknown_voice"
-    UNKNOWN_LORA = "unknown_lora"
-    UNKNOWN_PRONUNCIATION = "unknown_pronunciation"
-    RATE_LIMITED = "rate_limited"
-    OVERLOADED = "overloaded"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"  # a shared voice or adapter that only its owner or an operator key may change
-    STORE_UNAVAILABLE = "store_unavailable"  # the shared store (Redis) cannot be reached
-    IDLE_TIMEOUT = "idle_timeout"
-    SLOW_CONSUMER = "slow_consumer"
-    ENGINE_ERROR = "engine_error"
-    SERVER_SHUTDOWN = "server_shutdown"
-    INTERNAL_ERROR = "internal_error"
-
-
-class ProtocolError(Exception):
-    """A client mistake or a session-ending condition, reported to the client as an `error` message."""
-
-    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False, context_id: str | None = None):
-        super().__init__(f"{code}: {message}")
-        self.code = ErrorCode(code)
-        self.message = message
-        self.fatal = fatal
-        self.context_id = context_id
-
-    def to_message(self) -> Error:
-        return Error(code=str(self.code), message=self.message, context_id=self.context_id, fatal=self.fatal)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-session limits; all configurable on the server, all reported in `session.started`."""
-
-    max_message_bytes: int = 1 << 20
-    max_text_chars: int = 2000  # per text.append
-    max_buffered_chars: int = 8000  # text received but not yet spoken, per turn
-    max_contexts: int = 4  # concurrent turns per session
-    idle_timeout_s: float = 60.0
-    slow_consumer_timeout_s: float = 30.0
-    max_id_chars: int = 128  # context_id, flush_id
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def ws_max_msg_size(self) -> int:
-        """aiohttp's cap on one WebSocket message: above it aiohttp drops the connection with close code 1009; from
-        max_message_bytes up to it, the session answers with a clear message_too_large error and carries on."""
-        return 2 * self.max_message_bytes + 65536
-
-
-# ---------------------------------------------------------------------------------------------- client -> server
 
 
 @dataclass(frozen=True)
@@ -402,122 +326,3 @@ _PARSERS = {
     TextFlush.TYPE: _text_flush, ContextEnd.TYPE: _context_end, ContextCancel.TYPE: _context_cancel,
     PlaybackPosition.TYPE: _playback_position, Ping.TYPE: _ping, SessionEnd.TYPE: _session_end,
 }
-
-
-# ---------------------------------------------------------------------------------------------- server -> client
-
-
-class ServerMessage:
-    TYPE: ClassVar[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}  # type: ignore[arg-type]
-
-    def encode(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
-
-
-@dataclass(frozen=True)
-class SessionStarted(ServerMessage):
-    TYPE: ClassVar[str] = "session.started"
-    session_id: str
-    output: dict[str, Any]
-    chunking: dict[str, Any]
-    generation: dict[str, Any]
-    voice: str | None
-    model: dict[str, Any]
-    limits: dict[str, Any]
-    protocol_version: int = PROTOCOL_VERSION
-
-
-@dataclass(frozen=True)
-class SessionUpdated(ServerMessage):
-    TYPE: ClassVar[str] = "session.updated"
-    output: dict[str, Any]
-    chunking: dict[str, Any]
-    generation: dict[str, Any]
-    voice: str | None
-
-
-@dataclass(frozen=True)
-class ContextStarted(ServerMessage):
-    TYPE: ClassVar[str] = "context.started"
-    context_id: str
-    index: int
-    output: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class SegmentStarted(ServerMessage):
-    TYPE: ClassVar[str] = "segment.started"
-    context_id: str
-    segment: int
-    text: str
-    pts_ms: float
-
-
-@dataclass(frozen=True)
-class TextFlushed(ServerMessage):
-    TYPE: ClassVar[str] = "text.flushed"
-    context_id: str
-    flush_id: str | None
-    audio_ms: float
-
-
-@dataclass(frozen=True)
-class ContextDone(ServerMessage):
-    TYPE: ClassVar[str] = "context.done"
-    context_id: str
-    audio_ms: float
-    metrics: dict[str, float | None]
-
-
-@dataclass(frozen=True)
-class ContextCancelled(ServerMessage):
-    TYPE: ClassVar[str] = "context.cancelled"
-    context_id: str
-    audio_sent_ms: float
-    audio_played_ms: float
-    played_source: str  # "client" (from playback.position) or "estimate" (from send times)
-    text_spoken: str
-    text_remaining: str
-
-
-@dataclass(frozen=True)
-class Error(ServerMessage):
-    TYPE: ClassVar[str] = "error"
-    code: str
-    message: str
-    context_id: str | None = None
-    fatal: bool = False
-
-
-@dataclass(frozen=True)
-class Pong(ServerMessage):
-    TYPE: ClassVar[str] = "pong"
-    id: str | int | None = None
-
-
-# ---------------------------------------------------------------------------------------------- binary audio frames
-# The 14-byte header itself lives in gateway.audio (one implementation); here: the whole message.
-
-
-@dataclass(frozen=True)
-class AudioFrame:
-    kind: int  # 1 opus, 2 pcm_s16le, 3 mulaw, 4 alaw
-    flags: int  # FLAG_LAST on the turn's last frame
-    index: int  # the context's index from context.started
-    seq: int  # per context, from 0
-    pts_ms: int  # where this frame starts in the turn's audio
-    payload: bytes
-
-
-def pack_frame(kind: int, flags: int, index: int, seq: int, pts_ms: float, payload: bytes) -> bytes:
-    """Header + payload of one binary audio message (index and seq wrap, as the header is fixed-width)."""
-    return pack_frame_header(kind, flags, index & 0xFFFF, seq & 0xFFFFFFFF, int(pts_ms) & 0xFFFFFFFF) + payload
-
-
-def unpack_frame(data: bytes) -> AudioFrame:
-    """Parse one binary audio message; ValueError if it is not one."""
-    kind, flags, index, seq, pts_ms = unpack_frame_header(data)
-    return AudioFrame(kind, flags, index, seq, pts_ms, bytes(data[HEADER_SIZE:]))
