@@ -214,7 +214,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         """Start a step; on the graph paths the device works on it after this returns.
 
         `after`: a step not yet collected whose sampling requests this step continues, one decode position each
-        (`Scheduler.schedule_ahead`; it may also admit new prompts, `launchable_ahead`). Its sampled patches become
+        (`Scheduler.schedule_ahead`; it may also admit new prompts, `admits_ahead`). Its sampled patches become
         this step's inputs on the device, so this step is staged and queued while that one runs, and the device
         never waits for the host between the two.
         `adapter`: the LoRA slot that every running request uses (`Scheduler.single_adapter`; 0: none, or several).
@@ -309,9 +309,10 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         pending.sampled = result.patches
         return pending
 
-    def launchable_ahead(self, request) -> bool:
-        """Whether a step launched ahead (`launch(after=...)`) may admit `request`: its prompt goes through the
-        flat buffers (where the continuing rows' patches are fed on the device)."""
+    @property
+    def admits_ahead(self) -> bool:
+        """Whether a step launched ahead (`launch(after=...)`) may admit prompts: they go through the flat buffers
+        (where the continuing rows' patches are fed on the device)."""
         return self.eager_flat is not None
 
     def collect(self, pending: PendingStep) -> StepOutput:
