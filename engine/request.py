@@ -141,7 +141,8 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending > 1 or not self.generated
+        # num_pending > 1, from the fields: the scheduler asks this of every running request at every step
+        return not self.generated or self.num_computed + 1 < len(self.spec.token_ids) + len(self.generated)
 
     @property
     def cond(self) -> torch.Tensor:

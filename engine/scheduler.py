@@ -199,22 +199,27 @@ class Scheduler:
             return None
         after = {id(s.request): s.start + s.num_tokens for s in seqs}  # -> the request's next position
         # running requests whose last patch `seqs` samples: gone once it is collected
-        ending = [r for s in seqs if (r := s.request).status is Status.RUNNING
-                  and len(r.generated) + 1 >= r.spec.params.max_length]
-        gone = {id(r) for r in ending}
-        turn = self._next_turn(lambda: [r for r in self.running if (r.generated or id(r) in after)
-                                        and id(r) not in gone] if gone else
-                               [r for r in self.running if r.generated or id(r) in after])
+        running = Status.RUNNING
+        ending = [r for r in (s.request for s in seqs)
+                  if len(r.generated) + 1 >= r.spec.params.max_length and r.status is running]
+
+        def staying(reqs: list[Request]) -> list[Request]:  # `reqs` (each running) without those
+            if ending:
+                reqs = list(reqs)
+                for req in ending:  # a few, each found by identity
+                    reqs.remove(req)
+            return reqs
+
+        turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
         if turn is None:
-            decodes = [s.request for s in seqs if s.request.status is Status.RUNNING]
+            decodes = [r for r in (s.request for s in seqs) if r.status is running]
             if len(decodes) != len(self.running):
                 return None  # a request `seqs` did not run
-            if gone:
-                decodes = [r for r in decodes if id(r) not in gone]
         else:
             if any(r.is_prefilling for r in self.running if id(r) not in after):
                 return None  # a prompt between chunks: the synchronous path schedules its next one
-            decodes = [r for r in self.running if id(r) not in gone] if gone else self.running
+            decodes = self.running
+        decodes = staying(decodes)
         turn, decodes = self._decoding_half(turn, decodes)
         step = _Step([], self.max_num_batched_tokens)
         urgent, rest = decodes, []
