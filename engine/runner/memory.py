@@ -83,9 +83,9 @@ class MemoryBudget:
         self._pad_all(cfg.max_num_seqs)
         decode = peak(lambda: self._decode_body(cfg.max_num_seqs, self.max_positions))
         vae = 0
-        if self.vae_stream is not None:
-            self._pad_vae(cfg.max_num_seqs)
-            vae = peak(lambda: self._vae_body(cfg.max_num_seqs))
+        if self.vae_lane.stream is not None:
+            self.vae_lane.pad(cfg.max_num_seqs)
+            vae = peak(lambda: self.vae_lane.body(cfg.max_num_seqs))
         del self.caches
         return mixed, decode, vae
 

@@ -65,7 +65,7 @@ class Staging:
         d, p = self.config.feat_dim, self.config.patch_size
         host = self.staging
         h = host.arrays
-        self._prime([r for r in reqs if not r.vae_primed])
+        self.vae_lane.prime([r for r in reqs if not r.vae_primed])
         for j, req in enumerate(reqs):
             params = req.spec.params
             if conds is not None and conds[j] is not None:
@@ -142,7 +142,7 @@ class Staging:
                                emit=emit)
         out = self.outputs[self.parity]
         self.parity ^= 1
-        lane = self.vae_stream
+        lane = self.vae_lane.stream
         copies = [(out.patches, result.patches), (out.stops, result.stops)]
         if lane is None:  # else the audio comes back on the lane, below
             copies.append((out.audio, result.audio))
@@ -169,7 +169,7 @@ class Staging:
         h["slots"][first:rows] = self.scratch_block * self.block_size
         h["seq_lens"][first:rows] = 1
         h["block_tables"][first:rows, 0] = self.scratch_block
-        h["vae_slots"][first:rows] = self.scratch_slot
+        h["vae_slots"][first:rows] = self.vae_lane.scratch_slot
         self.staging.lora_rows[first:rows] = 0
 
     def _pad_all(self, rows: int) -> None:

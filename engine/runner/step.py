@@ -22,7 +22,7 @@ from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, mak
 from engine.model.euler import RowSteps, evaluations
 from engine.model.fusion import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
-from engine.runner.eager import EagerPath
+from engine.runner.eager import EagerStep
 from engine.runner.memory import CPU_KV_BLOCKS, GiB, MemoryBudget
 from engine.runner.records import PendingStep, StepOutput, StepTiming
 from engine.runner.staging import HostStaging, Staging
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 GraphSets = tuple[StepGraphs, StepGraphs, StepGraphs]  # decode, sample, LM
 
 
-class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
+class Runner(MemoryBudget, WarmUp, Staging):
     """Runs one scheduled step on the device (`engine.runner`); each job is a part in a module of its own."""
 
     def __init__(self, loaded: LoadedModel, cfg: WorkerConfig):
@@ -53,7 +53,6 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         self.device, self.dtype = param.device, param.dtype
         if cfg.vae_dtype != "float32":  # the decoder only: prompt audio is encoded by the float32 encoder
             self.vae.decoder.to(getattr(torch, cfg.vae_dtype))
-        self.vae_dtype = next(self.vae.decoder.parameters()).dtype
         self.block_size = cfg.block_size
         self.timesteps = cfg.inference_timesteps
         self.max_timesteps = cfg.max_timesteps or cfg.inference_timesteps
@@ -94,19 +93,13 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
         self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
         self.res_h = torch.zeros_like(self.lm_h)
-        self.scratch_slot = cfg.max_num_seqs  # padding rows decode into this extra VAE row
         # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
         self.lora = getattr(self.model, "lora", None) is not None
         self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
         self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
-        self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
-        # the VAE lane (module docstring): its stream, the static inputs its graphs read (each step's patches and
-        # VAE rows, copied there: the next step overwrites its own), and the event of their last read
-        self.vae_stream = torch.cuda.Stream(self.device) if cuda and cfg.cuda_graphs and cfg.vae_stream else None
-        self.vae_in = torch.zeros(cfg.max_num_seqs, p, d, device=self.device)
-        self.vae_in_slots = torch.full((cfg.max_num_seqs,), self.scratch_slot, dtype=torch.long, device=self.device)
-        self.vae_graphs: StepGraphs | None = None
-        self._vae_read: torch.cuda.Event | None = None
+        self.vae_lane = VaeLane(self.vae, self.device, cfg.max_num_seqs, p, d,
+                                lane=cuda and cfg.cuda_graphs and cfg.vae_stream)
+        self.eager = EagerStep(self.model, self.vae_lane, self._forward_lms, patch_size=p, feat_dim=d, lora=self.lora)
         self.parity = 0
         self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
         # Rows at more diffusion steps than the default: the step's graphs run the default's evaluations for every
@@ -115,7 +108,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         self.graph_evals = self.schedules.width
         self.tail: StepTail | None = None
         if self.max_timesteps > self.timesteps and not self.lora and (
-                self.vae_stream is not None or not (cuda and cfg.cuda_graphs)):
+                self.vae_lane.stream is not None or not (cuda and cfg.cuda_graphs)):
             self.graph_evals = evaluations(self.timesteps)
             self.tail = StepTail(self)
 
@@ -161,11 +154,8 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
                         self.model.lora.merged.capture()
                 if self.tail is not None:
                     self.tail.capture(pool)
-                if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
-                    # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
-                    # `StepGraphs`; with one shared, steps launched ahead would sample wrong patches now and then)
-                    self.vae_graphs = StepGraphs(self._vae_body, self.buckets or [], self._pad_vae,
-                                                 torch.cuda.graph_pool_handle(), stream=self.vae_stream)
+                if self.vae_lane.stream is not None:
+                    self.vae_lane.capture(self.buckets or [])
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
@@ -208,6 +198,10 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
     def step(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """Run one step to completion."""
         return self.collect(self.launch(seqs))
+
+    def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
+        """The step op by op (`EagerStep`): the reference for the graphed paths."""
+        return self.eager(seqs)
 
     @torch.inference_mode()
     def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None, adapter: int = 0) -> PendingStep:
@@ -276,7 +270,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
                 ks = sorted(fed)
                 self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
-                result = self._lane_audio(rows, self._replay_tail(decode_graphs.replay(rows)))
+                result = self.vae_lane.audio(rows, self._replay_tail(decode_graphs.replay(rows)), self.inputs.vae_slots)
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n), eager_tail=True)
             pending = self._download(seqs, result, n, None)
@@ -302,8 +296,10 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = self._lane_audio(rows, self._replay_tail(sample_graphs.replay(rows))) if sample_graphs is not None \
-            else self._sample_body(rows, eager_tail=True)
+        if sample_graphs is not None:
+            result = self.vae_lane.audio(rows, self._replay_tail(sample_graphs.replay(rows)), self.inputs.vae_slots)
+        else:
+            result = self._sample_body(rows, eager_tail=True)
         pending = self._download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
@@ -372,7 +368,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
     def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None,
                      eager_tail: bool = False) -> DecodeResult:
         """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones),
-        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `_lane_audio` queues
+        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `VaeLane.audio` queues
         it on its own stream. `eager_tail` (eager callers; graphs replay the tail after this): run the staged step's
         tail (`engine.step_tail`) before the VAE decodes its rows."""
         b = self.inputs
@@ -389,9 +385,9 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
             sampled = self.tail.keep(rows, sampled, *given)
             if eager_tail and self.tail.bucket:
                 self.tail.body(self.tail.bucket)
-        if self.vae_stream is not None:
+        if self.vae_lane.stream is not None:
             return DecodeResult(sampled, stops, None)
-        return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+        return DecodeResult(sampled, stops, self.vae_lane.decode(b.vae_slots[:rows], sampled))
 
     def _replay_tail(self, result: DecodeResult) -> DecodeResult:
         """`result` (a graph's) once the staged step's tail, if any, has finished its rows in place."""

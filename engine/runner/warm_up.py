@@ -54,7 +54,7 @@ class WarmUp:
         the scratch VAE row). Costs a few seconds once; a serving step then never waits for the compiler."""
         before = triton_compiles()
         dev, p, d = self.device, self.config.patch_size, self.config.feat_dim
-        bs = self.block_size
+        bs, lane = self.block_size, self.vae_lane
         for q, width in self.WARM_SHAPES:
             if width * bs > self.max_positions:
                 continue
@@ -79,9 +79,9 @@ class WarmUp:
                                                                        self.timesteps, rows, dev),
                                                 torch.full((rows,), 2.0, device=dev, dtype=self.dtype))
             self.model.stop_flags(h)
-            with self._on_vae_lane(join=True):
-                slots = torch.full((rows,), self.scratch_slot, device=self.vae_state.buffers[0].device)
-                self._vae_decode(slots, sampled)
+            with lane.on_lane(join=True):
+                slots = torch.full((rows,), lane.scratch_slot, device=lane.state.buffers[0].device)
+                lane.decode(slots, sampled)
         # eager mixed steps: every flat bucket up to WARM_EAGER_TOKENS once, all padding (one sequence in the scratch
         # block), so each GEMM shape has met cuBLAS before a step does (larger ones come in bursts whose GPU work
         # hides that first meeting)
@@ -91,9 +91,9 @@ class WarmUp:
                 self.lm_body((tokens, 16), eager=True)
         # a continuation primes its VAE row with the prompt's last 1..CONTEXT_PATCHES patches, eagerly: lengths
         # whose kernels (Triton specializations, ~1 s to compile) the decodes above never run
-        with self._on_vae_lane(join=True):
+        with lane.on_lane(join=True):
             for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
-                self._prime_context(self.scratch_slot, torch.zeros(k, p, d))
+                lane.prime_context(lane.scratch_slot, torch.zeros(k, p, d))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
