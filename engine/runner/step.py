@@ -23,7 +23,7 @@ from engine.model.euler import RowSteps, evaluations
 from engine.model.fusion import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
 from engine.runner.eager import EagerStep
-from engine.runner.memory import CPU_KV_BLOCKS, GiB, MemoryBudget
+from engine.runner.memory import CPU_KV_BLOCKS, Activations, GiB, MemoryBudget
 from engine.runner.records import PendingStep, StepOutput, StepTiming
 from engine.runner.staging import HostStaging, Staging
 from engine.runner.vae_lane import VaeLane
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 GraphSets = tuple[StepGraphs, StepGraphs, StepGraphs]  # decode, sample, LM
 
 
-class Runner(MemoryBudget, WarmUp, Staging):
+class Runner(Staging):
     """Runs one scheduled step on the device (`engine.runner`); each job is a part in a module of its own."""
 
     def __init__(self, loaded: LoadedModel, cfg: WorkerConfig):
@@ -112,11 +112,15 @@ class Runner(MemoryBudget, WarmUp, Staging):
             self.graph_evals = evaluations(self.timesteps)
             self.tail = StepTail(self)
 
-        self.memory: dict[str, float] = {}
+        self.budget = MemoryBudget(self.model, self.kv_stacks, self.block_size, self.config)
+        self.memory = self.budget.memory
         if cfg.num_kv_blocks:
             self.num_blocks = cfg.num_kv_blocks
         elif cuda:
-            self.num_blocks = agree_min(self.model, self._blocks_from_budget(cfg, weights), self.device)
+            run = Activations(self._install_caches, lambda: self._pad_all(cfg.max_num_seqs),
+                              lambda: self._decode_body(cfg.max_num_seqs, self.max_positions), self.vae_lane)
+            graph_sets = 1 + self.lora + (self.tail is not None)
+            self.num_blocks = agree_min(self.model, self.budget.blocks(cfg, weights, run, graph_sets), self.device)
         else:
             self.num_blocks = CPU_KV_BLOCKS
         self.scratch_block = self.num_blocks  # one block past the scheduler's: padding rows write their KV here
@@ -159,8 +163,12 @@ class Runner(MemoryBudget, WarmUp, Staging):
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
-            self._log_memory(cfg, weights)
+            self.budget.log(cfg, weights, self.num_blocks)
         self.last_step: StepTiming | None = None
+
+    def _install_caches(self, caches: tuple[KVCache, ...] | None) -> None:
+        """Scratch KV caches for the memory budget's measurements (their block 0 as the scratch block); None: gone."""
+        self.caches, self.scratch_block = caches or (), 0
 
     def _use_host(self, turn: int) -> None:
         self.host_turn = turn
@@ -198,6 +206,16 @@ class Runner(MemoryBudget, WarmUp, Staging):
     def step(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """Run one step to completion."""
         return self.collect(self.launch(seqs))
+
+    def warm_up(self) -> None:
+        """Compile every kernel specialization a serving step can reach (`WarmUp`)."""
+        def flat_step(key: tuple[int, int]) -> None:
+            self._pad_flat(key)
+            self.lm_body(key, eager=True)
+
+        WarmUp(self.model, self.vae_lane, self.caches, self.schedules, self.config, self.block_size, self.scratch_block,
+               self.max_positions, self.timesteps, self.lora, self.eager_flat[0] if self.eager_flat else None,
+               flat_step).run()
 
     def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
         """The step op by op (`EagerStep`): the reference for the graphed paths."""
