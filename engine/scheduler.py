@@ -187,14 +187,13 @@ class Scheduler:
     def schedule_ahead(self, seqs: list[ScheduledSeq], admit: bool = False,
                        max_tokens: int | None = None) -> list[ScheduledSeq] | None:
         """The step after `seqs`, a step still on the device: what `schedule` will pick once `seqs` is collected,
-        assuming each of its requests comes out of it running (one that stops turns out one wasted row, dropped at
-        collection) but those that reach `max_length` with it. Each request that samples in `seqs` continues from
-        those samples; while the decodes are split, the other half continues from its collected patches.
-
-        None where that cannot be told before `seqs` is collected, or the step may not run ahead: a prompt chunk in
-        `seqs` (its next chunk depends on it), a prompt between chunks, a running request that `seqs` skipped,
-        waiting requests and not `admit` (the runner cannot admit ahead), a decode that would sit out or need a
-        preemption, an admission that what `seqs` frees could change, more than `max_tokens` positions."""
+        assuming its requests come out of it running but those it ends by `max_length` (one that stops turns out a
+        wasted row, dropped at collection). Those sampling in `seqs` continue from its samples; while the decodes are
+        split, the other half continues from its collected patches. None where that cannot be told before the
+        collection, or the step may not run ahead: a prompt chunk in `seqs`, a prompt between chunks, a running
+        request that `seqs` skipped, waiting requests and not `admit` (the runner cannot admit ahead), a decode that
+        would sit out or need a preemption, an admission that what `seqs` frees could change, more than `max_tokens`
+        positions."""
         if (self.waiting and not admit) or any(not s.emit for s in seqs):
             return None
         after = {id(s.request): s.start + s.num_tokens for s in seqs}  # -> the request's next position
@@ -318,18 +317,11 @@ class Scheduler:
         """Higher priority first, then the listener with the least audio queued, then first come first served."""
         return sorted(reqs, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
 
-    def _commit(self, turn: int | None, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """`seqs` as the next step (nothing to commit when empty)."""
-        if seqs:
-            self.num_steps += 1
-            self._take_turn(turn, seqs)
-        return seqs
-
     def _next_turn(self, speaking: Callable[[], list[Request]]) -> int | None:
         """The half whose decodes the next step runs, or None while all decode every step, given the requests that
         will have spoken by then (asked only while splitting is on). Splitting starts above `split_decodes_above`
         speaking streams (they alternate between the halves in arrival order) and ends below 3/4 of it. Nothing is
-        committed until `_take_turn`: a step that is not scheduled takes no turn."""
+        committed until `_commit`: a step that is not scheduled takes no turn."""
         if self.split_decodes_above is None:
             return None
         speakers = speaking()
@@ -351,22 +343,24 @@ class Scheduler:
             turn = 1 - turn
         return turn, [r for r in decodes if r.decode_group == turn]
 
-    def _take_turn(self, turn: int | None, seqs: list[ScheduledSeq]) -> None:
-        """Commit a scheduled step's turn; while split, its new streams (first patch) join the smaller half."""
+    def _commit(self, turn: int | None, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """`seqs` as the next step, and its turn (none when empty); while split, its new streams (first patch) join
+        the smaller half."""
+        if not seqs:
+            return seqs
+        self.num_steps += 1
         self.split = turn is not None
-        if turn is None:
-            return
-        self.turn = turn
-        self.num_split_steps += 1
-        new = [s.request for s in seqs if s.emit and not s.request.generated]
-        if new:
+        if turn is not None:
+            self.turn = turn
+            self.num_split_steps += 1
+            new = [s.request for s in seqs if s.emit and not s.request.generated]
             sizes = [0, 0]
-            for req in self.running:
-                if req.generated:
-                    sizes[req.decode_group] += 1
+            for r in self.running if new else ():  # the halves' sizes
+                sizes[r.decode_group] += bool(r.generated)
             for req in new:
                 req.decode_group = int(sizes[1] < sizes[0])
                 sizes[req.decode_group] += 1
+        return seqs
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledSeq:
@@ -384,16 +378,6 @@ class Scheduler:
 
     def _admit_waiting(self, req: Request) -> bool:
         """Admit the waiting `req` (it runs from now on) when it can be; `_drop_admitted` takes it off `waiting`."""
-        if not self._admit(req):
-            return False
-        self.running.append(req)
-        return True
-
-    def _drop_admitted(self) -> None:
-        """`waiting` without the requests admitted since: one pass, not a search per admission."""
-        self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
-
-    def _admit(self, req: Request) -> bool:
         if not self._fits(req):
             return False
         if req.spec.lora is not None:
@@ -407,7 +391,12 @@ class Scheduler:
         if req.vae_slot is None and not req.spec.prefix_only:
             req.vae_slot = self.free_slots.pop()
         req.status = Status.RUNNING
+        self.running.append(req)
         return True
+
+    def _drop_admitted(self) -> None:
+        """`waiting` without the requests admitted since: one pass, not a search per admission."""
+        self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
 
     def _fits(self, req: Request, spare_slots: int = 0, spare_blocks: int = 0) -> bool:
         """Whether a VAE slot and the KV blocks of the waiting `req`'s prompt are free (`spare_*` more of each
@@ -428,21 +417,23 @@ class Scheduler:
         for req, slot in reversed(admitted):
             assert self.running[-1] is req
             self.running.pop()
-            self.blocks.release(req.block_table)
-            req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
-            self._release_lora(req)
+            self._unrun(req)
             if slot is None and req.vae_slot is not None:
                 self.free_slots.append(req.vae_slot)
                 req.vae_slot = None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.release(req.block_table)
-        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
-        self._release_lora(req)
+        self._unrun(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
+
+    def _unrun(self, req: Request) -> None:
+        """`req`, taken off `running`, waits again: its KV blocks and LoRA slot go (its VAE slot stays)."""
+        self.blocks.release(req.block_table)
+        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
+        self._release_lora(req)
 
     def postprocess(self, seqs: list[ScheduledSeq], patches: list[torch.Tensor | None],
                     stops: list[bool]) -> list[Request]:
