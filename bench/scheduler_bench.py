@@ -7,7 +7,7 @@ of running streams, without a model (the step's outputs are stand-in patches).
 Scenarios: `steady` (every stream decoding, nothing waiting), `waiting` (every VAE slot taken and 64 prompts
 queued behind them, so every step tries an admission that fails), `admit` (a prompt arrives before every step and
 is admitted). `schedule_ahead` is timed the way the worker calls it: on the step still "on the device", before that
-step is collected. At 512 running the decodes split into halves (`split_decodes_above`), as they do on the GPU.
+step is collected. The scheduler has the served defaults (`EngineConfig`): at 512 running the decodes split into halves.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 
 import torch
 
+from engine.engine_config import EngineConfig
 from engine.request import RequestSpec, SamplingParams
-from engine.scheduler import SPLIT_DECODES_ABOVE, ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 
 P, D = 2, 4
 PROMPT = 24
@@ -38,8 +39,11 @@ def _collect(s: Scheduler, seqs: list[ScheduledSeq], patch: torch.Tensor) -> Non
 
 def _scheduler(running: int, scenario: str, steps: int) -> Scheduler:
     slots = running if scenario == "waiting" else running + steps + 8
-    s = Scheduler(max_num_seqs=slots, max_num_batched_tokens=32768, num_blocks=(slots + 8) * 64, block_size=16,
-                  patch_ms=80.0, max_prefill_tokens_while_speaking=8192, split_decodes_above=SPLIT_DECODES_ABOVE)
+    c = EngineConfig()  # the served defaults: token budget, prefill cap, block size, split bound
+    s = Scheduler(max_num_seqs=slots, max_num_batched_tokens=c.max_num_batched_tokens, num_blocks=(slots + 8) * 64,
+                  block_size=c.block_size, patch_ms=80.0, sit_out_ms=c.sit_out_ms,
+                  max_prefill_tokens_while_speaking=c.max_prefill_tokens_while_speaking,
+                  split_decodes_above=c.split_decodes_above)
     patch = torch.zeros(P, D)
     for _ in range(running):
         s.add(_spec(10 ** 6))
