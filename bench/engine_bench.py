@@ -481,7 +481,7 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     from engine.model.attention import AttentionMetadata
 
     net, h, dtype = runner.model, runner.staging.arrays, runner.dtype
-    runner._stage_padding(b)
+    runner.host.stage_padding(b)
     for j in range(b):
         table = list(range(j * blocks, (j + 1) * blocks))
         h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, \
