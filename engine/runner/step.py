@@ -71,8 +71,6 @@ class Runner:
             self._quantize_fp8(cfg)  # before the memory budget below counts the weights
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
-        # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).
-        self.buckets: list[int] | None = buckets_for(cfg.max_num_seqs) if cuda else None
         self.max_positions = self.config.lm.max_position_embeddings
         p, d = self.config.patch_size, self.config.feat_dim
         self.lora = getattr(self.model, "lora", None) is not None
@@ -80,7 +78,10 @@ class Runner:
                                 lane=cuda and cfg.cuda_graphs and cfg.vae_stream)
         self.host = Staging(self.config, self.device, cfg.max_num_seqs, block_size=self.block_size,
                             max_positions=self.max_positions, schedules=self.schedules, timesteps=self.timesteps,
-                            buckets=self.buckets, lane=self.vae_lane, lora=self.lora)
+                            # graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding
+                            # buys nothing there)
+                            buckets=buckets_for(cfg.max_num_seqs) if cuda else None, lane=self.vae_lane,
+                            lora=self.lora)
         self.inputs, self.lora_rows = self.host.inputs, self.host.lora_rows  # the static rows the graphs read
         rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
         self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
@@ -161,6 +162,15 @@ class Runner:
     def staging(self) -> HostStaging:
         """Where the step being launched is staged (`Staging`)."""
         return self.host.staging
+
+    @property
+    def buckets(self) -> list[int] | None:
+        """Row buckets of the decode graphs on CUDA (`Staging` pads each step to one); None: the exact batch."""
+        return self.host.buckets
+
+    @buckets.setter
+    def buckets(self, buckets: list[int] | None) -> None:
+        self.host.buckets = buckets
 
     @property
     def scratch_block(self) -> int:
