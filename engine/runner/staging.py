@@ -82,11 +82,12 @@ class Staging:
     (two pinned ones on CUDA, used in turn: a step launched ahead is staged while the previous one's inputs may
     still be on their way), the flat LM batch (`allocate_flat`), each row's LoRA slot, and the pinned outputs a
     step comes back into. `scratch_block`: the KV block padding rows write into (the runner sets it once the KV
-    cache is sized); `tail`: the step tail that stages its rows with each step's (`engine.step_tail`)."""
+    cache is sized); `tail`: the step tail, which stages its rows with each step's (`engine.step_tail`)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, rows: int, *, block_size: int, max_positions: int,
-                 schedules: EulerSchedules, timesteps: int, buckets: list[int] | None, lane: VaeLane, lora: bool):
-        self.config, self.device, self.block_size = config, device, block_size
+                 schedules: EulerSchedules, timesteps: int, buckets: list[int] | None, lane: VaeLane, lora: bool,
+                 tail: StepTail | None):
+        self.config, self.device, self.block_size, self.tail = config, device, block_size, tail
         self.schedules, self.timesteps, self.buckets, self.lane, self.lora = schedules, timesteps, buckets, lane, lora
         p, d = config.patch_size, config.feat_dim
         width, evals = -(-max_positions // block_size), schedules.width
@@ -103,7 +104,6 @@ class Staging:
         self.parity = 0
         self._zero_patch = torch.zeros(1, p, d)  # a fed row's staged input (`stage_flat`)
         self.scratch_block = 0
-        self.tail: StepTail | None = None
         self.flat: FlatBuffers | None = None
         self.lm_keys: list[tuple[int, ...]] = []  # LM graph buckets: (tokens, seqs) and large (tokens, seqs, audio)
         self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)

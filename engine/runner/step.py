@@ -40,7 +40,9 @@ GraphSets = tuple[StepGraphs, StepGraphs, StepGraphs]  # decode, sample, LM
 
 
 class Runner:
-    """Runs one scheduled step on the device (`engine.runner`); each job is a part in a module of its own."""
+    """Runs one scheduled step on the device (`engine.runner`). It launches and collects steps and composes one part
+    per job, each built from what it needs: `host` (`Staging`), `vae_lane` (`VaeLane`), `budget` (`MemoryBudget`),
+    `eager` (`EagerStep`), the warm-up (`WarmUp`) and the step's tail (`StepTail`)."""
 
     def __init__(self, loaded: LoadedModel, cfg: WorkerConfig):
         self.config = loaded.config
@@ -76,21 +78,6 @@ class Runner:
         self.lora = getattr(self.model, "lora", None) is not None
         self.vae_lane = VaeLane(self.vae, self.device, cfg.max_num_seqs, p, d,
                                 lane=cuda and cfg.cuda_graphs and cfg.vae_stream)
-        self.host = Staging(self.config, self.device, cfg.max_num_seqs, block_size=self.block_size,
-                            max_positions=self.max_positions, schedules=self.schedules, timesteps=self.timesteps,
-                            # graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding
-                            # buys nothing there)
-                            buckets=buckets_for(cfg.max_num_seqs) if cuda else None, lane=self.vae_lane,
-                            lora=self.lora)
-        self.inputs, self.lora_rows = self.host.inputs, self.host.lora_rows  # the static rows the graphs read
-        rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
-        self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
-        self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
-        hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
-        self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
-        self.res_h = torch.zeros_like(self.lm_h)
-        self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
-        self.eager = EagerStep(self.model, self.vae_lane, self._forward_lms, patch_size=p, feat_dim=d, lora=self.lora)
         # Rows at more diffusion steps than the default: the step's graphs run the default's evaluations for every
         # row and such rows finish theirs in the step's tail (`engine.step_tail`), which needs the VAE lane (or no
         # graphs) and no LoRA slots; otherwise every step runs the most evaluations served.
@@ -100,7 +87,21 @@ class Runner:
                 self.vae_lane.stream is not None or not (cuda and cfg.cuda_graphs)):
             self.graph_evals = evaluations(self.timesteps)
             self.tail = StepTail(self)
-            self.host.tail = self.tail
+        self.host = Staging(self.config, self.device, cfg.max_num_seqs, block_size=self.block_size,
+                            max_positions=self.max_positions, schedules=self.schedules, timesteps=self.timesteps,
+                            # graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding
+                            # buys nothing there)
+                            buckets=buckets_for(cfg.max_num_seqs) if cuda else None, lane=self.vae_lane,
+                            lora=self.lora, tail=self.tail)
+        self.inputs, self.lora_rows = self.host.inputs, self.host.lora_rows  # the static rows the graphs read
+        rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
+        self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
+        self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
+        hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
+        self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
+        self.res_h = torch.zeros_like(self.lm_h)
+        self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
+        self.eager = EagerStep(self.model, self.vae_lane, self._forward_lms, patch_size=p, feat_dim=d, lora=self.lora)
 
         self.budget = MemoryBudget(self.model, self.kv_stacks, self.block_size, self.config)
         self.memory = self.budget.memory
