@@ -183,10 +183,6 @@ class Runner:
         """The LM graphs' buckets (`Staging.allocate_flat`)."""
         return self.host.lm_keys
 
-    @lm_keys.setter
-    def lm_keys(self, keys: list[tuple[int, ...]]) -> None:
-        self.host.lm_keys = keys
-
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
         return (StepGraphs(lambda rows: self._decode_body(rows, self.max_positions), self.buckets or [],

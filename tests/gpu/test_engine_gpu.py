@@ -157,11 +157,11 @@ def test_large_lm_graphs_equal_eager_steps(cuda, tiny_v2_dir, no_tf32):
 
     def eager_lms(seqs):  # the reference: the step with its LMs eager (no large graph holds it)
         keys = runner.lm_keys
-        runner.lm_keys = [k for k in keys if len(k) == 2]
+        runner.host.lm_keys = [k for k in keys if len(k) == 2]
         try:
             return eager_step(seqs)
         finally:
-            runner.lm_keys = keys
+            runner.host.lm_keys = keys
 
     runner._eager_step = eager_lms
     for i in range(24):
