@@ -161,3 +161,18 @@ def test_skipping_the_rest_of_a_fair_order_records_what_iterating_it_does():
                     pass
         order = lambda f: sorted(f.last_pick, key=f.last_pick.get)  # noqa: E731
         assert order(a) == order(b) and a.served == b.served
+
+
+def test_a_step_ahead_larger_than_the_flat_buffers_is_left_to_the_synchronous_path(clock):
+    """`max_tokens` (what the runner can launch ahead) is no rule of `schedule`: a step past it is not picked ahead,
+    and the prompt it would admit is admitted by the synchronous step instead."""
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, block_size=4, patch_ms=80.0)
+    s.add(RequestSpec("talker", [0, 1], torch.zeros(2, P, D), [0, 0], torch.zeros(P, D), None, SamplingParams()))
+    collect(s, s.schedule(), [False])
+    in_flight = s.schedule()
+    s.add(RequestSpec("long", list(range(20)), torch.zeros(20, P, D), [0] * 20, torch.zeros(P, D), None,
+                      SamplingParams()))
+    assert s.schedule_ahead(in_flight, admit=True, max_tokens=16) is None
+    assert s.requests["long"].status is Status.WAITING and s.blocks.num_free == 64 - 1
+    ahead = s.schedule_ahead(in_flight, admit=True, max_tokens=64)
+    assert ahead is not None and rows(ahead) == {("talker", 3, 1, True), ("long", 0, 20, True)}
