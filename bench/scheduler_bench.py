@@ -5,9 +5,10 @@ of running streams, without a model (the step's outputs are stand-in patches).
     python bench/scheduler_bench.py --running 512 --steps 400
 
 Scenarios: `steady` (every stream decoding, nothing waiting), `waiting` (every VAE slot taken and 64 prompts
-queued behind them, so every step tries an admission that fails), `admit` (a prompt arrives before every step and
-is admitted). `schedule_ahead` is timed the way the worker calls it: on the step still "on the device", before that
-step is collected. The scheduler has the served defaults (`EngineConfig`): at 512 running the decodes split into halves.
+queued behind them, so every step tries an admission that fails), `admit` (a one-patch prompt arrives before every
+step and is admitted, so the running count holds). `schedule_ahead` is timed the way the worker calls it: on the
+step still "on the device", before that step is collected. The scheduler has the served defaults (`EngineConfig`):
+at 512 running the decodes split into halves. `picked`: the share of steps `schedule_ahead` picked.
 """
 
 from __future__ import annotations
