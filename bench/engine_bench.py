@@ -439,7 +439,7 @@ def pipelined_step_ms(runner, b: int, steps: int = 20) -> float:
     """Wall ms per decode step of `b` rows in steady state with the VAE lane: each step graph replayed on the main
     stream while the previous step's VAE graph runs on the lane (as serving runs them), host launches included."""
     def step() -> None:
-        runner._lane_audio(b, runner.graphs.replay(b))
+        runner.vae_lane.audio(b, runner.graphs.replay(b), runner.inputs.vae_slots)
 
     step()
     torch.cuda.synchronize()
@@ -481,7 +481,7 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
     from engine.model.attention import AttentionMetadata
 
     net, h, dtype = runner.model, runner.staging.arrays, runner.dtype
-    runner._stage_padding(b)
+    runner.host.stage_padding(b)
     for j in range(b):
         table = list(range(j * blocks, (j + 1) * blocks))
         h["positions"][j], h["seq_lens"][j], h["vae_slots"][j], h["cfg"][j] = context, context + 1, j, \
@@ -506,19 +506,19 @@ def _profile_batch(runner, b: int, blocks: int, context: int, timesteps: int) ->
         "residual_lm": gpu_ms(lambda: net.residual_lm.forward_paged(x, positions, meta, runner.caches[1],
                                                                      net.attention)),
         "dit_all_steps": gpu_ms(lambda: net.sample_patches(x, x, patches, noise, timesteps, cfg)),
-        "vae": gpu_ms(lambda: runner._vae_decode(i.vae_slots[:b], sampled)),
+        "vae": gpu_ms(lambda: runner.vae_lane.decode(i.vae_slots[:b], sampled)),
     }
     if runner.graphs is not None and b in runner.graphs.graphs:
-        if runner.vae_graphs is None:
+        if runner.vae_lane.graphs is None:
             times["whole_step_graph"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
         else:  # the step graph alone, the VAE lane's graph alone, and steady steps with the two overlapping
             times["step_graph_without_vae"] = gpu_ms(lambda: runner.graphs.replay(b), graphed=True)
-            times["vae_graph"] = gpu_ms(lambda: runner.vae_graphs.replay(b), graphed=True)
+            times["vae_graph"] = gpu_ms(lambda: runner.vae_lane.graphs.replay(b), graphed=True)
             times["whole_step_graph"] = pipelined_step_ms(runner, b)
     # eager, the same work the decode graph (and the VAE lane's) captures; a count, not ms
     times["kernels_per_step"] = kernel_count(lambda: runner._decode_body(b, runner.max_positions))
-    if runner.vae_graphs is not None:
-        times["kernels_per_step"] += kernel_count(lambda: runner._vae_body(b))
+    if runner.vae_lane.graphs is not None:
+        times["kernels_per_step"] += kernel_count(lambda: runner.vae_lane.body(b))
     times["dit_kernels"] = kernel_count(lambda: net.sample_patches(x, x, patches, noise, timesteps, cfg))
     return times
 

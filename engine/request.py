@@ -141,7 +141,8 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending > 1 or not self.generated
+        # num_pending > 1, from the fields: the scheduler asks this of every running request at every step
+        return not self.generated or self.num_computed + 1 < len(self.spec.token_ids) + len(self.generated)
 
     @property
     def cond(self) -> torch.Tensor:
@@ -160,14 +161,16 @@ class Request:
             parts.append(torch.stack(new))
         return ids, torch.cat(parts) if len(parts) > 1 else parts[0], mask
 
-    def buffered_ms(self, now: float, patch_ms: float) -> float:
-        """Estimated audio queued at the listener; -inf before the first patch (the most urgent one)."""
-        if not self.generated:
+    def buffered_ms(self, now: float, patch_ms: float, unseen: int = 0) -> float:
+        """Estimated audio queued at the listener; -inf before the first patch (the most urgent one). `unseen`:
+        patches sampled but not appended yet (a step still on the device), counted as emitted `now`."""
+        if not self.generated and not unseen:
             return -math.inf
         if self.reported_ms is not None:
-            return self.reported_ms + self.emitted_since_report_ms - 1000.0 * (now - self.reported_at)
-        assert self.first_emit_at is not None
-        return len(self.generated) * patch_ms - 1000.0 * (now - self.first_emit_at)
+            emitted = self.emitted_since_report_ms + unseen * patch_ms
+            return self.reported_ms + emitted - 1000.0 * (now - self.reported_at)
+        first = self.first_emit_at if self.first_emit_at is not None else now
+        return (len(self.generated) + unseen) * patch_ms - 1000.0 * (now - first)
 
     def report_buffered(self, audio_ms: float) -> None:
         self.reported_ms, self.reported_at, self.emitted_since_report_ms = audio_ms, time.monotonic(), 0.0

@@ -60,6 +60,18 @@ class VoicePrefix:
     length: int  # prefix positions
 
 
+@dataclass
+class _Step:
+    """A step being picked: its seqs so far and the positions left to it."""
+
+    seqs: list[ScheduledSeq]
+    budget: int
+
+
+class _Unforeseen(Exception):
+    """`Scheduler.schedule_ahead` cannot tell what `schedule` will pick."""
+
+
 def _admission_order(req: Request) -> tuple:
     """Preempted requests first (they were speaking), then by priority, then first come first served."""
     return not req.generated, -req.spec.params.priority, req.arrival
@@ -136,151 +148,219 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ---- one step ------------------------------------------------------------------------------------------
+    # `schedule` picks a step from the state as it is; `schedule_ahead` applies the same rules (`_fill`: which half
+    # decodes, the prefill room, the fair admissions, decode blocks) to the state that the step still on the device
+    # leaves behind. A decode at position p needs KV blocks for p + 1 positions.
     def schedule(self) -> list[ScheduledSeq]:
+        """The next step: urgent decodes, prompt chunks and admissions, then the other decodes (module docstring)."""
         now = time.monotonic()
-        budget = self.max_num_batched_tokens
         speaking = any(r.generated for r in self.running)
         urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
-        order = sorted(self.running, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
-        seqs: list[ScheduledSeq] = []
-        scheduled: set[int] = set()
+        order = self._deadline_order(self.running, urgency)
+        step = _Step([], self.max_num_batched_tokens)
+        ran: set[int] = set()
 
-        def run(req: Request, n: int) -> None:
-            nonlocal budget
-            seqs.append(self._chunk(req, n))
-            scheduled.add(id(req))
-            budget -= n
+        def decode(reqs: list[Request], may_preempt: bool) -> None:
+            for req in reqs:
+                if step.budget < 1 or req.status is not Status.RUNNING:
+                    continue
+                while not self.blocks.grow(req.block_table, req.num_computed + 1):
+                    victims = [r for r in reversed(order) if id(r) not in ran and r.status is Status.RUNNING]
+                    if not may_preempt or not victims or victims[0] is req:
+                        if may_preempt:
+                            self._preempt(req)
+                        break
+                    self._preempt(victims[0])
+                else:
+                    step.seqs.append(ScheduledSeq(req, req.num_computed, 1, True))
+                    ran.add(id(req))
+                    step.budget -= 1
 
-        def decode(req: Request, may_preempt: bool) -> None:
-            if budget < 1 or req.status is not Status.RUNNING:
-                return
-            while not self.blocks.grow(req.block_table, req.seq_len):
-                victims = [r for r in reversed(order) if id(r) not in scheduled and r.status is Status.RUNNING]
-                if not may_preempt or not victims or victims[0] is req:
-                    if may_preempt:
-                        self._preempt(req)
-                    return
-                self._preempt(victims[0])
-            run(req, 1)
+        turn, decodes = self._decoding_half(self._next_turn(lambda: [r for r in self.running if r.generated]),
+                                            [r for r in order if not r.is_prefilling])
+        urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
+        rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
+        self._fill(step, urgent, [r for r in order if r.is_prefilling], rest, speaking, decode, self._admit_waiting)
+        self._drop_admitted()
+        return self._commit(turn, step.seqs)
 
-        turn = self._next_turn()
-        decodes = [r for r in order if not r.is_prefilling]
-        if turn is not None:
-            if not any(r.decode_group == turn for r in decodes):
-                turn = 1 - turn  # that half has nothing to decode (yet): the other one's turn again
-            decodes = [r for r in decodes if r.decode_group == turn]
-        for req in decodes:
-            if urgency[id(req)] <= self.sit_out_ms:
-                decode(req, may_preempt=True)
-        admitting = True  # until a waiting request cannot be admitted: those behind it wait too
-        self.blocked = None
-        prefilling = [r for r in order if r.is_prefilling and r.status is Status.RUNNING]
-        queues = self._tenant_queues(prefilling)
+    def schedule_ahead(self, seqs: list[ScheduledSeq], admit: bool = False,
+                       max_tokens: int | None = None) -> list[ScheduledSeq] | None:
+        """The step after `seqs`, a step still on the device: what `schedule` will pick once `seqs` is collected,
+        assuming its requests come out of it running but those it ends by `max_length` (one that stops turns out a
+        wasted row, dropped at collection). Those sampling in `seqs` continue from its samples; while the decodes are
+        split, the other half continues from its collected patches. None where that cannot be told before the
+        collection, or the step may not run ahead: a prompt chunk in `seqs`, a prompt between chunks, a running
+        request that `seqs` skipped, waiting requests and not `admit` (the runner cannot admit ahead), a decode that
+        would sit out or need a preemption, an admission that what `seqs` frees could change, more than `max_tokens`
+        positions."""
+        if (self.waiting and not admit) or any(not s.emit for s in seqs):
+            return None
+        after = {id(s.request): s.start + s.num_tokens for s in seqs}  # -> the request's next position
+        # running requests whose last patch `seqs` samples: gone once it is collected
+        running = Status.RUNNING
+        ending = [r for r in (s.request for s in seqs)
+                  if len(r.generated) + 1 >= r.spec.params.max_length and r.status is running]
+
+        def staying(reqs: list[Request]) -> list[Request]:  # `reqs` (each running) without those
+            if ending:
+                reqs = list(reqs)
+                for req in ending:  # a few, each found by identity
+                    reqs.remove(req)
+            return reqs
+
+        turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
+        if turn is None:
+            decodes = [r for r in (s.request for s in seqs) if r.status is running]
+            if len(decodes) != len(self.running):
+                return None  # a request `seqs` did not run
+        else:
+            if any(r.is_prefilling for r in self.running if id(r) not in after):
+                return None  # a prompt between chunks: the synchronous path schedules its next one
+            decodes = self.running
+        decodes = staying(decodes)
+        turn, decodes = self._decoding_half(turn, decodes)
+        step = _Step([], self.max_num_batched_tokens)
+        urgent, rest = decodes, []
+        tight = bool(self.waiting) and step.budget - len(decodes) < self.max_prefill_while_speaking
+        if tight:
+            # prompts may leave the least urgent decodes part of the budget: which ones is `schedule`'s order (those
+            # in `seqs` have a patch more queued by then)
+            now = time.monotonic()
+            urgency = {id(r): r.buffered_ms(now, self.patch_ms, int(id(r) in after)) for r in decodes}
+            decodes = self._deadline_order(decodes, urgency)
+            urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
+            rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
+
+        def decode(reqs: list[Request], may_preempt: bool) -> None:
+            if len(reqs) > step.budget:
+                raise _Unforeseen  # a decode would sit out
+            grow, start_of, out = self.blocks.grow, after.get, step.seqs
+            for req in reqs:
+                start = start_of(id(req), req.num_computed)  # continuing `seqs`, or from its collected patch
+                if not grow(req.block_table, start + 1):
+                    raise _Unforeseen  # a preemption may be due
+                out.append(ScheduledSeq(req, start, 1, True))
+            step.budget -= len(reqs)
+
+        # `schedule` would see the KV blocks and VAE and LoRA slots that `seqs` frees, and would take the blocks of
+        # the less urgent decodes after admitting: an admission that fails here but might pass there is unforeseen
+        free = self.blocks.num_free
+        spare: tuple[int, int, bool] | None = None
+        admitted: list[tuple[Request, int | None]] = []
+
+        def admit_ahead(req: Request) -> bool:
+            nonlocal spare
+            if spare is None:
+                grown = 0 if tight else free - self.blocks.num_free
+                watermark = self.watermark if len(ending) == len(self.running) else 0
+                spare = (sum(r.vae_slot is not None for r in ending),
+                         grown + watermark + sum(len(r.block_table) for r in ending), any(r.lora_slot for r in ending))
+            slot = req.vae_slot
+            if self._admit_waiting(req):
+                admitted.append((req, slot))
+                return True
+            if spare[2] if self._fits(req) else self._fits(req, spare[0], spare[1]):
+                raise _Unforeseen
+            return False
+
+        fair, blocked = self.fair.snapshot(), self.blocked
+        try:
+            self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead)
+            if not step.seqs or (max_tokens and self.max_num_batched_tokens - step.budget > max_tokens):
+                raise _Unforeseen
+        except _Unforeseen:
+            self._unadmit(admitted)
+            self.fair.restore(fair)
+            self.blocked = blocked
+            return None
+        self._drop_admitted()
+        return self._commit(turn, step.seqs)
+
+    def _fill(self, step: _Step, urgent: list[Request], prefilling: list[Request], rest: list[Request],
+              speaking: bool, decode: Callable[[list[Request], bool], None],
+              admit: Callable[[Request], bool]) -> None:
+        """The rules of a step, on either path: the `urgent` decodes (they may preempt), then prompt chunks of the
+        `prefilling` requests still running and of waiting ones admitted (`admit`) in the fair order under the
+        prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt)."""
+        decode(urgent, True)
+        queues = self._tenant_queues([r for r in prefilling if r.status is Status.RUNNING])
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
         # listener, or another tenant's prompt)
-        room = min(budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else budget
-        for tenant, req in self.fair.order(queues):
+        room = min(step.budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else step.budget
+        admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        self.blocked = None
+        picks = self.fair.order(queues)
+        chunked = sum(len(q) for q in queues.values()) - len(self.waiting)  # admitted prompts not yet picked
+        for tenant, req in picks:
             if room <= 0:
                 break
             if req.status is Status.WAITING:
-                if admitting and not self._admit_waiting(req):
+                if admitting and not admit(req):
                     admitting, self.blocked = False, req
                 if not admitting:
+                    if not chunked:  # only waiting requests are left, and they wait
+                        picks.skip_rest()
+                        break
                     continue
+            else:
+                chunked -= 1
             n = min(req.num_pending, room)
-            run(req, n)
+            step.seqs.append(self._chunk(req, n))
+            step.budget -= n
             room -= n
             self.fair.charge(tenant, n)
-        self._drop_admitted()
-        for req in decodes:
-            if id(req) not in scheduled:
-                decode(req, may_preempt=False)
-        if seqs:
-            self.num_steps += 1
-            self._take_turn(turn, seqs)
-        return seqs
+        decode(rest, False)
 
-    def schedule_ahead(self, seqs: list[ScheduledSeq], admit: Callable[[Request], bool] | None = None,
-                       max_tokens: int | None = None) -> list[ScheduledSeq] | None:
-        """The step after `seqs`, a step still on the device, assuming each of its requests comes out of it running
-        (one that stops turns out one wasted row, dropped at collection): one decode position for each request
-        that samples in `seqs`. None unless that is what `schedule` would pick: every running request in `seqs`
-        and sampling there, a KV block for each, and nothing waiting, or (`admit`) waiting requests that `admit`
-        accepts, admitted with their prompt chunks under the prefill cap (and `max_tokens` positions in all), as
-        `schedule` admits them. While the decodes are split, the step decodes the other half instead: the requests
-        of that half that `seqs` does not run continue from their collected patches, those it runs (a new stream
-        that joined that half) from its samples."""
-        if (self.waiting and admit is None) or any(not s.emit for s in seqs):
-            return None  # admissions due, or a prompt chunk whose next one depends on it
-        in_flight = {id(s.request): s for s in seqs}
-        turn = self._next_turn()
-        if turn is None:
-            if {id(r) for r in self.running} - in_flight.keys():
-                return None  # a request `seqs` did not run
-            continuing = [s.request for s in seqs]
-        else:
-            if any(r.is_prefilling for r in self.running if id(r) not in in_flight):
-                return None  # a prompt between chunks: the synchronous path schedules its next one
-            continuing = [r for r in self.running if r.decode_group == turn]
-        nxt = []
-        for req in continuing:
-            seq = in_flight.get(id(req))
-            if seq is None:
-                start = req.num_computed  # collected: its input is its last patch
-            elif req.status is not Status.RUNNING or len(req.generated) + 1 >= req.spec.params.max_length:
-                continue  # finished since, or ends with `seqs`
-            else:
-                start = seq.start + seq.num_tokens
-            if not self.blocks.grow(req.block_table, start + 1):
-                return None  # a preemption may be due: the synchronous path decides
-            nxt.append(ScheduledSeq(req, start, 1, True))
-        budget = min(self.max_num_batched_tokens, max_tokens) if max_tokens else self.max_num_batched_tokens
-        room = min(budget - len(nxt), self.max_prefill_while_speaking)
-        if admit is not None:
-            for tenant, req in self.fair.order(self._tenant_queues([])):
-                if room <= 0 or not admit(req) or not self._admit_waiting(req):
-                    break
-                nxt.append(self._chunk(req, min(req.num_pending, room)))
-                room -= nxt[-1].num_tokens
-                self.fair.charge(tenant, nxt[-1].num_tokens)
-            self._drop_admitted()
-        if not nxt or len(nxt) > self.max_num_batched_tokens:
-            return None
-        self.num_steps += 1
-        self._take_turn(turn, nxt)
-        return nxt
+    @staticmethod
+    def _deadline_order(reqs: list[Request], urgency: dict[int, float]) -> list[Request]:
+        """Higher priority first, then the listener with the least audio queued, then first come first served."""
+        return sorted(reqs, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
 
-    def _next_turn(self) -> int | None:
-        """The half whose decodes the next step runs, or None while all decode every step. Splitting starts above
-        `split_decodes_above` speaking streams (they alternate between the halves in arrival order) and ends below
-        3/4 of it. Nothing is committed until `_take_turn`: a step that is not scheduled takes no turn."""
+    def _next_turn(self, speaking: Callable[[], list[Request]]) -> int | None:
+        """The half whose decodes the next step runs, or None while all decode every step, given the requests that
+        will have spoken by then (asked only while splitting is on). Splitting starts above `split_decodes_above`
+        speaking streams (they alternate between the halves in arrival order) and ends below 3/4 of it. Nothing is
+        committed until `_commit`: a step that is not scheduled takes no turn."""
         if self.split_decodes_above is None:
             return None
-        speaking = [r for r in self.running if r.generated]
+        speakers = speaking()
         bound = self.split_decodes_above * (0.75 if self.split else 1.0)
-        if len(speaking) <= bound:
+        if len(speakers) <= bound:
             return None
         if not self.split:
-            for i, req in enumerate(sorted(speaking, key=lambda r: r.arrival)):
+            for i, req in enumerate(sorted(speakers, key=lambda r: r.arrival)):
                 req.decode_group = i % 2
         return 1 - self.turn
 
-    def _take_turn(self, turn: int | None, seqs: list[ScheduledSeq]) -> None:
-        """Commit a scheduled step's turn; while split, its new streams (first patch) join the smaller half."""
-        self.split = turn is not None
+    @staticmethod
+    def _decoding_half(turn: int | None, decodes: list[Request]) -> tuple[int | None, list[Request]]:
+        """The turn and the `decodes` of its half (all of them while not split); the other half's turn again when
+        that one has nothing to decode (yet)."""
         if turn is None:
-            return
-        self.turn = turn
-        self.num_split_steps += 1
-        new = [s.request for s in seqs if s.emit and not s.request.generated]
-        if new:
+            return None, decodes
+        if not any(r.decode_group == turn for r in decodes):
+            turn = 1 - turn
+        return turn, [r for r in decodes if r.decode_group == turn]
+
+    def _commit(self, turn: int | None, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """`seqs` as the next step, and its turn (none when empty); while split, its new streams (first patch) join
+        the smaller half."""
+        if not seqs:
+            return seqs
+        self.num_steps += 1
+        self.split = turn is not None
+        if turn is not None:
+            self.turn = turn
+            self.num_split_steps += 1
+            new = [s.request for s in seqs if s.emit and not s.request.generated]
             sizes = [0, 0]
-            for req in self.running:
-                if req.generated:
-                    sizes[req.decode_group] += 1
+            for r in self.running if new else ():  # the halves' sizes
+                sizes[r.decode_group] += bool(r.generated)
             for req in new:
                 req.decode_group = int(sizes[1] < sizes[0])
                 sizes[req.decode_group] += 1
+        return seqs
 
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledSeq:
@@ -298,8 +378,19 @@ class Scheduler:
 
     def _admit_waiting(self, req: Request) -> bool:
         """Admit the waiting `req` (it runs from now on) when it can be; `_drop_admitted` takes it off `waiting`."""
-        if not self._admit(req):
+        if not self._fits(req):
             return False
+        if req.spec.lora is not None:
+            slot = self.loras.acquire(req.spec.lora) if self.loras is not None else None
+            if slot is None:  # every LoRA slot is held by a running request
+                return False
+            req.lora_slot = slot
+        shared, need = self._prompt_blocks(req)
+        req.block_table = self.blocks.share(shared) + self.blocks.allocate(need)
+        req.num_computed = len(shared) * self.blocks.block_size
+        if req.vae_slot is None and not req.spec.prefix_only:
+            req.vae_slot = self.free_slots.pop()
+        req.status = Status.RUNNING
         self.running.append(req)
         return True
 
@@ -307,35 +398,42 @@ class Scheduler:
         """`waiting` without the requests admitted since: one pass, not a search per admission."""
         self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
 
-    def _admit(self, req: Request) -> bool:
-        needs_slot = req.vae_slot is None and not req.spec.prefix_only
-        if needs_slot and not self.free_slots:
+    def _fits(self, req: Request, spare_slots: int = 0, spare_blocks: int = 0) -> bool:
+        """Whether a VAE slot and the KV blocks of the waiting `req`'s prompt are free (`spare_*` more of each
+        counted), a small watermark of blocks kept for the running decodes."""
+        if req.vae_slot is None and not req.spec.prefix_only and not self.free_slots and not spare_slots:
             return False
+        need = self._prompt_blocks(req)[1]
+        return self.blocks.num_free + spare_blocks - need >= (self.watermark if self.running else 0)
+
+    def _prompt_blocks(self, req: Request) -> tuple[list[int], int]:
+        """The full blocks of its stored voice that `req` shares, and how many more its sequence needs."""
         voice = self.voices.get(req.spec.voice_id) if req.spec.voice_id and not req.spec.prefix_only else None
         shared = voice.blocks if voice is not None and req.seq_len > voice.length else []
-        need = self.blocks.blocks_for(req.seq_len) - len(shared)
-        if self.blocks.num_free - need < (self.watermark if self.running else 0):
-            return False
-        if req.spec.lora is not None:
-            slot = self.loras.acquire(req.spec.lora) if self.loras is not None else None
-            if slot is None:  # every LoRA slot is held by a running request
-                return False
-            req.lora_slot = slot
-        req.block_table = self.blocks.share(shared) + self.blocks.allocate(need)
-        req.num_computed = len(shared) * self.blocks.block_size
-        if needs_slot:
-            req.vae_slot = self.free_slots.pop()
-        req.status = Status.RUNNING
-        return True
+        return shared, self.blocks.blocks_for(req.seq_len) - len(shared)
+
+    def _unadmit(self, admitted: list[tuple[Request, int | None]]) -> None:
+        """Undo admissions (each with the VAE slot it held before), latest first: waiting again as they were."""
+        for req, slot in reversed(admitted):
+            assert self.running[-1] is req
+            self.running.pop()
+            self._unrun(req)
+            if slot is None and req.vae_slot is not None:
+                self.free_slots.append(req.vae_slot)
+                req.vae_slot = None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.release(req.block_table)
-        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
-        self._release_lora(req)
+        self._unrun(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
+
+    def _unrun(self, req: Request) -> None:
+        """`req`, taken off `running`, waits again: its KV blocks and LoRA slot go (its VAE slot stays)."""
+        self.blocks.release(req.block_table)
+        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
+        self._release_lora(req)
 
     def postprocess(self, seqs: list[ScheduledSeq], patches: list[torch.Tensor | None],
                     stops: list[bool]) -> list[Request]:

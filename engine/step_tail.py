@@ -89,8 +89,8 @@ class StepTail:
         """Stage and upload `k` tail rows of padding (graph capture)."""
         r = self.runner
         r.staging.writable()
-        r._stage_padding(k)
+        r.host.stage_padding(k)
         h = r.staging.arrays
         h["tail_src"][:k] = 0
         h["tail_dst"][:k] = self.scratch
-        r._upload(k)
+        r.host.upload(k)

@@ -384,8 +384,8 @@ class Worker:
             return None
         if not self.admits_ahead and pending.kind == "mixed":
             return None  # what follows a mixed step feeds a new stream's first patch: the flat path only
-        admit = self.runner.launchable_ahead if self.admits_ahead else None
-        seqs = self.scheduler.schedule_ahead(current.seqs, admit, self.runner.ahead_tokens)
+        seqs = self.scheduler.schedule_ahead(current.seqs, self.admits_ahead and self.runner.admits_ahead,
+                                             self.runner.ahead_tokens)
         if seqs is None:
             return None
         return Launched(seqs, self.runner.launch(seqs, after=pending, adapter=self.scheduler.single_adapter()),

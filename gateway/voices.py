@@ -105,11 +105,8 @@ class Catalog:
         except StoreUnavailable as e:
             raise Unavailable(str(e)) from None
 
-    async def _engine_voices(self) -> dict[str, Any]:
-        voices = self.engine.list_voices()
-        if asyncio.iscoroutine(voices):
-            voices = await voices
-        return {getattr(v, "voice_id", v): v for v in voices}
+    def _engine_voices(self) -> dict[str, Any]:
+        return {getattr(v, "voice_id", v): v for v in self.engine.list_voices()}
 
     def _operators(self, ids: dict[str, Any], kind: str) -> dict[str, Any]:
         """Engine items that the store did not make: the embedding program's, shared with every key."""
@@ -124,7 +121,7 @@ class Catalog:
             if (VOICE, voice_id) in self._loaded:  # deleted through another node: free it here too
                 await self._unload(VOICE, voice_id)
                 return None
-            return voice_id if voice_id in self._operators(await self._engine_voices(), VOICE) else None
+            return voice_id if voice_id in self._operators(self._engine_voices(), VOICE) else None
         if not self.visible(item, caller):
             return None
         try:
@@ -178,7 +175,7 @@ class Catalog:
             if self.engine.model_info().architecture != "voxcpm2":
                 kwargs["text"] = design.text
         await self.engine.add_voice(**kwargs)
-        info = (await self._engine_voices())[voice_id]
+        info = self._engine_voices()[voice_id]
         latents = self.engine.voice_latents(voice_id)
         item = Item(VOICE, voice_id, caller.tenant, public, created=time.time(), meta={
             "mode": info.mode, "num_patches": info.num_patches, "text": info.text, "lora": lora, "lora_id": adapter,
@@ -204,14 +201,14 @@ class Catalog:
         items = await self._items(VOICE)
         stored = {i.id for i in items}
         views = [{**(asdict(info) if not isinstance(info, str) else {"voice_id": vid}), "public": True}
-                 for vid, info in self._operators(await self._engine_voices(), VOICE).items() if vid not in stored]
+                 for vid, info in self._operators(self._engine_voices(), VOICE).items() if vid not in stored]
         return views + [self.voice_view(i) for i in items if self.visible(i, caller)]
 
     async def delete_voice(self, caller: Caller, voice_id: str) -> None:
         """Remove a voice the caller owns (any, for an operator key)."""
         item = await self._get(VOICE, voice_id)
         if item is None:
-            engine_only = voice_id in self._operators(await self._engine_voices(), VOICE)
+            engine_only = voice_id in self._operators(self._engine_voices(), VOICE)
             if not engine_only or not (caller.operator or not caller.tenant):
                 raise NotVisible(f"no stored voice {voice_id!r}")
             await self.engine.remove_voice(voice_id)
@@ -421,9 +418,6 @@ def read_safetensors(data: bytes) -> dict[str, Any]:
 
 
 async def stored_voices(engine: Any) -> dict[str, str | None]:
-    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown). `list_voices` may
-    be sync or async, of VoiceInfo objects or plain ids."""
-    voices = engine.list_voices()
-    if asyncio.iscoroutine(voices):
-        voices = await voices
-    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in voices}
+    """The engine's stored voices: id -> mode ("reference", "prompt", "lora"; None when unknown), from its
+    `list_voices` (VoiceInfo objects, or plain ids)."""
+    return {getattr(v, "voice_id", v): getattr(v, "mode", None) for v in engine.list_voices()}

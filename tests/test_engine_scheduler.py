@@ -221,7 +221,7 @@ def test_split_step_scheduled_ahead_decodes_the_other_half_from_collected_patche
     running = s.schedule()  # "on the device": not collected
     s.add(spec("late", 3))
     assert s.schedule_ahead(running) is None  # an admission is due and this step may not admit
-    ahead = s.schedule_ahead(running, admit=lambda r: True)
+    ahead = s.schedule_ahead(running, admit=True)
     assert ahead is not None
     other = [q for q in ahead if q.request.request_id != "late"]
     assert {q.request.request_id for q in other} == {f"r{i}" for i in range(4)} - decoded(running)
@@ -277,7 +277,7 @@ def test_schedule_ahead_admits_across_tenants_fairly():
     for i in range(50):
         s.add(spec(f"a{i}", 8, tenant="a"))
     s.add(spec("b", 8, tenant="b"))
-    ahead = s.schedule_ahead(running, admit=lambda r: True)
+    ahead = s.schedule_ahead(running, admit=True)
     assert ahead is not None
     admitted = [q.request.request_id for q in ahead if q.num_tokens > 1]
     assert admitted[:2] in (["a0", "b"], ["b", "a0"])  # B is not queued behind A's 50

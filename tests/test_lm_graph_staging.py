@@ -68,9 +68,9 @@ def serve(loaded, flat: bool, eager_only: bool = False, large: bool = False) -> 
         keys = [] if eager_only else [k for k in lm_graph_keys(cfg.max_num_seqs) if k[0] <= 64]
         if large:
             keys = [(t, eager[1], a) for t in (16, 32, 48) for a in (0, 8)]
-        runner.allocate_flat(keys, eager)
+        runner.host.allocate_flat(keys, eager)
     staged = []
-    stage = runner.stage_flat
+    stage = runner.host.stage_flat
 
     def counting(seqs, fed=()):
         key = stage(seqs, fed)
@@ -78,7 +78,7 @@ def serve(loaded, flat: bool, eager_only: bool = False, large: bool = False) -> 
             staged.append(key)
         return key
 
-    runner.stage_flat = counting
+    runner.host.stage_flat = counting
     sched = Scheduler(max_num_seqs=6, max_num_batched_tokens=80, num_blocks=runner.num_blocks, block_size=16,
                       patch_ms=loaded.config.patch_ms)
     p, d = loaded.config.patch_size, loaded.config.feat_dim

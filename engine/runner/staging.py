@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,12 @@ from engine.cuda_graphs import (
 )
 from engine.runner.records import PendingStep
 from engine.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+    from engine.model.euler import EulerSchedules
+    from engine.runner.vae_lane import VaeLane
+    from engine.step_tail import StepTail
 
 
 @dataclass
@@ -55,17 +62,71 @@ class HostStaging:
             self.uploaded.synchronize()
 
 
-class Staging:
-    """Host staging (a part of `Runner`)."""
+def fed_rows(seqs: list[ScheduledSeq], after: PendingStep) -> dict[int, int]:
+    """{k: j}: seqs[k] continues a request that sampled row j of `after` (a step still on the device)."""
+    assert after.sampled is not None, "a step that sampled"
+    emit = after.emit if after.emit is not None else range(len(after.seqs))
+    row = {id(after.seqs[k].request): j for j, k in enumerate(emit)}
+    return {k: row[id(s.request)] for k, s in enumerate(seqs) if id(s.request) in row}
 
-    def _stage_rows(self, reqs: list, conds: list[torch.Tensor | None] | None) -> int:
+
+def device_index(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ints as a device index, from pageable memory: the driver copies them to a staging buffer at once (no
+    stream sync, unlike torch.tensor(..., device=)), and nothing pinned is reused before its copy ran (a launch may
+    gather twice)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device, non_blocking=True)
+
+
+class Staging:
+    """A step's inputs on their way to the device: the static decode buffers (`inputs`) and their host mirrors
+    (two pinned ones on CUDA, used in turn: a step launched ahead is staged while the previous one's inputs may
+    still be on their way), the flat LM batch (`allocate_flat`), each row's LoRA slot, and the pinned outputs a
+    step comes back into. `scratch_block`: the KV block padding rows write into (the runner sets it once the KV
+    cache is sized); `tail`: the step tail, which stages its rows with each step's (`engine.step_tail`)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, rows: int, *, block_size: int, max_positions: int,
+                 schedules: EulerSchedules, timesteps: int, buckets: list[int] | None, lane: VaeLane, lora: bool,
+                 tail: StepTail | None):
+        self.config, self.device, self.block_size, self.tail = config, device, block_size, tail
+        self.schedules, self.timesteps, self.buckets, self.lane, self.lora = schedules, timesteps, buckets, lane, lora
+        p, d = config.patch_size, config.feat_dim
+        width, evals = -(-max_positions // block_size), schedules.width
+        cuda = device.type == "cuda"
+        self.inputs = DecodeBuffers.allocate(rows, p, d, width, evals, device)
+        mirrors = [DecodeBuffers.allocate(rows, p, d, width, evals, torch.device("cpu"), pin=True)
+                   for _ in range(2)] if cuda else [self.inputs]
+        self.stagings = [HostStaging.of(m, rows, pin=cuda) for m in mirrors]
+        self.host_turn = 0
+        self.staging = self.stagings[0]
+        # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
+        self.lora_rows = torch.zeros(rows, dtype=torch.long, device=device)
+        self.outputs = [self._host_outputs(rows) for _ in range(2)] if cuda else []
+        self.parity = 0
+        self._zero_patch = torch.zeros(1, p, d)  # a fed row's staged input (`stage_flat`)
+        self.scratch_block = 0
+        self.flat: FlatBuffers | None = None
+        self.lm_keys: list[tuple[int, ...]] = []  # LM graph buckets: (tokens, seqs) and large (tokens, seqs, audio)
+        self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
+
+    def use_host(self, turn: int) -> None:
+        """Stage into host mirror `turn` from now on (once the device has read its last upload)."""
+        self.host_turn = turn
+        self.staging = self.stagings[turn]
+        self.staging.writable()
+
+    def next_host(self) -> None:
+        """The other host mirror, for the step being launched (nothing to switch on CPU)."""
+        if len(self.stagings) > 1:
+            self.use_host(1 - self.host_turn)
+
+    def stage_rows(self, reqs: list, conds: list[torch.Tensor | None] | None) -> int:
         """Host rows of the sampling inputs (condition patch, noise, cfg, VAE row) of `reqs`, padding up to the
         bucket; returns the bucket size. Primes new VAE rows first (eagerly, ahead of the step on the stream).
-        conds None (or a None entry): the condition patches come later, on the device (`_gather`)."""
+        conds None (or a None entry): the condition patches come later, on the device (`gather`)."""
         d, p = self.config.feat_dim, self.config.patch_size
         host = self.staging
         h = host.arrays
-        self._prime([r for r in reqs if not r.vae_primed])
+        self.lane.prime([r for r in reqs if not r.vae_primed])
         for j, req in enumerate(reqs):
             params = req.spec.params
             if conds is not None and conds[j] is not None:
@@ -85,18 +146,14 @@ class Staging:
         if self.tail is not None:
             self.tail.stage(timesteps)
         rows = bucket_for(n, self.buckets) if self.buckets else n
-        self._stage_padding(rows, first=n)
+        self.stage_padding(rows, first=n)
         return rows
 
-    @staticmethod
-    def _fed_rows(seqs: list[ScheduledSeq], after: PendingStep) -> dict[int, int]:
-        """{k: j}: seqs[k] continues a request that sampled row j of `after` (a step still on the device)."""
-        assert after.sampled is not None, "a step that sampled"
-        emit = after.emit if after.emit is not None else range(len(after.seqs))
-        row = {id(after.seqs[k].request): j for j, k in enumerate(emit)}
-        return {k: row[id(s.request)] for k, s in enumerate(seqs) if id(s.request) in row}
+    def index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """`device_index` on this device."""
+        return device_index(values, self.device)
 
-    def _gather(self, dst: torch.Tensor, dst_rows: list[int], after: PendingStep, rows: list[int]) -> None:
+    def gather(self, dst: torch.Tensor, dst_rows: list[int], after: PendingStep, rows: list[int]) -> None:
         """dst[dst_rows] = the patches `after` sampled at `rows`: on the device, behind that step's work and this
         step's uploads on the one stream."""
         assert after.sampled is not None
@@ -104,19 +161,13 @@ class Staging:
         if dst_rows == rows == list(range(n)):  # no request left in between: the rows line up
             dst[:n].copy_(after.sampled[:n])
             return
-        src = after.sampled.index_select(0, self._device_index(rows))
+        src = after.sampled.index_select(0, self.index(rows))
         if dst_rows == list(range(n)):
             dst[:n].copy_(src)
         else:
-            dst.index_copy_(0, self._device_index(dst_rows), src)
+            dst.index_copy_(0, self.index(dst_rows), src)
 
-    def _device_index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
-        """Host ints as a device index, from pageable memory: the driver copies them to a staging buffer at once
-        (no stream sync, unlike torch.tensor(..., device=)), and nothing pinned is reused before its copy ran (a
-        launch may gather twice)."""
-        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
-
-    def _stage_positions(self, seqs: list[ScheduledSeq]) -> None:
+    def stage_positions(self, seqs: list[ScheduledSeq]) -> None:
         """Host rows of a decode step's attention inputs (the fed position, its slot, the block table)."""
         h, bs = self.staging.arrays, self.block_size
         for j, seq in enumerate(seqs):
@@ -126,7 +177,7 @@ class Staging:
             h["seq_lens"][j] = pos + 1
             h["block_tables"][j, :len(table)] = table
 
-    def _upload(self, rows: int) -> None:
+    def upload(self, rows: int) -> None:
         host = self.staging
         if host.buffers is not self.inputs:
             self.inputs.copy_rows_(host.buffers, rows)
@@ -134,7 +185,7 @@ class Staging:
             self.lora_rows[:rows].copy_(host.lora_rows[:rows], non_blocking=True)
         host.mark_uploaded()
 
-    def _download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
+    def download(self, seqs: list[ScheduledSeq], result: DecodeResult, n: int, emit: list[int] | None
                   ) -> PendingStep:
         """The first n result rows: as they are on CPU; on CUDA copied D2H into pinned memory behind an event."""
         if self.device.type != "cuda":
@@ -142,7 +193,7 @@ class Staging:
                                emit=emit)
         out = self.outputs[self.parity]
         self.parity ^= 1
-        lane = self.vae_stream
+        lane = self.lane.stream
         copies = [(out.patches, result.patches), (out.stops, result.stops)]
         if lane is None:  # else the audio comes back on the lane, below
             copies.append((out.audio, result.audio))
@@ -159,7 +210,7 @@ class Staging:
         return PendingStep(seqs, result=DecodeResult(out.patches[:n], out.stops[:n], out.audio[:n]), event=event,
                            emit=emit, audio_event=audio_event)
 
-    def _stage_padding(self, rows: int, first: int = 0) -> None:
+    def stage_padding(self, rows: int, first: int = 0) -> None:
         """Host rows [first, rows): sequences of length 1 in the scratch KV block, decoding into the scratch VAE row."""
         h = self.staging.arrays
         for name in ("patches", "noise", "positions"):
@@ -169,13 +220,13 @@ class Staging:
         h["slots"][first:rows] = self.scratch_block * self.block_size
         h["seq_lens"][first:rows] = 1
         h["block_tables"][first:rows, 0] = self.scratch_block
-        h["vae_slots"][first:rows] = self.scratch_slot
+        h["vae_slots"][first:rows] = self.lane.scratch_slot
         self.staging.lora_rows[first:rows] = 0
 
-    def _pad_all(self, rows: int) -> None:
+    def pad_all(self, rows: int) -> None:
         self.staging.writable()
-        self._stage_padding(rows)
-        self._upload(rows)
+        self.stage_padding(rows)
+        self.upload(rows)
 
     def _host_outputs(self, rows: int) -> DecodeResult:
         c = self.config
@@ -274,15 +325,15 @@ class Staging:
         h["block_tables"][seqs:rows, :-(-max(q, 1) // self.block_size)] = self.scratch_block
         h["last_index"][seqs:rows] = 0
 
-    def _pad_flat(self, key: tuple[int, ...]) -> None:
+    def pad_flat(self, key: tuple[int, ...]) -> None:
         """Stage and upload an all-padding flat batch of bucket `key` (warm-up and graph capture only)."""
         self.staging.writable()
         self._stage_flat_padding(0, 0, key)
         if len(key) > 2:
             self.flat_np["audio_rows"][:key[2]] = 0
-        self._upload_flat(key)
+        self.upload_flat(key)
 
-    def _upload_flat(self, key: tuple[int, ...]) -> None:
+    def upload_flat(self, key: tuple[int, ...]) -> None:
         if self.flat_host is not self.flat:
             self.flat.copy_(self.flat_host, key)
             self.staging.mark_uploaded()

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import (
-    DecodeBuffers,
     DecodeResult,
     StepGraphs,
     buckets_for,
@@ -22,10 +21,10 @@ from engine.model.attention import PREFILL_ROWS, AttentionMetadata, KVCache, mak
 from engine.model.euler import RowSteps, evaluations
 from engine.model.fusion import FUSED_KERNELS
 from engine.model.parallel import agree_min, local_kv_stack, tp_size
-from engine.runner.eager import EagerPath
-from engine.runner.memory import CPU_KV_BLOCKS, GiB, MemoryBudget
+from engine.runner.eager import EagerStep
+from engine.runner.memory import CPU_KV_BLOCKS, Activations, GiB, MemoryBudget
 from engine.runner.records import PendingStep, StepOutput, StepTiming
-from engine.runner.staging import HostStaging, Staging
+from engine.runner.staging import HostStaging, Staging, fed_rows
 from engine.runner.vae_lane import VaeLane
 from engine.runner.warm_up import WarmUp
 from engine.scheduler import ScheduledSeq
@@ -40,8 +39,10 @@ log = logging.getLogger(__name__)
 GraphSets = tuple[StepGraphs, StepGraphs, StepGraphs]  # decode, sample, LM
 
 
-class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
-    """Runs one scheduled step on the device (`engine.runner`); each job is a part in a module of its own."""
+class Runner:
+    """Runs one scheduled step on the device (`engine.runner`). It launches and collects steps and composes one part
+    per job, each built from what it needs: `host` (`Staging`), `vae_lane` (`VaeLane`), `budget` (`MemoryBudget`),
+    `eager` (`EagerStep`), the warm-up (`WarmUp`) and the step's tail (`StepTail`)."""
 
     def __init__(self, loaded: LoadedModel, cfg: WorkerConfig):
         self.config = loaded.config
@@ -53,7 +54,6 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         self.device, self.dtype = param.device, param.dtype
         if cfg.vae_dtype != "float32":  # the decoder only: prompt audio is encoded by the float32 encoder
             self.vae.decoder.to(getattr(torch, cfg.vae_dtype))
-        self.vae_dtype = next(self.vae.decoder.parameters()).dtype
         self.block_size = cfg.block_size
         self.timesteps = cfg.inference_timesteps
         self.max_timesteps = cfg.max_timesteps or cfg.inference_timesteps
@@ -73,68 +73,54 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
             self._quantize_fp8(cfg)  # before the memory budget below counts the weights
         weights = torch.cuda.memory_allocated(self.device) if cuda else 0
 
-        # Graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding buys nothing there).
-        self.buckets: list[int] | None = buckets_for(cfg.max_num_seqs) if cuda else None
         self.max_positions = self.config.lm.max_position_embeddings
         p, d = self.config.patch_size, self.config.feat_dim
-        width = -(-self.max_positions // self.block_size)
-        evals = self.schedules.width
-        self.inputs = DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, self.device)
-        # Two pinned host mirrors on CUDA, one per launch in turn: a step launched ahead (`launch(after=...)`) is
-        # staged while the previous one's inputs may still be on their way to the device.
-        mirrors = [DecodeBuffers.allocate(cfg.max_num_seqs, p, d, width, evals, torch.device("cpu"), pin=True)
-                   for _ in range(2)] if cuda else [self.inputs]
-        self.stagings = [HostStaging.of(m, cfg.max_num_seqs, pin=cuda) for m in mirrors]
-        self.host_turn = 0
-        self._use_host(0)
-        rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
-        self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
-        self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
-        self._zero_patch = torch.zeros(1, p, d)  # a fed row's staged input (`stage_flat`)
-        hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
-        self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
-        self.res_h = torch.zeros_like(self.lm_h)
-        self.scratch_slot = cfg.max_num_seqs  # padding rows decode into this extra VAE row
-        # LoRA slot of each static row (padding rows: 0, no adapter); the graphs read it in place
         self.lora = getattr(self.model, "lora", None) is not None
-        self.lora_rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
-        self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
-        self.vae_state = self.vae.stream_state(cfg.max_num_seqs + 1)
-        # the VAE lane (module docstring): its stream, the static inputs its graphs read (each step's patches and
-        # VAE rows, copied there: the next step overwrites its own), and the event of their last read
-        self.vae_stream = torch.cuda.Stream(self.device) if cuda and cfg.cuda_graphs and cfg.vae_stream else None
-        self.vae_in = torch.zeros(cfg.max_num_seqs, p, d, device=self.device)
-        self.vae_in_slots = torch.full((cfg.max_num_seqs,), self.scratch_slot, dtype=torch.long, device=self.device)
-        self.vae_graphs: StepGraphs | None = None
-        self._vae_read: torch.cuda.Event | None = None
-        self.parity = 0
-        self.outputs = [self._host_outputs(cfg.max_num_seqs) for _ in range(2)] if cuda else []
+        self.vae_lane = VaeLane(self.vae, self.device, cfg.max_num_seqs, p, d,
+                                lane=cuda and cfg.cuda_graphs and cfg.vae_stream)
         # Rows at more diffusion steps than the default: the step's graphs run the default's evaluations for every
         # row and such rows finish theirs in the step's tail (`engine.step_tail`), which needs the VAE lane (or no
         # graphs) and no LoRA slots; otherwise every step runs the most evaluations served.
         self.graph_evals = self.schedules.width
         self.tail: StepTail | None = None
         if self.max_timesteps > self.timesteps and not self.lora and (
-                self.vae_stream is not None or not (cuda and cfg.cuda_graphs)):
+                self.vae_lane.stream is not None or not (cuda and cfg.cuda_graphs)):
             self.graph_evals = evaluations(self.timesteps)
             self.tail = StepTail(self)
+        self.host = Staging(self.config, self.device, cfg.max_num_seqs, block_size=self.block_size,
+                            max_positions=self.max_positions, schedules=self.schedules, timesteps=self.timesteps,
+                            # graph buckets on CUDA; on CPU the decode body runs at the exact batch size (padding
+                            # buys nothing there)
+                            buckets=buckets_for(cfg.max_num_seqs) if cuda else None, lane=self.vae_lane,
+                            lora=self.lora, tail=self.tail)
+        self.inputs, self.lora_rows = self.host.inputs, self.host.lora_rows  # the static rows the graphs read
+        rows = torch.arange(cfg.max_num_seqs + 1, device=self.device)
+        self.row_index, self.cu_seqlens = rows[:-1], rows.to(torch.int32)
+        self.zeros, self.ones = torch.zeros_like(self.row_index), torch.ones_like(self.row_index)
+        hidden = self.config.lm.hidden_size  # the sample graphs' inputs: LM states of the emitting rows
+        self.lm_h = torch.zeros(cfg.max_num_seqs, hidden, device=self.device, dtype=self.dtype)
+        self.res_h = torch.zeros_like(self.lm_h)
+        self.merged_steps = 0  # steps that ran one adapter merged into the weights (`MergedAdapter`)
+        self.eager = EagerStep(self.model, self.vae_lane, self._forward_lms, patch_size=p, feat_dim=d, lora=self.lora)
 
-        self.memory: dict[str, float] = {}
+        self.budget = MemoryBudget(self.model, self.kv_stacks, self.block_size, self.config)
+        self.memory = self.budget.memory
         if cfg.num_kv_blocks:
             self.num_blocks = cfg.num_kv_blocks
         elif cuda:
-            self.num_blocks = agree_min(self.model, self._blocks_from_budget(cfg, weights), self.device)
+            run = Activations(self._install_caches, lambda: self.host.pad_all(cfg.max_num_seqs),
+                              lambda: self._decode_body(cfg.max_num_seqs, self.max_positions), self.vae_lane)
+            graph_sets = 1 + self.lora + (self.tail is not None)
+            self.num_blocks = agree_min(self.model, self.budget.blocks(cfg, weights, run, graph_sets), self.device)
         else:
             self.num_blocks = CPU_KV_BLOCKS
-        self.scratch_block = self.num_blocks  # one block past the scheduler's: padding rows write their KV here
+        self.host.scratch_block = self.num_blocks  # one block past the scheduler's: padding rows write their KV here
         self.caches = tuple(KVCache.allocate(stack, self.num_blocks + 1, self.block_size, self.device, self.dtype)
                             for stack in self.kv_stacks)
         self.graphs: StepGraphs | None = None
         self.sample_graphs: StepGraphs | None = None
         self.lm_graphs: StepGraphs | None = None
         self.adapter_free_graphs: GraphSets | None = None  # with LoRA slots: the three sets captured without LoRA
-        self.lm_keys: list[tuple[int, ...]] = []  # LM graph buckets: (tokens, seqs) and large (tokens, seqs, audio)
-        self.eager_flat: tuple[int, int] | None = None  # the largest eager flat batch (`eager_flat_key`)
         self.ahead_tokens = 0  # positions a step launched ahead may hold (its flat batch must take it)
         if cuda or cfg.mixed_ahead(cuda):  # on CPU the flat batch serves only steps launched ahead (no padding gain)
             # the padding sequence (at most 1/8 of a bucket) must fit one sequence's positions
@@ -145,7 +131,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
                 # large graphs: LocEnc on no rows, or on as many as a step has sequences (decode rows, short audio)
                 keys = [*lm_graph_keys(cfg.max_num_seqs),
                         *large_lm_graph_keys(self.ahead_tokens, eager[1], -(-cfg.max_num_seqs // 64) * 64)]
-            self.allocate_flat(keys, eager)
+            self.host.allocate_flat(keys, eager)
         if cuda and cfg.cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
@@ -161,28 +147,48 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
                         self.model.lora.merged.capture()
                 if self.tail is not None:
                     self.tail.capture(pool)
-                if self.vae_stream is not None:  # replayed beside the step graphs, not after them: a memory pool
-                    # and a capture stream of their own (so their GEMMs get a cuBLAS workspace of their own, see
-                    # `StepGraphs`; with one shared, steps launched ahead would sample wrong patches now and then)
-                    self.vae_graphs = StepGraphs(self._vae_body, self.buckets or [], self._pad_vae,
-                                                 torch.cuda.graph_pool_handle(), stream=self.vae_stream)
+                if self.vae_lane.stream is not None:
+                    self.vae_lane.capture(self.buckets or [])
             self.memory["graphs_gib"] = (torch.cuda.memory_reserved(self.device) - before) / GiB
         if cuda:
             self.warm_up()
-            self._log_memory(cfg, weights)
+            self.budget.log(cfg, weights, self.num_blocks)
         self.last_step: StepTiming | None = None
 
-    def _use_host(self, turn: int) -> None:
-        self.host_turn = turn
-        self.staging = self.stagings[turn]
-        self.staging.writable()
+    def _install_caches(self, caches: tuple[KVCache, ...] | None) -> None:
+        """Scratch KV caches for the memory budget's measurements (their block 0 as the scratch block); None: gone."""
+        self.caches, self.host.scratch_block = caches or (), 0
+
+    @property
+    def staging(self) -> HostStaging:
+        """Where the step being launched is staged (`Staging`)."""
+        return self.host.staging
+
+    @property
+    def buckets(self) -> list[int] | None:
+        """Row buckets of the decode graphs on CUDA (`Staging` pads each step to one); None: the exact batch."""
+        return self.host.buckets
+
+    @buckets.setter
+    def buckets(self, buckets: list[int] | None) -> None:
+        self.host.buckets = buckets
+
+    @property
+    def scratch_block(self) -> int:
+        """The KV block past the scheduler's that padding rows write into."""
+        return self.host.scratch_block
+
+    @property
+    def lm_keys(self) -> list[tuple[int, ...]]:
+        """The LM graphs' buckets (`Staging.allocate_flat`)."""
+        return self.host.lm_keys
 
     def _capture_graphs(self, pool: tuple) -> GraphSets:
         """Decode, sample and LM graphs for every bucket (the caller sets whether LoRA work is captured)."""
         return (StepGraphs(lambda rows: self._decode_body(rows, self.max_positions), self.buckets or [],
-                           self._pad_all, pool),
-                StepGraphs(self._sample_body, self.buckets or [], self._pad_all, pool),
-                StepGraphs(self.lm_body, self.lm_keys, self._pad_flat, pool))
+                           self.host.pad_all, pool),
+                StepGraphs(self._sample_body, self.buckets or [], self.host.pad_all, pool),
+                StepGraphs(self.lm_body, self.lm_keys, self.host.pad_flat, pool))
 
     def _graph_sets(self) -> tuple[StepGraphs | None, StepGraphs | None, StepGraphs | None]:
         """(decode, sample, LM) graphs for the step being launched: the adapter-free ones when it bypasses LoRA."""
@@ -209,12 +215,26 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         """Run one step to completion."""
         return self.collect(self.launch(seqs))
 
+    def warm_up(self) -> None:
+        """Compile every kernel specialization a serving step can reach (`WarmUp`)."""
+        def flat_step(key: tuple[int, int]) -> None:
+            self.host.pad_flat(key)
+            self.lm_body(key, eager=True)
+
+        WarmUp(self.model, self.vae_lane, self.caches, self.schedules, self.config, self.block_size, self.scratch_block,
+               self.max_positions, self.timesteps, self.lora, self.host.eager_flat[0] if self.host.eager_flat else None,
+               flat_step).run()
+
+    def _eager_step(self, seqs: list[ScheduledSeq]) -> StepOutput:
+        """The step op by op (`EagerStep`): the reference for the graphed paths."""
+        return self.eager(seqs)
+
     @torch.inference_mode()
     def launch(self, seqs: list[ScheduledSeq], after: PendingStep | None = None, adapter: int = 0) -> PendingStep:
         """Start a step; on the graph paths the device works on it after this returns.
 
         `after`: a step not yet collected whose sampling requests this step continues, one decode position each
-        (`Scheduler.schedule_ahead`; it may also admit new prompts, `launchable_ahead`). Its sampled patches become
+        (`Scheduler.schedule_ahead`; it may also admit new prompts, `admits_ahead`). Its sampled patches become
         this step's inputs on the device, so this step is staged and queued while that one runs, and the device
         never waits for the host between the two.
         `adapter`: the LoRA slot that every running request uses (`Scheduler.single_adapter`; 0: none, or several).
@@ -231,8 +251,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         return pending
 
     def _launch(self, seqs: list[ScheduledSeq], after: PendingStep | None, adapter: int) -> PendingStep:
-        if len(self.stagings) > 1:
-            self._use_host(1 - self.host_turn)
+        self.host.next_host()
         if not self.lora:
             return self._launch_step(seqs, after)
         # a step without adapter rows skips all LoRA work: eagerly by the flag, graphed by the sets captured with it;
@@ -261,25 +280,25 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
     def _launch_step(self, seqs: list[ScheduledSeq], after: PendingStep | None) -> PendingStep:
         decode_graphs, sample_graphs, _ = self._graph_sets()
         if self.tail is not None:
-            self.tail.bucket = 0  # `_stage_rows` stages this step's tail, if it has one
+            self.tail.bucket = 0  # `Staging.stage_rows` stages this step's tail, if it has one
         # the seqs that continue `after` (still on the device): seq k's input patch is row fed[k] of its samples
-        fed = self._fed_rows(seqs, after) if after is not None else {}
+        fed = fed_rows(seqs, after) if after is not None else {}
         if self._decode_only(seqs):
             n = len(seqs)
             # rows continuing `after` get their input on the device; the others (split decodes: the other half,
             # collected a step ago) from the host
             conds = [None if k in fed else s.request.generated[-1] for k, s in enumerate(seqs)]
-            rows = self._stage_rows([s.request for s in seqs], conds)
-            self._stage_positions(seqs)
-            self._upload(rows)
+            rows = self.host.stage_rows([s.request for s in seqs], conds)
+            self.host.stage_positions(seqs)
+            self.host.upload(rows)
             if fed:
                 ks = sorted(fed)
-                self._gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
+                self.host.gather(self.inputs.patches, ks, after, [fed[k] for k in ks])
             if decode_graphs is not None:
-                result = self._lane_audio(rows, self._replay_tail(decode_graphs.replay(rows)))
+                result = self.vae_lane.audio(rows, self._replay_tail(decode_graphs.replay(rows)), self.inputs.vae_slots)
             else:
                 result = self._decode_body(rows, self._max_seqlen_k(n), eager_tail=True)
-            pending = self._download(seqs, result, n, None)
+            pending = self.host.download(seqs, result, n, None)
             pending.kind = "graph" if decode_graphs is not None else "decode"
             pending.sampled = result.patches
             return pending
@@ -287,32 +306,35 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         rows = n = 0
         if emit:  # the sampling inputs first: the LM graph may reuse the memory `after` sampled into
             reqs = [seqs[k].request for k in emit]
-            rows = self._stage_rows(reqs, [None if k in fed else seqs[k].request.cond for k in emit])
-            self._upload(rows)
+            rows = self.host.stage_rows(reqs, [None if k in fed else seqs[k].request.cond for k in emit])
+            self.host.upload(rows)
             conds = [j for j, k in enumerate(emit) if k in fed]
             if conds:
-                self._gather(self.inputs.patches, conds, after, [fed[emit[j]] for j in conds])
+                self.host.gather(self.inputs.patches, conds, after, [fed[emit[j]] for j in conds])
         lm_h, res_h = self._forward_lms(seqs, after, fed)
         if not emit:
             return PendingStep(seqs, done=StepOutput([None] * len(seqs), [False] * len(seqs), [None] * len(seqs)),
                                kind="mixed")
-        index = self._device_index(emit)
+        index = self.host.index(emit)
         n = len(emit)
         self.lm_h[:n].copy_(lm_h.index_select(0, index))
         self.res_h[:n].copy_(res_h.index_select(0, index))
         self.lm_h[n:rows].zero_()
         self.res_h[n:rows].zero_()
-        result = self._lane_audio(rows, self._replay_tail(sample_graphs.replay(rows))) if sample_graphs is not None \
-            else self._sample_body(rows, eager_tail=True)
-        pending = self._download(seqs, result, n, emit)
+        if sample_graphs is not None:
+            result = self.vae_lane.audio(rows, self._replay_tail(sample_graphs.replay(rows)), self.inputs.vae_slots)
+        else:
+            result = self._sample_body(rows, eager_tail=True)
+        pending = self.host.download(seqs, result, n, emit)
         pending.kind = "mixed"
         pending.sampled = result.patches
         return pending
 
-    def launchable_ahead(self, request) -> bool:
-        """Whether a step launched ahead (`launch(after=...)`) may admit `request`: its prompt goes through the
-        flat buffers (where the continuing rows' patches are fed on the device)."""
-        return self.eager_flat is not None
+    @property
+    def admits_ahead(self) -> bool:
+        """Whether a step launched ahead (`launch(after=...)`) may admit prompts: they go through the flat buffers
+        (where the continuing rows' patches are fed on the device)."""
+        return self.host.eager_flat is not None
 
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's outputs (and note its timing in `last_step`)."""
@@ -371,7 +393,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
     def _sample_body(self, rows: int, lm_h: torch.Tensor | None = None, res_h: torch.Tensor | None = None,
                      eager_tail: bool = False) -> DecodeResult:
         """Sample + stop + VAE for the first `rows` rows (LM states from `lm_h`/`res_h`, default: the static ones),
-        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `_lane_audio` queues
+        the graphs' evaluations of each row's schedule. With the VAE lane, no VAE (audio None): `VaeLane.audio` queues
         it on its own stream. `eager_tail` (eager callers; graphs replay the tail after this): run the staged step's
         tail (`engine.step_tail`) before the VAE decodes its rows."""
         b = self.inputs
@@ -388,9 +410,9 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
             sampled = self.tail.keep(rows, sampled, *given)
             if eager_tail and self.tail.bucket:
                 self.tail.body(self.tail.bucket)
-        if self.vae_stream is not None:
+        if self.vae_lane.stream is not None:
             return DecodeResult(sampled, stops, None)
-        return DecodeResult(sampled, stops, self._vae_decode(b.vae_slots[:rows], sampled))
+        return DecodeResult(sampled, stops, self.vae_lane.decode(b.vae_slots[:rows], sampled))
 
     def _replay_tail(self, result: DecodeResult) -> DecodeResult:
         """`result` (a graph's) once the staged step's tail, if any, has finished its rows in place."""
@@ -406,7 +428,7 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
         `eager` (not captured): the attention grid and KV splits from the staged batch's real lengths, and LocEnc
         on its audio rows only (padded to a multiple of 64 with a repeat, so their GEMM shapes recur too)."""
         tokens, seqs = key[:2]
-        f = self.flat
+        f = self.host.flat
         if self.lora:
             self.model.set_lora_indices(tokens=f.lora[:tokens])
         max_q, max_k, audio_rows = tokens, self.max_positions, None
@@ -418,13 +440,13 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
             # would compute whole tiles for one query each (`TritonAttention.rows_for`)
             query_rows = PREFILL_ROWS[-1] if key[2] else PREFILL_ROWS[0]
         if eager or self.device.type != "cuda":
-            h = self.flat_np
+            h = self.host.flat_np
             max_q, max_k = int(np.diff(h["cu_seqlens"][:seqs + 1]).max()), int(h["seq_lens"][:seqs].max())
         if eager:
             audio = np.flatnonzero(h["masks"][:tokens])
             if len(audio):
                 audio = np.concatenate((audio, np.full(-len(audio) % 64, audio[0])))
-            audio_rows = self._device_index(audio)
+            audio_rows = self.host.index(audio)
         meta = AttentionMetadata(cu_seqlens_q=f.cu_seqlens[:seqs + 1], seq_lens=f.seq_lens[:seqs],
                                  slot_mapping=f.slots[:tokens], block_tables=f.block_tables[:seqs],
                                  max_seqlen_q=max_q, max_seqlen_k=max_k, query_rows=query_rows)
@@ -436,21 +458,21 @@ class Runner(MemoryBudget, WarmUp, Staging, VaeLane, EagerPath):
                      fed: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Both LMs over the flat batch of every scheduled chunk: an LM graph replay when a bucket holds it, else
         eagerly over the padded flat buffers, else (larger than those) unpadded; (lm_h, res_h) with row j the state
-        of seqs[j] (at least len(seqs) rows). `fed` (`_fed_rows`): seqs whose input patch `after` sampled."""
-        if self.lm_keys or self.eager_flat:  # CUDA (and CPU with async_mixed, or when a test allocates them)
-            key = self.stage_flat(seqs, fed or {})
+        of seqs[j] (at least len(seqs) rows). `fed` (`fed_rows`): seqs whose input patch `after` sampled."""
+        if self.lm_keys or self.host.eager_flat:  # CUDA (and CPU with async_mixed, or when a test allocates them)
+            key = self.host.stage_flat(seqs, fed or {})
             if key is not None:
-                self._upload_flat(key)
+                self.host.upload_flat(key)
                 if fed:
                     assert after is not None
                     first = np.cumsum([0] + [s.num_tokens for s in seqs])
-                    self._gather(self.flat.patches, [int(first[k]) for k in fed], after, list(fed.values()))
+                    self.host.gather(self.host.flat.patches, [int(first[k]) for k in fed], after, list(fed.values()))
                 lm_graphs = self._graph_sets()[2]
                 if lm_graphs is not None and key in lm_graphs.graphs:
                     return lm_graphs.replay(key)
                 return self.lm_body(key, eager=key not in self.lm_keys)
         if fed:
-            raise ValueError(f"a step launched ahead must fit the flat buffers (up to {self.eager_flat})")
+            raise ValueError(f"a step launched ahead must fit the flat buffers (up to {self.host.eager_flat})")
         ids: list[int] = []
         masks: list[int] = []
         patches: list[torch.Tensor] = []

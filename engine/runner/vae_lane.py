@@ -1,4 +1,5 @@
-"""The streaming VAE: its lane on a second CUDA stream, decodes, and continuation priming."""
+"""The streaming VAE: one state row per request slot, its decodes, continuation priming, and its lane (a second CUDA
+stream that decodes each step's patches beside the next step's LMs: `engine.runner`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,40 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeResult
+from engine.cuda_graphs import DecodeResult, StepGraphs
 
 
 class VaeLane:
-    """The streaming VAE (a part of `Runner`)."""
+    """The VAE state (a row per request slot, and a scratch row that padding rows decode into) and everything that
+    touches it. With `lane` (CUDA graphs), the decodes, resets and primings run on a stream of their own, in the
+    order of launch."""
+
+    def __init__(self, vae: torch.nn.Module, device: torch.device, rows: int, patch_size: int, feat_dim: int,
+                 lane: bool):
+        self.vae, self.device, self.feat_dim = vae, device, feat_dim
+        self.dtype = next(vae.decoder.parameters()).dtype
+        self.scratch_slot = rows  # padding rows decode into this extra row
+        self.state = vae.stream_state(rows + 1)
+        self.stream = torch.cuda.Stream(device) if lane else None
+        # the static inputs the lane's graphs read (each step's patches and VAE rows, copied there: the next step
+        # overwrites its own), and the event of their last read
+        self.inputs = torch.zeros(rows, patch_size, feat_dim, device=device)
+        self.input_slots = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
+        self.graphs: StepGraphs | None = None
+        self._read: torch.cuda.Event | None = None
+
+    def capture(self, buckets: list[int]) -> None:
+        """The lane's graphs, one per row bucket: replayed beside the step graphs, not after them, so a memory pool
+        and a capture stream of their own (their GEMMs get a cuBLAS workspace of their own, see `StepGraphs`; with
+        one shared, steps launched ahead would sample wrong patches now and then)."""
+        self.graphs = StepGraphs(self.body, buckets, self.pad, torch.cuda.graph_pool_handle(), stream=self.stream)
 
     @contextlib.contextmanager
-    def _on_vae_lane(self, join: bool = False) -> Iterator[None]:
-        """Run the enclosed VAE-state work on the VAE lane, after all work queued so far on the main stream (its
+    def on_lane(self, join: bool = False) -> Iterator[None]:
+        """Run the enclosed VAE-state work on the lane, after all work queued so far on the main stream (its
         tensors must be made inside, or outlive the lane's use of them); `join`: the main stream then waits for it.
         Without the lane, in place."""
-        lane = self.vae_stream
+        lane = self.stream
         if lane is None or torch.cuda.current_stream(self.device) == lane:
             yield
             return
@@ -30,77 +53,72 @@ class VaeLane:
         if join:
             main.wait_stream(lane)
 
-    def _vae_body(self, rows: int) -> torch.Tensor:
-        """The VAE lane's decode of the first `rows` rows of its static inputs (what its graphs capture)."""
-        return self._vae_decode(self.vae_in_slots[:rows], self.vae_in[:rows])
+    def body(self, rows: int) -> torch.Tensor:
+        """The lane's decode of the first `rows` rows of its static inputs (what its graphs capture)."""
+        return self.decode(self.input_slots[:rows], self.inputs[:rows])
 
-    def _pad_vae(self, rows: int) -> None:
-        self.vae_in[:rows].zero_()
-        self.vae_in_slots[:rows].fill_(self.scratch_slot)
+    def pad(self, rows: int) -> None:
+        self.inputs[:rows].zero_()
+        self.input_slots[:rows].fill_(self.scratch_slot)
 
-    def _lane_audio(self, rows: int, result: DecodeResult) -> DecodeResult:
-        """`result` with its audio: the step's VAE decode queued on the VAE lane behind its patches (without the
-        lane the graph made it already). The main stream waits only for the previous lane decode to have read its
-        inputs, before their buffers take this step's: a step's LMs and LocDiT take far longer than a VAE decode,
-        so it is long done."""
+    def audio(self, rows: int, result: DecodeResult, slots: torch.Tensor) -> DecodeResult:
+        """`result` with its audio: the step's decode of its patches into VAE rows `slots`, queued on the lane behind
+        them (without the lane the step's graph made it already). The main stream waits only for the previous lane
+        decode to have read its inputs, before their buffers take this step's: a step's LMs and LocDiT take far
+        longer than a VAE decode, so it is long done."""
         if result.audio is not None:
             return result
-        assert self.vae_stream is not None and self.vae_graphs is not None
+        assert self.stream is not None and self.graphs is not None
         main = torch.cuda.current_stream(self.device)
-        if self._vae_read is not None:
-            main.wait_event(self._vae_read)
-        self.vae_in[:rows].copy_(result.patches[:rows])
-        self.vae_in_slots[:rows].copy_(self.inputs.vae_slots[:rows])
-        self.vae_stream.wait_stream(main)
-        with torch.cuda.stream(self.vae_stream):
-            audio = self.vae_graphs.replay(rows)
-            self._vae_read = torch.cuda.Event()
-            self._vae_read.record()
+        if self._read is not None:
+            main.wait_event(self._read)
+        self.inputs[:rows].copy_(result.patches[:rows])
+        self.input_slots[:rows].copy_(slots[:rows])
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            audio = self.graphs.replay(rows)
+            self._read = torch.cuda.Event()
+            self._read.record()
         return DecodeResult(result.patches, result.stops, audio)
-
-    def noise(self, req) -> torch.Tensor:
-        """[D, P] from the request's own generator, so a request's noise never depends on its batch."""
-        p = req.spec.params
-        return torch.randn(self.config.feat_dim, self.config.patch_size, generator=req.generator) * p.temperature
 
     def decode_audio(self, reqs: list, patches: torch.Tensor) -> np.ndarray:
         """One patch of audio per request, through each request's row of the streaming VAE state."""
-        self._prime([r for r in reqs if not r.vae_primed])
-        with self._on_vae_lane(join=True):
-            slots = torch.tensor([r.vae_slot for r in reqs], device=self.vae_state.buffers[0].device)
-            return self._vae_decode(slots, patches).cpu().numpy()
+        self.prime([r for r in reqs if not r.vae_primed])
+        with self.on_lane(join=True):
+            slots = torch.tensor([r.vae_slot for r in reqs], device=self.state.buffers[0].device)
+            return self.decode(slots, patches).cpu().numpy()
 
-    def _vae_decode(self, slots: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """[B, P, D] patches -> [B, samples] float32 audio, advancing the VAE state rows `slots`."""
-        part = self.vae_state.gather(slots)
-        latents = patches.to(self.vae_dtype).transpose(1, 2)  # [B, D, P]: P latent frames per patch
+        part = self.state.gather(slots)
+        latents = patches.to(self.dtype).transpose(1, 2)  # [B, D, P]: P latent frames per patch
         audio = self.vae.decode_stream(latents, part)
-        self.vae_state.scatter_(slots, part)
+        self.state.scatter_(slots, part)
         return audio.reshape(patches.shape[0], -1).float()
 
-    def _prime(self, reqs: list) -> None:
+    def prime(self, reqs: list) -> None:
         """Start the requests' VAE rows from silence (one reset for all of them: a burst of new requests costs one
         launch per state buffer, not one per request), then replay each continuation's prompt tail into its row."""
         if not reqs:
             return
-        dev = self.vae_state.buffers[0].device
+        dev = self.state.buffers[0].device
         slots = torch.tensor([r.vae_slot for r in reqs])
-        with self._on_vae_lane():  # in order with the lane's decodes, and the main stream never waits for it
-            self.vae_state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
+        with self.on_lane():  # in order with the lane's decodes, and the main stream never waits for it
+            self.state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
             for req in reqs:
                 context = req.spec.context_patches
                 if context is not None and len(context):
-                    self._prime_context(req.vae_slot, context)
+                    self.prime_context(req.vae_slot, context)
                 req.vae_primed = True
 
-    def _prime_context(self, slot: int, context: torch.Tensor) -> None:
+    def prime_context(self, slot: int, context: torch.Tensor) -> None:
         """Replay a continuation's prompt tail [k, P, D] into VAE row `slot` (its audio is the previous segment's)."""
-        dev = self.vae_state.buffers[0].device
+        dev = self.state.buffers[0].device
         rows = torch.full((1,), slot, device=dev)  # a fill on the device: a pageable copy would wait for the stream
-        part = self.vae_state.gather(rows)
+        part = self.state.gather(rows)
         if dev.type == "cuda":  # pinned, for the same reason
             context = context.pin_memory()
-        latents = context.to(self.device, non_blocking=True).to(self.vae_dtype)
-        latents = latents.reshape(1, -1, self.config.feat_dim).transpose(1, 2)
+        latents = context.to(self.device, non_blocking=True).to(self.dtype)
+        latents = latents.reshape(1, -1, self.feat_dim).transpose(1, 2)
         self.vae.decode_stream(latents, part)
-        self.vae_state.scatter_(rows, part)
+        self.state.scatter_(rows, part)

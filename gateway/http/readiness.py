@@ -52,8 +52,6 @@ async def readyz(request: web.Request) -> web.Response:
     gw = _gateway(request.app)
     try:
         health = gw.engine.health()
-        if asyncio.iscoroutine(health):
-            health = await health
         load = load_report(gw)
     except Exception as e:  # a stopped or crashed engine is "not ready", never a 500
         return web.json_response({"status": "engine unavailable", "detail": str(e), "draining": gw.draining},

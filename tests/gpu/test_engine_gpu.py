@@ -58,9 +58,9 @@ def graphed_vs_eager(runner: Runner, seqs):
     """Run `seqs` through launch/collect (graphs) and, from the same saved state, through the eager step: the
     outputs, the KV cache and the VAE state agree, except the scratch block and row the padding rows write."""
     reqs = [s.request for s in seqs]
-    state = [t.clone() for c in runner.caches for t in (c.k, c.v)] + [b.clone() for b in runner.vae_state.buffers]
+    state = [t.clone() for c in runner.caches for t in (c.k, c.v)] + [b.clone() for b in runner.vae_lane.state.buffers]
     rng = [r.generator.get_state() for r in reqs]
-    live = [t for c in runner.caches for t in (c.k, c.v)] + list(runner.vae_state.buffers)
+    live = [t for c in runner.caches for t in (c.k, c.v)] + list(runner.vae_lane.state.buffers)
 
     graphed = runner.collect(runner.launch(seqs))
     graphed_audio = [None if a is None else a.copy() for a in graphed.audio]
@@ -79,7 +79,7 @@ def graphed_vs_eager(runner: Runner, seqs):
             assert torch.isfinite(g).all() and np.isfinite(ga).all()
             assert relative_error(g, e) < 1e-4
             assert relative_error(torch.from_numpy(ga), torch.from_numpy(ea)) < 1e-3  # ~30 convs deep
-    scratch, slot = runner.scratch_block, runner.scratch_slot
+    scratch, slot = runner.scratch_block, runner.vae_lane.scratch_slot
     for i, (g, t) in enumerate(zip(graphed_state, live, strict=True)):
         real = (slice(None), slice(0, scratch)) if i < 4 else (slice(0, slot),)
         assert relative_error(g[real], t[real]) < 1e-3
@@ -157,11 +157,11 @@ def test_large_lm_graphs_equal_eager_steps(cuda, tiny_v2_dir, no_tf32):
 
     def eager_lms(seqs):  # the reference: the step with its LMs eager (no large graph holds it)
         keys = runner.lm_keys
-        runner.lm_keys = [k for k in keys if len(k) == 2]
+        runner.host.lm_keys = [k for k in keys if len(k) == 2]
         try:
             return eager_step(seqs)
         finally:
-            runner.lm_keys = keys
+            runner.host.lm_keys = keys
 
     runner._eager_step = eager_lms
     for i in range(24):
