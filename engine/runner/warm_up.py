@@ -13,7 +13,7 @@ import torch
 from engine.cuda_graphs import eager_flat_token_buckets
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.prompt import CONTEXT_PATCHES
-from engine.runner.vae_lane import VaeLane
+from engine.runner.vae_lane import PRIME_BATCHES, VaeLane
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -113,11 +113,13 @@ class WarmUp:
         if self.eager_tokens is not None:
             for tokens in eager_flat_token_buckets(min(self.eager_tokens, self.WARM_EAGER_TOKENS, self.max_positions)):
                 self.flat_step((tokens, 16))
-        # a continuation primes its VAE row with the prompt's last 1..CONTEXT_PATCHES patches, eagerly: lengths
-        # whose kernels (Triton specializations, ~1 s to compile) the decodes above never run
+        # continuations prime their VAE rows with the prompt's last 1..CONTEXT_PATCHES patches, eagerly, a batch
+        # padded to one of PRIME_BATCHES: shapes whose kernels (Triton specializations, ~1 s to compile) the decodes
+        # above never run
         with lane.on_lane(join=True):
             for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
-                lane.prime_context(lane.scratch_slot, torch.zeros(k, p, d))
+                for batch in PRIME_BATCHES:
+                    lane.prime_contexts([lane.scratch_slot] * batch, torch.zeros(batch, k, p, d))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
