@@ -2,10 +2,11 @@
 
 `asyncio.to_thread` per chunk costs a thread wakeup and a loop wakeup per call, and under a burst (one engine step
 hands a chunk to every stream at once) those hops pile up on the loop and fight it for the GIL. Here every call made
-during one loop iteration goes into one priority queue shared by the worker threads, and one thread job per few
-calls drains it; a non-urgent call's result waits for its job's others (one wakeup of the loop for several). libopus
-runs without the GIL, so the threads spread over the cores. Each job takes the most urgent call queued when it is
-ready for the next one, so a turn's first frame never waits behind calls queued earlier for listeners with audio left.
+during one loop iteration goes into one queue shared by the worker threads, and one thread job per few calls drains
+it; a non-urgent call's result waits for its job's others (one wakeup of the loop for several). libopus runs without
+the GIL, so the threads spread over the cores. The queue is earliest deadline first: a call's deadline is when its
+listener runs out of audio (queued at + `urgency`), so a turn's first frame never waits behind calls queued earlier
+for listeners with audio left, and a call queued long ago is not overtaken for ever by newer, shorter ones.
 
 The threads run at a lower CPU priority than the rest of the process (VOXGATE_ENCODE_NICE): when a burst of encoding
 meets the event loop or the engine worker's host thread (whose lateness delays every stream's step), those win.
@@ -21,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +33,8 @@ from gateway.settings import GatewaySettings
 log = logging.getLogger("voxgate.offload")
 
 MAX_PART = 8  # calls per thread job
-# a call this urgent (its listener has less audio than this left, in ms; a turn's first chunk has none) is handed
-# back as soon as it is done; the others come back together at the end of their job (one loop wakeup)
+# a call this urgent when it is done (its listener has less audio than this left, in ms; a turn's first chunk has
+# none) is handed back at once; the others come back together at the end of their job (one loop wakeup)
 URGENT = 200.0
 
 
@@ -69,8 +71,8 @@ _Result = tuple[asyncio.Future, Any, BaseException | None]
 
 
 class OffloadPool:
-    """`await pool.run(fn, *args)`: fn(*args) in a worker thread; the most urgent (lowest `urgency`) call queued runs
-    next, whichever loop iteration queued it.
+    """`await pool.run(fn, *args)`: fn(*args) in a worker thread; the queued call whose listener runs out of audio
+    first runs next, whichever loop iteration queued it.
 
     Calls are independent: callers that need ordering (one turn's encoder) await each call before the next."""
 
@@ -79,14 +81,14 @@ class OffloadPool:
         self.nice = GatewaySettings.from_env().encode_nice if nice is None else nice
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._queue: list[_Job] = []  # a heap: (urgency, arrival, ...) first
+        self._queue: list[_Job] = []  # a heap: earliest (deadline, arrival) first
         self._arrival = itertools.count()
         self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Job]] = weakref.WeakKeyDictionary()
 
     async def run(self, fn: Callable[..., Any], *args: Any, urgency: float = 0.0) -> Any:
-        """fn(*args) in a worker thread; its result (or exception) here. Lower `urgency` goes first (the session
-        passes the audio its listener has left: a turn's first frame, 0, before the chunks of streams with a second
-        of audio queued); equal urgency keeps arrival order."""
+        """fn(*args) in a worker thread; its result (or exception) here. `urgency`: ms until the caller's listener
+        runs out of audio (a turn's first frame, 0, goes before the chunks of streams with a second of audio queued);
+        the earliest deadline goes first, equal deadlines in arrival order."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         pending = self._pending.get(loop)
@@ -94,7 +96,8 @@ class OffloadPool:
             pending = self._pending[loop] = []
         if not pending:
             loop.call_soon(self._flush, loop)  # after every task made ready by the same event has had its turn
-        pending.append((urgency, next(self._arrival), loop, fn, args, fut))
+        deadline = time.monotonic() * 1000.0 + urgency
+        pending.append((deadline, next(self._arrival), loop, fn, args, fut))
         return await fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -115,20 +118,20 @@ class OffloadPool:
             return heapq.heappop(self._queue) if self._queue else None
 
     def _run_part(self, size: int) -> None:
-        """Up to `size` calls, the most urgent queued first each time; urgent results go back at once."""
+        """Up to `size` calls, the earliest deadline queued first each time; urgent results go back at once."""
         results: dict[asyncio.AbstractEventLoop, list[_Result]] = {}
         for _ in range(size):
             job = self._next()
             if job is None:
                 break
-            urgency, _, loop, fn, args, fut = job
+            deadline, _, loop, fn, args, fut = job
             if fut.cancelled():  # the caller is gone (turn cancelled): skip its work
                 continue
             try:
                 result: _Result = (fut, fn(*args), None)
             except BaseException as e:  # handed to the awaiting caller, as asyncio.to_thread would
                 result = (fut, None, e)
-            if urgency < URGENT:
+            if deadline - time.monotonic() * 1000.0 < URGENT:
                 _hand_back(loop, [result])
             else:
                 results.setdefault(loop, []).append(result)
