@@ -270,3 +270,35 @@ async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_r
     await asyncio.sleep(0.05)  # its result (for nobody) delivered
     assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
     assert sink.frames == []
+
+
+@pytest.mark.parametrize("listener_dry", [True, False])
+async def test_a_later_segment_splits_its_first_chunk_only_when_the_listener_has_run_dry(pool, listener_dry):
+    log = pool.log
+    engine = TickEngine(chunks=2)
+    sink = Sink("a", log)
+    now = [1000.0]
+    session = Session(engine, sink, clock=lambda: now[0])
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "opus"}}))
+    text = "Hello there, this is the first sentence of the turn. And here is a second one to follow it."
+    await session.receive(json.dumps({"type": "text.append", "context_id": "t", "text": text}))
+    await session.receive(json.dumps({"type": "context.end", "context_id": "t"}))
+    for _ in range(2):  # the first segment's two chunks
+        await until(lambda: len(engine.queues) == 1)
+        engine.tick()
+    await until(lambda: len(engine.queues) == 2)  # the second segment's request is out
+    if listener_dry:
+        now[0] += 10.0  # the listener has played everything sent: only the held-back frame is left
+    engine.tick()
+    await until(lambda: len(sink.frames) >= 23)
+    calls = [(e[0], e[1]) for e in log if e[0] != "send"]
+    # the first segment: its first chunk split (head, rest), its second one call
+    assert calls[:3] == [("_encode_head", 0.0), ("encode", 20.0), ("encode", 160.0)]
+    if listener_dry:  # the second segment's first frame goes out alone, then the rest of its chunk
+        assert calls[3:] == [("_encode_head", 20.0), ("encode", 40.0)]
+    else:  # 300 ms sent and not played, the held frame: the chunk is one call
+        assert calls[3:] == [("encode", 320.0)]
+    # the bytes of one encoder call per chunk, the split in the middle of the turn included
+    assert [f.payload for f in sink.frames] == reference(3)[:len(sink.frames)]
+    await session.close()
