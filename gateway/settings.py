@@ -32,9 +32,9 @@ class GatewaySettings:
         "VOXGATE_ENCODE_THREADS", "", "unset | integer", "the Opus encode pool's threads (unset: 3 per 4 cores, at "
         "most 12)", optional_threads)
     encode_nice: int = switch(
-        "VOXGATE_ENCODE_NICE", "10", "0..19", "the Opus encode threads' CPU priority below the rest of the process "
-        "(Linux per-thread nice; 0: the same), so a burst of encoding never takes a core from the event loop or the "
-        "engine worker's host thread", nice_increment)
+        "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' CPU priority below the rest of the process "
+        "(Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine worker's host "
+        "thread get a core first", nice_increment)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)
