@@ -288,7 +288,7 @@ async def test_a_later_segment_splits_its_first_chunk_only_when_the_listener_has
         await until(lambda: len(engine.queues) == 1)
         engine.tick()
     await until(lambda: len(engine.queues) == 2)  # the second segment's request is out
-    await until(lambda: len(transport.frames) == 15)  # the first segment's frames sent, but the held-back one
+    await until(lambda: len(sink.frames) == 15)  # the first segment's frames sent, but the held-back one
     if listener_dry:
         now[0] += 10.0  # the listener has played everything sent: only the held-back frame is left
     engine.tick()
