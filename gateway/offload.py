@@ -1,4 +1,4 @@
-"""Run short CPU work (Opus encoding of engine chunks) off the event loop, in batches, most urgent first.
+"""Run short CPU work (Opus encoding of engine chunks) off the event loop, in batches, earliest deadline first.
 
 `asyncio.to_thread` per chunk costs a thread wakeup and a loop wakeup per call, and under a burst (one engine step
 hands a chunk to every stream at once) those hops pile up on the loop and fight it for the GIL. Here every call made
@@ -9,7 +9,7 @@ listener runs out of audio (queued at + `urgency`), so a turn's first frame neve
 for listeners with audio left, and a call queued long ago is not overtaken for ever by newer, shorter ones.
 
 The threads run at a lower CPU priority than the rest of the process (VOXGATE_ENCODE_NICE): when a burst of encoding
-meets the event loop or the engine worker's host thread (whose lateness delays every stream's step), those win.
+meets the event loop or the engine worker's host thread (whose lateness delays every stream's step), those come first.
 """
 
 from __future__ import annotations
