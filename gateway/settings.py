@@ -16,6 +16,14 @@ def optional_threads(raw: str) -> int | None:
     return max(1, int(raw)) if raw else None
 
 
+def nice_increment(raw: str) -> int:
+    """0 (off) to 19: how much lower than the rest of the process a thread's CPU priority is."""
+    value = int(raw)
+    if not 0 <= value <= 19:
+        raise ValueError("must be in 0..19")
+    return value
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """The gateway's environment switches (its options are `GatewayConfig`)."""
@@ -23,6 +31,10 @@ class GatewaySettings:
     encode_threads: int | None = switch(
         "VOXGATE_ENCODE_THREADS", "", "unset | integer", "the Opus encode pool's threads (unset: 3 per 4 cores, at "
         "most 12)", optional_threads)
+    encode_nice: int = switch(
+        "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' CPU priority below the rest of the process "
+        "(Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine worker's host "
+        "thread get a core first", nice_increment)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)

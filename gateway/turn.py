@@ -27,12 +27,13 @@ log = logging.getLogger("voxgate.session")
 # Formats whose encoding is worth a thread hop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz, without the GIL). PCM and
 # G.711 cost ~0.05 ms per chunk: cheaper on the loop than any hop.
 OFFLOADED_FORMATS = ("opus",)
-# A turn's first chunk is encoded in two pool calls: HEAD_FRAMES frames (sent as soon as they are encoded), then the
-# rest (`Session._encode_chunk`). A burst of new turns then gets every turn's first audio out before anyone's rest.
-# Later chunks stay one call: splitting every short listener's chunk doubles the event loop's hops and writes,
-# which at hundreds of Opus sessions adds loop lag and underruns instead of removing them.
-# Two frames, not one: 20 ms would be spent before the rest of a burst is encoded.
-HEAD_FRAMES = 2
+# A chunk that starts a listener's audio (a turn's first, or a segment's first while the listener has nothing left to
+# play) is encoded in two pool calls: its first HEAD_FRAMES frames, sent as soon as they are encoded, then the rest
+# (`Session._encode_chunk`), which the pool ranks ahead of every listener with audio queued. A burst of N new turns
+# then costs N frame encodes before every turn has audio out, not N whole chunks. Other chunks stay one call:
+# splitting every short listener's chunk doubles the event loop's hops and writes, which at hundreds of Opus sessions
+# adds loop lag and underruns instead of removing them.
+HEAD_FRAMES = 1
 
 
 class SessionClosed(Exception):
@@ -249,7 +250,7 @@ class TurnPipeline:
                 if chunk.is_last:
                     self._start_next(turn, seg, latents)
                 turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
-                await self._encode_chunk(turn, chunk.audio)
+                await self._encode_chunk(turn, chunk.audio, segment_start=timing.patches == 1)
         except engine_errors.InvalidRequest as e:
             code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
             raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
@@ -276,8 +277,8 @@ class TurnPipeline:
 
     async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
         """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
-        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a turn's
-        first chunk takes two: `_encode_chunk`); the cheap formats are encoded right here."""
+        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a chunk
+        that starts the listener's audio takes two: `_encode_chunk`); the cheap formats are encoded right here."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         work = encoder.finish if pcm is None else encoder.encode
@@ -298,34 +299,41 @@ class TurnPipeline:
         turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
         await self._queue_packets(turn, frames)
 
-    async def _encode_chunk(self, turn: Turn, pcm: np.ndarray) -> None:
-        """One engine chunk -> its frames queued. A turn's first offloaded chunk is two calls, one after the other
-        (the encoder is not thread-safe): its first frames, queued as soon as they are encoded, then the rest. A
-        burst of new turns arrives in one engine step and the pool runs each loop iteration's calls most urgent
-        first on FIFO threads, so every new turn's first frames are encoded before anyone's rest."""
+    async def _encode_chunk(self, turn: Turn, pcm: np.ndarray, segment_start: bool = False) -> None:
+        """One engine chunk -> its frames queued. A chunk that starts the listener's audio is two offloaded calls, one
+        after the other (the encoder is not thread-safe): its first frame, sent as soon as it is encoded, then the
+        rest. A burst of new turns arrives in one engine step and the pool runs the most urgent call queued first,
+        so every new turn's first frame is encoded before anyone's rest, and every rest before the chunks of
+        listeners with audio queued."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
-        # `_queue_packets` holds the newest frame back (it may be the turn's last): HEAD_FRAMES leave only when the
-        # head brings one more than that (a first chunk has no earlier frame held back to go with them)
-        frames = HEAD_FRAMES + 1
-        if turn.offload is None or turn.playout.queued_ms or len(pcm) <= frames * step:  # not a first chunk to split
+        if turn.offload is None or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
             await self._queue_packets(turn, await self._encode(turn, pcm))
             return
         buffered = turn.playout.buffered_ms(self.clock())
-        head, used = await turn.offload.run(_encode_head, encoder, pcm, frames, step, urgency=buffered)
-        # what the listener has once the head is out; counted before `_queue_packets` takes the list over (and pops)
+        head, used = await turn.offload.run(_encode_head, encoder, pcm, HEAD_FRAMES, step, urgency=buffered)
+        # what the listener has once the head is out; counted before `_queue_packets` takes the list over
         urgency = buffered + len(head) * turn.fmt.frame_ms
-        await self._queue_packets(turn, head)
+        # the rest of the chunk follows, so none of the head is the turn's last frame: nothing is held back
+        await self._queue_packets(turn, head, more=used < len(pcm))
         if used < len(pcm):
             await self._queue_packets(turn, await turn.offload.run(encoder.encode, pcm[used:], urgency=urgency))
 
-    async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False) -> None:
+    def _starts_audio(self, turn: Turn, segment_start: bool) -> bool:
+        """The chunk starts the listener's audio: nothing encoded or held yet (a turn's first chunk, or the first
+        after a flush), or a segment's first while the listener has no more than the held-back frame left."""
+        if not turn.playout.queued_ms:
+            return True
+        return segment_start and turn.playout.buffered_ms(self.clock()) <= turn.fmt.frame_ms
+
+    async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False, more: bool = False) -> None:
         """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
-        known) so the turn's last frame can carry FLAG_LAST. Frames are whole: the encoder pads the end."""
+        known) so the turn's last frame can carry FLAG_LAST; `more`: more audio follows for certain, nothing is held.
+        Frames are whole: the encoder pads the end."""
         turn.playout.queued(len(payloads))
         batch = payloads if turn.held is None else [turn.held, *payloads]
-        turn.held = None if last or not batch else batch.pop()
+        turn.held = None if last or more or not batch else batch.pop()
         if not batch:
             return
         packets = _Packets(batch, last)

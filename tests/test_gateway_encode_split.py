@@ -1,5 +1,5 @@
-"""First frames first: a turn's first Opus chunk is encoded as two pool calls, its first frames (sent as soon as they
-are encoded) then the rest; in a burst every new turn's first frames go before anyone's rest. The bytes are those of
+"""First frame first: a turn's first Opus chunk is encoded as two pool calls, its first frame (sent as soon as it is
+encoded) then the rest; in a burst every new turn's first frame goes before anyone's rest. The bytes are those of
 one call per chunk; later chunks are one call each."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_a_chunk_split_into_head_and_rest_encodes_to_the_same_bytes(model_rate: 
     for i, start in enumerate(range(0, len(pcm), chunk)):
         piece = pcm[start:start + chunk]
         want += whole.encode(piece)
-        frames = 3 if i == 0 else 2
+        frames = (1, 3, 2, 1)[i % 4]
         head, used = _encode_head(split, piece, frames, step)
         assert len(head) >= frames or used == len(piece)
         got += head + split.encode(piece[used:])
@@ -200,13 +200,13 @@ async def test_new_turns_first_frames_go_out_before_anyones_rest(pool):
     engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
     await until(lambda: sum(e[0] == "encode" for e in log) == 2)
     calls = [(e[0], who[id(e[2])], e[1]) for e in log if e[0] != "send"]
-    # both heads (3 frames: one is held back for FLAG_LAST, 2 leave) before either rest, which waits for the
-    # head's frames to be sent
+    # both heads (one frame, sent at once: the rest follows, so it cannot be the turn's last) before either rest,
+    # which waits for the head's frame to be sent
     assert sorted(calls[:2]) == [("_encode_head", "a", 0.0), ("_encode_head", "b", 0.0)]
-    assert sorted(calls[2:]) == [("encode", "a", 60.0), ("encode", "b", 60.0)]
+    assert sorted(calls[2:]) == [("encode", "a", 20.0), ("encode", "b", 20.0)]
     for name in "ab":
         rest = next(i for i, e in enumerate(log) if e[0] == "encode" and who[id(e[2])] == name)
-        assert ("send", name, 2) in log[:rest]
+        assert ("send", name, 1) in log[:rest]
     for _ in range(2):
         engine.tick()
     await until(lambda: all(t.got("context.done") for t in sinks.values()))
@@ -230,13 +230,13 @@ async def test_only_a_turns_first_chunk_is_split(pool):
     await session.close()
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     assert calls == [
-        ("_encode_head", 0.0), ("encode", 60.0),  # the first chunk: 2 of its 3 head frames leave at once
+        ("_encode_head", 0.0), ("encode", 20.0),  # the first chunk: its head frame leaves at once
         ("encode", 160.0), ("encode", 320.0), ("encode", 480.0), ("encode", 640.0),  # then one call per chunk
         ("finish", 800.0),
     ]
-    # frames per write: the head's go out at once (its newest held back), then each chunk's with the previous held
-    # frame; the end releases the last held frame with the tail
-    assert [e[2] for e in log if e[0] == "send"] == [2, 5, 8, 8, 8, 8, 2]
+    # frames per write: the head's goes out at once, then the rest of the first chunk with its newest held back, then
+    # each chunk's with the previous held frame; the end releases the last held frame with the tail
+    assert [e[2] for e in log if e[0] == "send"] == [1, 6, 8, 8, 8, 8, 2]
     check_frames(sink.frames, 5)
 
 
@@ -270,3 +270,36 @@ async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_r
     await asyncio.sleep(0.05)  # its result (for nobody) delivered
     assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
     assert sink.frames == []
+
+
+@pytest.mark.parametrize("listener_dry", [True, False])
+async def test_a_later_segment_splits_its_first_chunk_only_when_the_listener_has_run_dry(pool, listener_dry):
+    log = pool.log
+    engine = TickEngine(chunks=2)
+    sink = Sink("a", log)
+    now = [1000.0]
+    session = Session(engine, sink, clock=lambda: now[0])
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "opus"}}))
+    text = "Hello there, this is the first sentence of the turn. And here is a second one to follow it."
+    await session.receive(json.dumps({"type": "text.append", "context_id": "t", "text": text}))
+    await session.receive(json.dumps({"type": "context.end", "context_id": "t"}))
+    for _ in range(2):  # the first segment's two chunks
+        await until(lambda: len(engine.queues) == 1)
+        engine.tick()
+    await until(lambda: len(engine.queues) == 2)  # the second segment's request is out
+    await until(lambda: len(sink.frames) == 15)  # the first segment's frames sent, but the held-back one
+    if listener_dry:
+        now[0] += 10.0  # the listener has played everything sent: only the held-back frame is left
+    engine.tick()
+    await until(lambda: len(sink.frames) >= 23)
+    calls = [(e[0], e[1]) for e in log if e[0] != "send"]
+    # the first segment: its first chunk split (head, rest), its second one call
+    assert calls[:3] == [("_encode_head", 0.0), ("encode", 20.0), ("encode", 160.0)]
+    if listener_dry:  # the second segment's first frame goes out alone, then the rest of its chunk
+        assert calls[3:] == [("_encode_head", 20.0), ("encode", 40.0)]
+    else:  # 300 ms sent and not played, the held frame: the chunk is one call
+        assert calls[3:] == [("encode", 320.0)]
+    # the bytes of one encoder call per chunk, the split in the middle of the turn included
+    assert [f.payload for f in sink.frames] == reference(3)[:len(sink.frames)]
+    await session.close()
