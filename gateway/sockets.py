@@ -42,9 +42,9 @@ class ClientSocket(web.WebSocketResponse):
     def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
         super()._post_start(request, protocol, writer)
         handler = request.protocol
-        # aiohttp calls this hook from data_received, before parsing; it sets one only for its own heartbeat (which
-        # these sockets do not use: autoping=False, `Messages` pings)
-        if handler is not None and getattr(handler, "_data_received_cb", None) is None:
+        # aiohttp (3.12+) calls this hook from data_received, before parsing; it sets one only for its own heartbeat
+        # (these sockets have none: `Messages` pings). Without the hook data_at stays None: handler time is used.
+        if handler is not None and hasattr(handler, "_data_received_cb") and handler._data_received_cb is None:
             handler._data_received_cb = self._data_received
 
     def _data_received(self) -> None:
@@ -89,7 +89,8 @@ class Messages:
     queued, and if its pong has not come back after `stall_s` the client has not read for that long, wherever the
     unread bytes sit (our buffers, the kernel's, the client's), so `on_stall` drops it. `first_within_s`: the first
     message must come within that many seconds (FirstMessageTimeout otherwise). `arrived_at`: when the last message
-    given out came in (time.monotonic; no later than the socket's read that delivered it), or None where unknown."""
+    given out came in (time.monotonic of the socket's newest read: the one that delivered it or a later one, so never
+    earlier than the truth), or None where unknown."""
 
     def __init__(self, ws: web.WebSocketResponse, *, stall_s: float, on_stall: Callable[[], None],
                  first_within_s: float | None = None):
@@ -127,7 +128,7 @@ class Messages:
                 raise FirstMessageTimeout from None
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                 self._deadline = None
-                # the newest read's time: this message's own, or (if it was queued) a later read's
+                # the newest read: this message's own, or (when it was queued behind others) a later one
                 self.arrived_at = getattr(self.ws, "data_at", None)
                 return msg
             if msg.type == WSMsgType.PING:
