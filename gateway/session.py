@@ -295,6 +295,7 @@ class Session(TurnPipeline, TurnSender):
                                     context_id=m.context_id)
             if turn.t_first_text is None and m.text.strip():
                 turn.t_first_text = self._message_at
+                turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text
             turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
             self._release(turn, turn.segmenter.push(m.text))  # a first segment's engine request leaves here

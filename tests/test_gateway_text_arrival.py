@@ -67,6 +67,8 @@ async def test_text_that_waited_behind_another_handler_counts_in_the_server_ttfb
     # "fast"'s text waited BLOCK_S inside the gateway before its handler ran: the server's TTFB includes that wait,
     # so what the client saw beyond it is the loopback transit, far below the block
     assert outside_ms["fast"] < BLOCK_S * 1000.0 / 2, (outside_ms, done["fast"]["ttfb_ms"])
+    assert done["fast"]["text_queued_ms"] >= BLOCK_S * 1000.0 * 0.9, done["fast"]  # and says where it went
+    assert done["slow"]["text_queued_ms"] < BLOCK_S * 1000.0 / 2, done["slow"]
     # and neither turn's origin is earlier than its bytes' arrival: the server never claims more than the client saw
     # (context.done rounds to 0.1 ms)
     assert all(ms >= -0.1 for ms in outside_ms.values()), outside_ms
