@@ -25,7 +25,8 @@ In-process, the gateway and the load clients share one process and one event loo
 (`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one).
 
 Where time goes, in the JSON: the overhead split into the server's share and the rest (`server_overhead_ms_*`,
-`outside_server_ms_*`); `underrun_detail` (each late frame's turn, pts, segment, time since the turn and the level
+`outside_server_ms_*`; `text_queued_ms_*`: the server's share that the first text spent read but waiting for its
+handler); `underrun_detail` (each late frame's turn, pts, segment, time since the turn and the level
 started, and what the server saw of that segment); `segment_detail` (from context.done's `segment_log`: the audio
 queued for the listener when each later segment went to the engine, how long after its predecessor's last chunk, the
 engine's TTFB and its longest mid-segment waits with when they happened); `engine_steps` (the engine's step times and
@@ -301,11 +302,15 @@ def _summary(level: Level, turns: list[TurnResult], wall_s: float, cpu_s: float,
         **_latency(ok),
         "by_mode": {m: _latency([t for t in ok if t.mode == m]) for m in modes} if len(modes) > 1 else None,
         # what the gateway adds to first audio as the client sees it: client TTFB - engine TTFB, split into the
-        # server's share (server_overhead: text handled -> first audio written, minus the engine's) and what lies
-        # around the server (client TTFB - server TTFB: the client's send and receive, the server's input queue)
+        # server's share (server_overhead: text read off the socket -> first audio written, minus the engine's) and
+        # what lies around the server (client TTFB - server TTFB: the client's send and receive, the kernel's queues);
+        # text_queued: the first text's wait between the socket read and its handler (a burst of other turns'), a
+        # part of the server's share
         "gateway_overhead_ms_p50": _pct(overhead, 0.5), "gateway_overhead_ms_p90": _pct(overhead, 0.9),
         "outside_server_ms_p50": _pct(outside, 0.5), "outside_server_ms_p90": _pct(outside, 0.9),
         "server_ttfb_ms_p50": _pct([t.server_metrics["ttfb_ms"] for t in timed], 0.5),
+        **{f"text_queued_ms_p{q}": _pct([m for t in timed if (m := t.server_metrics.get("text_queued_ms")) is not None],
+                                        q / 100) for q in (50, 90)},
         "client_gap_ms_p50": _pct(gaps, 0.5), "client_gap_ms_p99": _pct(gaps, 0.99),
         "client_gap_ms_max": _pct(gaps, 1.0),
         "server_rtf_mean": round(statistics.mean(t.server_metrics["rtf"] for t in ok if t.server_metrics.get("rtf")),

@@ -255,7 +255,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
             async with Messages(ws, stall_s=gw.config.limits.slow_consumer_timeout_s,
                                 on_stall=session.drop_slow_consumer) as messages:
                 async for msg in messages:
-                    await session.receive(msg.data)
+                    await session.receive(msg.data, messages.arrived_at)
                     if session.closed:
                         break
         except ConnectionError:  # the client went away

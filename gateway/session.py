@@ -91,6 +91,9 @@ class Session(TurnPipeline, TurnSender):
         self._send_ready: Callable[[], bool] | None = getattr(sink, "send_ready", None)
         self._tasks: set[asyncio.Task] = set()
         self._dropped = False  # drop_slow_consumer ran
+        # when the message being handled reached the gateway (`receive`): a turn's TTFB counts from there, so the
+        # time a message waits behind other sessions' handlers (a burst of turns) is the server's, not "outside" it
+        self._message_at = self.last_activity
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -142,11 +145,12 @@ class Session(TurnPipeline, TurnSender):
 
     # ------------------------------------------------------------------------------------------------ input
 
-    async def receive(self, raw: str | bytes) -> None:
-        """Handle one frame from the client."""
+    async def receive(self, raw: str | bytes, arrived_at: float | None = None) -> None:
+        """Handle one frame from the client; `arrived_at`: when its bytes came in (the session's clock; None: now)."""
         if self.closed:
             return
         self.last_activity = self.clock()
+        self._message_at = self.last_activity if arrived_at is None else min(arrived_at, self.last_activity)
         try:
             message = p.parse_client_message(raw, self.limits)
             await self._dispatch(message)
@@ -290,7 +294,8 @@ class Session(TurnPipeline, TurnSender):
                                     "waiting to be spoken in this context; send more once audio has gone out",
                                     context_id=m.context_id)
             if turn.t_first_text is None and m.text.strip():
-                turn.t_first_text = self.clock()
+                turn.t_first_text = self._message_at
+                turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text
             turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
             self._release(turn, turn.segmenter.push(m.text))  # a first segment's engine request leaves here

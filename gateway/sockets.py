@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,23 @@ class ClientSocket(web.WebSocketResponse):
     aiohttp closes the TCP connection right after its close frame; a client still sending the oversized message then
     gets a reset, and a reset discards the close frame in the client's receive buffer. Here the close frame is
     followed by a half-close (FIN) and the connection stays open, its input discarded (aiohttp's reader has stopped
-    parsing), until the client closes or LINGER_S passes."""
+    parsing), until the client closes or LINGER_S passes.
+
+    `data_at`: when bytes last came in from the client (time.monotonic), stamped as the connection reads them, before
+    any handler runs: under a burst, a message read now may wait for other sessions' handlers before its own runs."""
+
+    data_at: float | None = None
+
+    def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
+        super()._post_start(request, protocol, writer)
+        handler = request.protocol
+        # aiohttp (3.12+) calls this hook from data_received, before parsing; it sets one only for its own heartbeat
+        # (these sockets have none: `Messages` pings). Without the hook data_at stays None: handler time is used.
+        if handler is not None and hasattr(handler, "_data_received_cb") and handler._data_received_cb is None:
+            handler._data_received_cb = self._data_received
+
+    def _data_received(self) -> None:
+        self.data_at = time.monotonic()
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         request = self._req
@@ -71,7 +88,9 @@ class Messages:
     Besides: the client's pings are answered; a ping of our own goes out every few seconds behind whatever audio is
     queued, and if its pong has not come back after `stall_s` the client has not read for that long, wherever the
     unread bytes sit (our buffers, the kernel's, the client's), so `on_stall` drops it. `first_within_s`: the first
-    message must come within that many seconds (FirstMessageTimeout otherwise)."""
+    message must come within that many seconds (FirstMessageTimeout otherwise). `arrived_at`: when the last message
+    given out came in (time.monotonic of the socket's newest read: the one that delivered it or a later one, so never
+    earlier than the truth), or None where unknown."""
 
     def __init__(self, ws: web.WebSocketResponse, *, stall_s: float, on_stall: Callable[[], None],
                  first_within_s: float | None = None):
@@ -82,6 +101,7 @@ class Messages:
         self._pings = 0
         self._probe: asyncio.Task | None = None
         self._sends: set[asyncio.Task] = set()
+        self.arrived_at: float | None = None
 
     async def __aenter__(self) -> Messages:
         self._probe = asyncio.create_task(self._watch())
@@ -108,6 +128,8 @@ class Messages:
                 raise FirstMessageTimeout from None
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                 self._deadline = None
+                # the newest read: this message's own, or (when it was queued behind others) a later one
+                self.arrived_at = getattr(self.ws, "data_at", None)
                 return msg
             if msg.type == WSMsgType.PING:
                 self._send(self.ws.pong(msg.data))

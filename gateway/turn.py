@@ -125,7 +125,8 @@ class Turn:
     audio: list[SegmentAudio] = field(default_factory=list)
     playout: Playout = field(init=False)  # what was queued and sent, and the listener's playout
     # metrics
-    t_first_text: float | None = None
+    t_first_text: float | None = None  # when the turn's first text reached the gateway (`Session.receive`)
+    text_queued_ms: float | None = None  # how long that text waited between the socket's read and its handler
     engine_ttfb_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)

@@ -130,6 +130,7 @@ class SocketBridge:
         self._pending = contextlib.ExitStack()  # counted as a pending socket until the session starts
         self.pending = False  # counted by Gateway.pending_socket (for `Gateway.refusal(key, pending=...)`)
         self._tasks: set[asyncio.Task] = set()
+        self.arrived_at: float | None = None  # when the message being handled came in (its turn's TTFB origin)
 
     async def on_open(self) -> None:
         """The socket is open (the first thing `serve` does): a protocol that knows its settings from the handshake
@@ -165,7 +166,7 @@ class SocketBridge:
     async def to_session(self, kind: str, **fields: Any) -> None:
         """Feed the session one native client message."""
         assert self.session is not None
-        await self.session.receive(native(kind, **fields))
+        await self.session.receive(native(kind, **fields), self.arrived_at)
 
     async def close(self, code: int, reason: str) -> None:
         """Close the session (which closes the socket through this sink), or the socket alone."""
@@ -224,6 +225,7 @@ class SocketBridge:
             async with Messages(self.ws, stall_s=self.gw.config.limits.slow_consumer_timeout_s,
                                 on_stall=self.stalled, first_within_s=self.first_message_within()) as messages:
                 async for msg in messages:
+                    self.arrived_at = messages.arrived_at
                     await self.handle(msg.data)
                     if self.closing or self.session is not None and self.session.closed:
                         break
