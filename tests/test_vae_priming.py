@@ -35,7 +35,7 @@ def test_batched_priming_equals_priming_each_alone():
         batched.prime(reqs)
         for req in reqs:
             alone.state.reset_(torch.tensor([req.vae_slot]))
-            alone.prime_contexts([req.vae_slot], req.spec.context_patches[None])
+            alone.prime_contexts([req.vae_slot], [req.spec.context_patches])
         assert all(r.vae_primed for r in reqs)
         slots = torch.tensor([r.vae_slot for r in reqs] + [bystander])
         nxt = torch.randn(len(slots), p, d)

@@ -120,22 +120,21 @@ class VaeLane:
             for group in by_length.values():
                 for i in range(0, len(group), PRIME_ROWS):
                     part = group[i:i + PRIME_ROWS]
-                    self.prime_contexts([r.vae_slot for r in part], torch.stack([r.spec.context_patches for r in part]))
+                    self.prime_contexts([r.vae_slot for r in part], [r.spec.context_patches for r in part])
 
-    def prime_contexts(self, slots: list[int], contexts: torch.Tensor) -> None:
-        """Replay continuations' prompt tails [B, k, P, D] into VAE rows `slots` as one decode. Under load a step
-        admits dozens of continuations (every later segment of a gateway turn is one): one eager decode each held the
-        worker's host thread ~1 ms per request and queued as many decodes on the lane ahead of the step's own. The
-        batch is padded to a power of two with the scratch row (`PRIME_BATCHES`, met by the warm-up)."""
+    def prime_contexts(self, slots: list[int], contexts: list[torch.Tensor]) -> None:
+        """Replay continuations' prompt tails (each [k, P, D], one k) into VAE rows `slots` as one decode. Under load
+        a step admits dozens of continuations (every later segment of a gateway turn is one): one eager decode each
+        held the worker's host thread ~1 ms per request and queued as many decodes on the lane ahead of the step's
+        own. The batch is padded to a power of two with the scratch row (`PRIME_BATCHES`, met by the warm-up)."""
         n = len(slots)
         padded = next(b for b in PRIME_BATCHES if b >= n)
         dev = self.state.buffers[0].device
-        rows = torch.full((padded,), self.scratch_slot, dtype=torch.long)
+        pinned = dev.type == "cuda"  # a pageable copy would wait for the stream
+        rows = torch.full((padded,), self.scratch_slot, dtype=torch.long, pin_memory=pinned)
         rows[:n] = torch.tensor(slots, dtype=torch.long)
-        latents = contexts.new_zeros((padded, *contexts.shape[1:]))
-        latents[:n] = contexts
-        if dev.type == "cuda":  # pinned: a pageable copy would wait for the stream
-            rows, latents = rows.pin_memory(), latents.pin_memory()
+        latents = torch.zeros((padded, *contexts[0].shape), dtype=contexts[0].dtype, pin_memory=pinned)
+        torch.stack(contexts, out=latents[:n])
         rows = rows.to(dev, non_blocking=True)
         part = self.state.gather(rows)
         latents = latents.to(self.device, non_blocking=True).to(self.dtype)

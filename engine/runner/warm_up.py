@@ -119,7 +119,7 @@ class WarmUp:
         with lane.on_lane(join=True):
             for k in range(1, CONTEXT_PATCHES[self.config.architecture] + 1):
                 for batch in PRIME_BATCHES:
-                    lane.prime_contexts([lane.scratch_slot] * batch, torch.zeros(batch, k, p, d))
+                    lane.prime_contexts([lane.scratch_slot] * batch, [torch.zeros(k, p, d)] * batch)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("warm-up: %d Triton kernel specializations compiled (%d in all)", triton_compiles() - before,
