@@ -557,6 +557,9 @@ async def _run(args: argparse.Namespace) -> list[dict]:
             t0, cpu0, machine0 = time.perf_counter(), time.process_time(), _machine_busy_s()
             # the instant the level's turns begin: client processes start and sessions connect meanwhile
             args.level_t0 = time.monotonic() + args.start_delay
+            spy = None
+            if proc is not None and args.py_spy:  # sampled in the level's steady state: after the ramp
+                spy = asyncio.create_task(_spy(proc.pid, level, args))
             turns = await _level(url, level, args)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             gateway = None
@@ -573,7 +576,7 @@ async def _run(args: argparse.Namespace) -> list[dict]:
             busy = _machine_busy_s()
             machine = None if busy is None or machine0 is None else round((busy - machine0) / wall, 2)
             results.append({**_summary(level, turns, wall, cpu, args, gateway), "engine_steps": steps,
-                            "machine_cores_busy": machine})
+                            "machine_cores_busy": machine, **({"py_spy": await spy} if spy is not None else {})})
             print(_table(results[-1:], header=len(results) == 1), file=sys.stderr, flush=True)  # progress
     finally:
         if proc is not None:
@@ -583,6 +586,15 @@ async def _run(args: argparse.Namespace) -> list[dict]:
         if engine is not None:
             await engine.stop()
     return results
+
+
+async def _spy(pid: int, level: Level, args: argparse.Namespace) -> dict:
+    """--py-spy: the gateway process sampled for that many seconds (GIL holder, then every thread) from 2 s after
+    the level's turns begin (after the ramp in closed loop)."""
+    from py_spy import record
+
+    await asyncio.sleep(args.start_delay + 2.0 + (args.ramp if level.closed else 0.0))
+    return await record(pid, args.py_spy, Path(args.py_spy_dir), level.name.replace(":", "_"))
 
 
 async def _warm_up(url: str, args: argparse.Namespace) -> None:
@@ -649,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
                     "never fires would otherwise speak to the length cap)")
     ap.add_argument("--profile", help="--spawn-server: cProfile the gateway's event loop, pstats written here (it "
                     "slows the loop: read it for where time goes, not for the latency figures)")
+    ap.add_argument("--py-spy", type=float, default=0.0, help="--spawn-server: sample the gateway this many seconds "
+                    "a level with py-spy (who holds the GIL, what each thread does); 0: not")
+    ap.add_argument("--py-spy-dir", default=".", help="where py-spy's raw stacks go")
     ap.add_argument("--json", help="write results here")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

@@ -46,23 +46,49 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 class LoopLag:
-    """Overshoot of a periodic timer: how long a ready callback waits for the event loop."""
+    """Overshoot of a periodic timer: how long a ready callback waits for the event loop. Besides, the loop thread's
+    CPU share while it lagged (near 1: it was busy running callbacks; near 0: it wanted to run and could not, waiting
+    for the GIL or a core) and the cyclic garbage collector's pauses."""
+
+    LAGGING_MS = 20.0
 
     def __init__(self, interval_s: float = LAG_INTERVAL_S):
         self.interval_s = interval_s
+        self.reset()
+        gc.callbacks.append(self._on_gc)
+
+    def reset(self) -> None:
         self.samples: list[float] = []
+        self.lagging_wall_s = self.lagging_cpu_s = 0.0
+        self.gc_pauses_ms: list[float] = []
+        self._gc_started: float | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None and info.get("generation", 0) >= 1:
+            self.gc_pauses_ms.append((time.perf_counter() - self._gc_started) * 1000.0)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t, cpu = loop.time(), time.thread_time()
             await asyncio.sleep(self.interval_s)
-            self.samples.append((loop.time() - t - self.interval_s) * 1000.0)
+            lag = (loop.time() - t - self.interval_s) * 1000.0
+            self.samples.append(lag)
+            if lag >= self.LAGGING_MS:
+                self.lagging_wall_s += loop.time() - t
+                self.lagging_cpu_s += time.thread_time() - cpu
 
     def summary(self) -> dict[str, Any]:
-        s = self.samples
+        s, pauses = self.samples, self.gc_pauses_ms
         return {"n": len(s), "p50_ms": _pct(s, 0.5), "p90_ms": _pct(s, 0.9), "p99_ms": _pct(s, 0.99),
-                "max_ms": round(max(s), 2) if s else None}
+                "max_ms": round(max(s), 2) if s else None,
+                "lagging_s": round(self.lagging_wall_s, 2),
+                "loop_cpu_share_while_lagging": round(self.lagging_cpu_s / self.lagging_wall_s, 3)
+                if self.lagging_wall_s else None,
+                "gc_gen1_2_pauses": len(pauses), "gc_pause_ms_total": round(sum(pauses), 1),
+                "gc_pause_ms_max": round(max(pauses), 2) if pauses else None}
 
 
 def thread_cpu() -> dict[str, float]:
@@ -118,7 +144,7 @@ async def _serve(args: argparse.Namespace) -> None:
         return web.json_response(body)
 
     async def reset(_: web.Request) -> web.Response:
-        lag.samples = []
+        lag.reset()
         late = getattr(engine, "late_ticks_ms", None)
         if late is not None:
             late.clear()

@@ -16,6 +16,7 @@
 #   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
 #   TWO_KEY_LEVELS=twokey:256 (two_key: key A's 256 streams at once against key B's one new stream)
 #   GATEWAY_E2E_LEVELS=64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix GATEWAY_E2E_DURATION=30
+#   GATEWAY_E2E_PYSPY=6 (gateway_e2e: py-spy samples the gateway 6 s a level: GIL holder, every thread; carry its wheel)
 #   GATEWAY_E2E_ARGS="--cushion-ms 100" (gateway_e2e; ARGS come after bench/gateway_load.py's own, so they win)
 #   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_e2e gateway_capacity v15 kernels two_key soak
 set -uo pipefail
@@ -220,8 +221,10 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         levels=${GATEWAY_E2E_LEVELS:-64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix}
         stage 150 270 "gateway end to end: $levels" $PY bench/gateway_load.py --model $V2 --spawn-server \
             --max-num-seqs 512 --client-procs 8 --format opus --max-length 12 --turns 1 --ramp 6 \
-            --duration "${GATEWAY_E2E_DURATION:-30}" --sessions "$levels" ${GATEWAY_E2E_ARGS:-} \
+            --duration "${GATEWAY_E2E_DURATION:-30}" --sessions "$levels" \
+            --py-spy "${GATEWAY_E2E_PYSPY:-0}" --py-spy-dir /tmp/pyspy ${GATEWAY_E2E_ARGS:-} \
             --json "$OUT/gateway_e2e.json" >"$OUT/gateway_e2e.log" 2>&1
+        [ -d /tmp/pyspy ] && tar -czf "$OUT/pyspy.tar.gz" -C /tmp pyspy
         tail -5 "$OUT/gateway_e2e.log" ;;
     gateway_capacity)  # Opus sessions over the stand-in engine (no GPU): the gateway's own CPU per stream
         stage 60 120 "gateway capacity, Opus sessions over the stand-in" $PY bench/gateway_capacity.py \
