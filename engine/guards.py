@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.engine_config import MAX_TIMESTEPS
 from engine.errors import AudioTooLong, EmptyText, InvalidAudio, InvalidParameter
 from engine.options import check_int
-from engine.request import SamplingParams
+from engine.sampling import SamplingParams
 from engine.text import normalize_text
 
 # Prompt and voice audio: VoxCPM clones a voice from a few seconds to a few tens of seconds of speech (the official

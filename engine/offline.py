@@ -19,7 +19,7 @@ from engine.checkpoint import LoadedModel
 from engine.errors import InvalidParameter, TextTooLong
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.prompt import Prompt, build_prompt, encode_prompt_audio, length_cap, positions_left, read_audio
-from engine.request import SamplingParams
+from engine.sampling import SamplingParams
 
 AudioInput = str | Path | bytes | tuple[np.ndarray | Tensor, int]
 BLOCK_SIZE = 64

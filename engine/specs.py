@@ -14,7 +14,8 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import EngineError, InvalidRequest, TextTooLong
 from engine.prompt import layout_patches, length_cap, prompt_layout
-from engine.request import RequestSpec, SamplingParams, zero_patches
+from engine.request import RequestSpec, zero_patches
+from engine.sampling import SamplingParams
 from engine.text import Tokenizer
 
 

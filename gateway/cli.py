@@ -13,10 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from engine.engine_config import EngineConfig
-from engine.request import SamplingParams
+from engine.sampling import SamplingParams
 from gateway.config_file import ConfigFileError, with_config_file
 from gateway.flags import FlagError, add_flags, given
 from gateway.gateway_config import GatewayConfig
@@ -24,6 +22,8 @@ from gateway.store.local import DEFAULT_DATA_DIR
 from gateway.text import normalize as spoken
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from gateway.server import ServerConfig
 
 log = logging.getLogger("voxgate")
@@ -268,6 +268,8 @@ async def _say(args: argparse.Namespace, gateway: GatewayConfig) -> int:
 
 
 async def _say_local(args: argparse.Namespace, text: str) -> tuple[np.ndarray, int, float, float, bool]:
+    import numpy as np
+
     from engine import EngineError
 
     engine = await _start_engine(args)
@@ -299,6 +301,7 @@ async def _say_local(args: argparse.Namespace, text: str) -> tuple[np.ndarray, i
 
 async def _say_remote(args: argparse.Namespace, text: str) -> tuple[np.ndarray, int, float, float, bool]:
     import aiohttp
+    import numpy as np
 
     from gateway.client import ServerError, VoxgateClient
 

@@ -1,4 +1,5 @@
-"""The `voxgate` command as a user runs it (subprocesses): say locally, say through a gateway, serve + SIGTERM."""
+"""The `voxgate` command as a user runs it (subprocesses): say locally, say through a gateway (without torch),
+serve + SIGTERM, --help (without torch or numpy)."""
 
 import argparse
 import asyncio
@@ -29,6 +30,22 @@ async def _voxgate(*args: str, timeout: float = 90) -> tuple[int, str]:
     return proc.returncode, out.decode()
 
 
+async def _voxgate_imports(*args: str, timeout: float = 90) -> tuple[int, str, set[str]]:
+    """`_voxgate` under `python -X importtime`: also the names of every module the command imported."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-X", "importtime", "-m", "gateway.cli", *args,
+                                                env=ENV, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    modules: set[str] = set()
+    messages = [out.decode()]
+    for line in err.decode().splitlines():
+        if line.startswith("import time:"):
+            modules.add(line.rpartition("|")[2].strip())
+        else:
+            messages.append(line)
+    return proc.returncode, "\n".join(messages), modules
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gateway_url(tiny_v2_dir):
     engine = Engine.from_pretrained(str(tiny_v2_dir), max_num_seqs=4)
@@ -52,10 +69,12 @@ async def test_say_locally_writes_a_wav_and_reports_ttfb_and_rtf(tiny_v2_dir, tm
 @in_module_loop
 async def test_say_through_the_gateway(gateway_url, tmp_path):
     out = tmp_path / "remote.wav"
-    code, text = await _voxgate("say", "Hello through the gateway.", "-o", str(out), "--server", gateway_url)
+    code, text, modules = await _voxgate_imports("say", "Hello through the gateway.", "-o", str(out),
+                                                 "--server", gateway_url)
     assert code == 0, text
     audio, rate = soundfile.read(out)
     assert rate == 48000 and len(audio) > 0 and "TTFB" in text
+    assert "gateway.client" in modules and "torch" not in modules  # the engine runs in the gateway, not here
 
 
 @in_module_loop
@@ -111,6 +130,16 @@ async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir, tmp_
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
+async def test_help_starts_without_torch_or_numpy(args):
+    code, text, modules = await _voxgate_imports(*args)
+    assert code == 0 and "usage: voxgate" in text, text
+    assert "gateway.flags" in modules and "engine.engine_config" in modules  # the flag tables were built
+    assert not {"torch", "numpy", "engine.engine"} & modules  # each of them adds to every `voxgate --help`
+    if args[0] == "serve":
+        assert "--max-num-seqs" in text and "--max-sessions" in text  # engine and gateway flags, from their configs
 
 
 def test_engine_switches_reach_the_engine_only_when_set():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "gateway")
 
@@ -104,3 +106,17 @@ def test_the_graph_sees_imports_inside_functions() -> None:
 
 def test_engine_and_gateway_have_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_the_engine_package_gives_every_public_name_torch_backed_ones_on_first_use() -> None:
+    import importlib
+
+    import engine
+
+    assert set(engine.LAZY) <= set(engine.__all__) <= set(dir(engine))
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+    for name, module in engine.LAZY.items():
+        assert getattr(engine, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        engine.no_such_name  # noqa: B018
