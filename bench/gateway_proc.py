@@ -60,14 +60,14 @@ class LoopLag:
     def reset(self) -> None:
         self.samples: list[float] = []
         self.lagging_wall_s = self.lagging_cpu_s = 0.0
-        self.gc_pauses_ms: list[float] = []
+        self.gc_pauses_ms: dict[int, list[float]] = {1: [], 2: []}  # by generation
         self._gc_started: float | None = None
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None and info.get("generation", 0) >= 1:
-            self.gc_pauses_ms.append((time.perf_counter() - self._gc_started) * 1000.0)
+            self.gc_pauses_ms[min(2, info["generation"])].append((time.perf_counter() - self._gc_started) * 1000.0)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -81,14 +81,14 @@ class LoopLag:
                 self.lagging_cpu_s += time.thread_time() - cpu
 
     def summary(self) -> dict[str, Any]:
-        s, pauses = self.samples, self.gc_pauses_ms
+        s = self.samples
         return {"n": len(s), "p50_ms": _pct(s, 0.5), "p90_ms": _pct(s, 0.9), "p99_ms": _pct(s, 0.99),
                 "max_ms": round(max(s), 2) if s else None,
                 "lagging_s": round(self.lagging_wall_s, 2),
                 "loop_cpu_share_while_lagging": round(self.lagging_cpu_s / self.lagging_wall_s, 3)
                 if self.lagging_wall_s else None,
-                "gc_gen1_2_pauses": len(pauses), "gc_pause_ms_total": round(sum(pauses), 1),
-                "gc_pause_ms_max": round(max(pauses), 2) if pauses else None}
+                **{f"gc_gen{g}": {"pauses": len(p), "ms_total": round(sum(p), 1),
+                                  "ms_max": round(max(p), 2) if p else None} for g, p in self.gc_pauses_ms.items()}}
 
 
 def thread_cpu() -> dict[str, float]:
