@@ -218,14 +218,19 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         # engine, 8 client processes, ~60-word paragraphs at 12 patches a segment (~6 segments, ~11.5 s of audio a
         # turn): 64 and 256 at once (text whole; 256 again in PCM: what the Opus pool adds), then 400 in closed loop
         # (half whole, half LLM deltas) for 6 s of ramp and GATEWAY_E2E_DURATION s; ~3 min with the engine's start
+        # GATEWAY_E2E_VARIANTS="VOXGATE_ENCODE_PROCS=0 VOXGATE_ENCODE_PROCS=12": one run per environment setting (the
+        # gateway's own), each into gateway_e2e_<setting>.json; without it one run into gateway_e2e.json
         levels=${GATEWAY_E2E_LEVELS:-64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix}
-        stage 150 270 "gateway end to end: $levels" $PY bench/gateway_load.py --model $V2 --spawn-server \
-            --max-num-seqs 512 --client-procs 8 --format opus --max-length 12 --turns 1 --ramp 6 \
-            --duration "${GATEWAY_E2E_DURATION:-30}" --sessions "$levels" \
-            --py-spy "${GATEWAY_E2E_PYSPY:-0}" --py-spy-dir /tmp/pyspy ${GATEWAY_E2E_ARGS:-} \
-            --json "$OUT/gateway_e2e.json" >"$OUT/gateway_e2e.log" 2>&1
-        [ -d /tmp/pyspy ] && tar -czf "$OUT/pyspy.tar.gz" -C /tmp pyspy
-        tail -5 "$OUT/gateway_e2e.log" ;;
+        for variant in ${GATEWAY_E2E_VARIANTS:-default}; do
+            name=gateway_e2e; [ "$variant" != default ] && name=gateway_e2e_$(echo "$variant" | tr -c 'A-Za-z0-9\n' '_')
+            stage 150 270 "gateway end to end ($variant): $levels" env ${variant/default/} $PY bench/gateway_load.py \
+                --model $V2 --spawn-server --max-num-seqs 512 --client-procs 8 --format opus --max-length 12 \
+                --turns 1 --ramp 6 --duration "${GATEWAY_E2E_DURATION:-30}" --sessions "$levels" \
+                --py-spy "${GATEWAY_E2E_PYSPY:-0}" --py-spy-dir "/tmp/pyspy/$name" ${GATEWAY_E2E_ARGS:-} \
+                --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+            tail -5 "$OUT/$name.log"
+        done
+        [ -d /tmp/pyspy ] && tar -czf "$OUT/pyspy.tar.gz" -C /tmp pyspy ;;
     gateway_capacity)  # Opus sessions over the stand-in engine (no GPU): the gateway's own CPU per stream
         stage 60 120 "gateway capacity, Opus sessions over the stand-in" $PY bench/gateway_capacity.py \
             ${CAP_ARGS:---sessions 250,500} --client-procs 6 --duration 15 --json "$OUT/gateway_capacity.json" \
