@@ -238,6 +238,8 @@ class ProcEncoder:
     async def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> Any:
         if not self._process.alive:
             raise EncoderProcessLost(f"pid {self._process.pid} is gone")
+        if pcm is not None and np.ndim(pcm) != 1:
+            raise ValueError(f"pcm: expected mono samples (1-D), got shape {np.shape(pcm)}")
         payload = None if pcm is None else memoryview(np.ascontiguousarray(pcm, dtype=np.float32)).cast("B")
         return await self._process.submit(op, self._id, a1, a2, payload, urgency)
 
