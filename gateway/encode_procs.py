@@ -44,7 +44,7 @@ from gateway.settings import GatewaySettings
 log = logging.getLogger("voxgate.encode_procs")
 
 WINDOW = 4  # calls in one process at a time: enough to keep it busy while its results travel back
-READ_BYTES = 1 << 20
+READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
 # the interpreter's -c program of an encoder process: the gateway's own package first on its path (a worktree or a
 # checkout wins over an installed copy, as in the parent)
 CHILD_PROGRAM = "import sys; sys.path.insert(0, sys.argv[1]); from gateway.encode_child import main; main(sys.argv[2:])"
