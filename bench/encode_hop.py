@@ -2,10 +2,11 @@
 
 `--turns` turns each encode `--chunks` 160 ms chunks, one awaited call after another (as a turn does), all at once;
 reported per place: the loop thread's CPU per chunk (what the hop costs the thread every session shares), wall time,
-and chunks per second. On a small machine the wall figures mostly say how many cores there are; the loop's CPU per
-chunk is the comparison.
+and chunks per second, each the median of `--repeats` runs made in turn (min too for the CPU: a machine shared with
+other work inflates some runs). On a small machine the wall figures mostly say how many cores there are; the loop's
+CPU per chunk is the comparison.
 
-    python bench/encode_hop.py --turns 64 --chunks 20 --workers 2 [--json out.json]
+    python bench/encode_hop.py --turns 64 --chunks 20 --workers 2 [--repeats 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,24 +56,27 @@ async def main() -> None:
     ap.add_argument("--turns", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=20, help="160 ms chunks per turn")
     ap.add_argument("--workers", type=int, default=2, help="encode threads, and encoder processes")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each place, interleaved")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     t = np.arange(args.chunks * CHUNK) / RATE
     pcm = (0.3 * np.sin(2 * np.pi * 140 * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
-    results: dict[str, dict[str, float]] = {}
-    results["loop"] = await run_turns(OnLoop(), args.turns, args.chunks, pcm)
     pool = OffloadPool(threads=args.workers)
+    procs = EncodeProcs(args.workers)
+    sites: dict[str, EncodeSite] = {"loop": OnLoop(), "threads": InPool(pool), "procs": procs}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sites}
     try:
-        results["threads"] = await run_turns(InPool(pool), args.turns, args.chunks, pcm)
+        for _ in range(args.repeats):
+            for name, site in sites.items():
+                runs[name].append(await run_turns(site, args.turns, args.chunks, pcm))
     finally:
         pool.shutdown()
-    procs = EncodeProcs(args.workers)
-    try:
-        results["procs"] = await run_turns(procs, args.turns, args.chunks, pcm)
-    finally:
         procs.close()
-    out = {"turns": args.turns, "chunks": args.chunks, "workers": args.workers, "results": results}
+    results = {name: {"loop_cpu_us_per_chunk_min": min(r["loop_cpu_us_per_chunk"] for r in rs),
+                      **{k: statistics.median(r[k] for r in rs) for k in rs[0]}} for name, rs in runs.items()}
+    out = {"turns": args.turns, "chunks": args.chunks, "workers": args.workers, "repeats": args.repeats,
+           "results": results}
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

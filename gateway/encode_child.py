@@ -5,6 +5,7 @@ loop needs. It exits when the gateway closes its end of the socket (or dies: the
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import pickle
 import signal
@@ -60,7 +61,7 @@ class Encoders:
         return w.failure(call_id, f"unknown op {op}")
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, shared: memoryview) -> None:
     """Answer requests until the gateway's end closes. Responses to urgent calls go at once, the rest together at the
     end of what one read brought (one wakeup of the gateway's loop for several)."""
     encoders = Encoders()
@@ -76,11 +77,16 @@ def serve(sock: socket.socket) -> None:
         view = memoryview(buf)
         pos, out = 0, []
         while len(buf) - pos >= w.REQUEST.size:
-            op, urgent, call_id, encoder_id, a1, a2, size = w.REQUEST.unpack_from(buf, pos)
-            end = pos + w.REQUEST.size + size
-            if len(buf) < end:
-                break
-            answer = encoders.handle(op, call_id, encoder_id, a1, a2, view[pos + w.REQUEST.size:end])
+            op, urgent, slot, call_id, encoder_id, a1, a2, size = w.REQUEST.unpack_from(buf, pos)
+            if slot == w.INLINE:
+                end = pos + w.REQUEST.size + size
+                if len(buf) < end:
+                    break
+                payload = view[pos + w.REQUEST.size:end]
+            else:  # the gateway reuses the slot once this call's answer is back: read before answering
+                end = pos + w.REQUEST.size
+                payload = shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size]
+            answer = encoders.handle(op, call_id, encoder_id, a1, a2, payload)
             pos = end
             if answer is not None:
                 out.append(answer)
@@ -93,15 +99,17 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -c ... FD NICE`: serve the socket inherited as FD, `NICE` levels below the gateway's CPU priority."""
-    fd, nice = int(argv[0]), int(argv[1])
+    """`python -c ... FD SHARED NICE`: serve the socket inherited as FD, with the slots in the memory file SHARED,
+    `NICE` levels below the gateway's CPU priority."""
+    fd, shared_fd, nice = int(argv[0]), int(argv[1]), int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the gateway stops it, and it stops us (end of file)
     if nice > 0:
         with contextlib.suppress(OSError):  # not permitted: encode at the gateway's priority
             os.nice(nice)
     sock = socket.socket(fileno=fd)
+    shared = mmap.mmap(shared_fd, 0)
     try:
-        serve(sock)
+        serve(sock, memoryview(shared))
     finally:
         sock.close()
 

@@ -7,8 +7,9 @@ drops the GIL at every syscall, so the loop waits while cores are free. A proces
 
 The calls go over one socket pair per process, in a hand-written binary framing (`gateway.encode_wire`) read with
 `loop.add_reader`: `multiprocessing.Queue` pickles every item and runs a feeder thread that takes the GIL per item,
-the very cost this removes; here a chunk costs the parent a header, one scatter write shared by the calls queued in
-one loop iteration, and its share of one read that brings back results for many turns.
+the very cost this removes; here a chunk costs the parent a copy into memory both processes share, a header in one
+write shared by the calls queued in one loop iteration, and its share of one read that brings back results for many
+turns.
 
 Earliest deadline first, as the thread pool (`gateway.offload`): each process's calls wait here in a heap by deadline
 (queued at + urgency), and only WINDOW of them are in the process at a time, so a turn's first frame waits behind at
@@ -24,10 +25,13 @@ import atexit
 import heapq
 import itertools
 import logging
+import mmap
+import os
 import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -71,22 +75,26 @@ class _Process:
     def __init__(self, host: EncodeProcs, loop: asyncio.AbstractEventLoop):
         self.host, self.loop = host, loop
         mine, theirs = socket.socketpair()
+        shared_fd = _shared_file(WINDOW * w.SLOT_BYTES)
         try:
+            self.shared = mmap.mmap(shared_fd, WINDOW * w.SLOT_BYTES)
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", CHILD_PROGRAM, PACKAGE_ROOT, str(theirs.fileno()), str(host.nice)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                [sys.executable, "-c", CHILD_PROGRAM, PACKAGE_ROOT, str(theirs.fileno()), str(shared_fd),
+                 str(host.nice)], pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL)
         except BaseException:
             mine.close()
             raise
         finally:
             theirs.close()
+            os.close(shared_fd)  # the mapping keeps the memory
+        self.free_slots = list(range(WINDOW))  # a call in the process holds at most one: never short of one
         mine.setblocking(False)
         self.sock = mine
         self.fd = mine.fileno()
         self.alive = True
         self.encoders = 0  # open encoders placed here
         self.queue: list[_Call] = []  # a heap: earliest (deadline, arrival) first
-        self.sent: dict[int, asyncio.Future] = {}  # call id -> its future, in the process now
+        self.sent: dict[int, tuple[asyncio.Future, int]] = {}  # call id -> its future and slot, in the process now
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
         loop.add_reader(self.fd, self._readable)
@@ -117,11 +125,18 @@ class _Process:
             if fut.done():  # its turn was cancelled while the call waited
                 continue
             call_id = seq & 0xFFFFFFFF
-            self.sent[call_id] = fut
             size = 0 if payload is None else payload.nbytes
-            parts.append(w.request(op, deadline - now < URGENT, call_id, encoder_id, a1, a2, size))
-            if size:
-                parts.append(payload)
+            urgent = deadline - now < URGENT
+            if size and size <= w.SLOT_BYTES:
+                slot = self.free_slots.pop()
+                self.shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size] = payload
+                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size, slot))
+            else:
+                slot = w.INLINE
+                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size))
+                if size:
+                    parts.append(payload)
+            self.sent[call_id] = (fut, slot)
         if parts:
             self._write(parts)
 
@@ -177,7 +192,9 @@ class _Process:
             end = pos + header + size
             if len(data) < end:
                 break
-            fut = self.sent.pop(call_id, None)
+            fut, slot = self.sent.pop(call_id, (None, w.INLINE))
+            if slot != w.INLINE:  # the process answered: it is done with the slot
+                self.free_slots.append(slot)
             if fut is not None and not fut.done():
                 if count == w.ERROR:
                     fut.set_exception(EncodeFailed(data[pos + header:end].decode("utf-8", "replace")))
@@ -198,12 +215,16 @@ class _Process:
         log.warning("encoder process %s lost (%s): its %d turns end; a new one starts", self.pid, why, self.encoders)
         self.detach()
         self.kill(timeout=1.0)
-        for fut in [*self.sent.values(), *(call[-1] for call in self.queue)]:
+        self.fail_calls(why)
+        self.host.replace(self)
+
+    def fail_calls(self, why: str) -> None:
+        """Every call sent or waiting fails: the process that would answer is gone."""
+        for fut in [*(sent[0] for sent in self.sent.values()), *(call[-1] for call in self.queue)]:
             if not fut.done():
                 fut.set_exception(EncoderProcessLost(why))
         self.sent.clear()
         self.queue.clear()
-        self.host.replace(self)
 
     def detach(self) -> None:
         """Stop reading and writing; the process sees end of file and exits."""
@@ -343,9 +364,18 @@ class EncodeProcs:
         deadline = time.monotonic() + timeout
         for p in processes:
             p.kill(max(0.0, deadline - time.monotonic()))
-            for fut in [*p.sent.values(), *(call[-1] for call in p.queue)]:
-                if not fut.done():
-                    fut.set_exception(EncoderProcessLost("the gateway is shutting down"))
+            p.fail_calls("the gateway is shutting down")
+
+
+def _shared_file(size: int) -> int:
+    """A file descriptor of `size` bytes of memory to share with a child (memfd on Linux, a deleted file elsewhere)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("voxgate-encode-slots")
+    else:
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, size)
+    return fd
 
 
 _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EncodeProcs] = weakref.WeakKeyDictionary()
@@ -358,6 +388,12 @@ def shared_procs(procs: int) -> EncodeProcs:
     if host is None or host.closed:
         host = _shared[loop] = EncodeProcs(procs)
     return host
+
+
+def shared_pids() -> list[int]:
+    """The running loop's live encoder processes (none before its first Opus turn, or with the thread pool)."""
+    host = _shared.get(asyncio.get_running_loop())
+    return [] if host is None else host.pids
 
 
 def close_shared(timeout: float = 2.0) -> None:
