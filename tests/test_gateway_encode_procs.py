@@ -20,6 +20,7 @@ import pytest_asyncio
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.encode_procs import WINDOW, EncodeFailed, EncodeProcs, EncoderProcessLost, ProcEncoder
+from gateway.encode_wire import SLOT_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,9 +74,13 @@ async def test_the_packets_are_the_in_process_encoders(procs, model_rate):
             want += local.encode(piece)
         if i == 3:  # a flush mid-turn
             assert await remote.drain(100.0) == local.drain()
+    big = speech(3.0, model_rate, seed=1)  # more than a shared slot holds: it goes through the socket
+    assert big.nbytes > SLOT_BYTES
+    got += await remote.encode(big, 500.0)
+    want += local.encode(big)
     got += await remote.finish(0.0)
     want += local.finish()
-    assert len(want) > 40 and got == want
+    assert len(want) > 190 and got == want
     remote.close()
 
 
@@ -176,7 +181,8 @@ def test_the_processes_end_with_a_gateway_that_dies():
     program = textwrap.dedent("""
         import asyncio, time
         from gateway.audio import OutputFormat
-        from gateway.encode_procs import EncodeProcs
+        from gateway.encode_wire import SLOT_BYTES
+from gateway.encode_procs import EncodeProcs
 
         async def main():
             host = EncodeProcs(1, nice=0)
