@@ -1,8 +1,9 @@
 """The event loop's cost of one offloaded Opus chunk: the encode thread pool vs the encoder processes.
 
 `--turns` turns each encode `--chunks` 160 ms chunks, one awaited call after another (as a turn does), all at once;
-reported per place: the loop thread's CPU per chunk (what the hop costs the thread every session shares), wall time,
-and chunks per second, each the median of `--repeats` runs made in turn (min too for the CPU: a machine shared with
+reported per place: the loop thread's CPU per chunk (what the hop costs the thread every session shares), a 2 ms
+timer's overshoot on the loop meanwhile (waits for the GIL show there, not in the CPU), wall time and chunks per
+second, each the median of `--repeats` runs made in turn (min too for the CPU: a machine shared with
 other work inflates some runs). On a small machine the wall figures mostly say how many cores there are; the loop's
 CPU per chunk is the comparison.
 
@@ -42,13 +43,26 @@ async def run_turns(site: EncodeSite, turns: int, chunks: int, pcm: np.ndarray) 
         encoder.close()
         return frames
 
+    async def lag_probe(lags: list[float]) -> None:
+        """A 2 ms timer's overshoot: how long the loop waits (for the GIL, or its own work) to run a ready timer."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.002)
+            lags.append((time.perf_counter() - t - 0.002) * 1000.0)
+
     await asyncio.gather(*(turn(i) for i in range(min(turns, 4))))  # warm: threads / processes started
+    lags: list[float] = []
+    probe = asyncio.ensure_future(lag_probe(lags))
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     frames = sum(await asyncio.gather(*(turn(i) for i in range(turns))))
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    probe.cancel()
     calls = turns * (chunks + 1)
+    lags.sort()
     return {"loop_cpu_us_per_chunk": round(cpu / calls * 1e6, 1), "wall_s": round(wall, 3),
-            "chunks_per_s": round(calls / wall, 1), "frames": frames}
+            "chunks_per_s": round(calls / wall, 1), "frames": frames,
+            "timer_lag_ms_p50": round(lags[len(lags) // 2], 3) if lags else 0.0,
+            "timer_lag_ms_p99": round(lags[int(len(lags) * 0.99)], 3) if lags else 0.0}
 
 
 async def main() -> None:

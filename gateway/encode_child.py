@@ -109,9 +109,11 @@ def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=fd)
     shared = mmap.mmap(shared_fd, 0)
     try:
-        serve(sock, memoryview(shared))
+        with contextlib.suppress(ConnectionError):  # the gateway went away mid-answer: nobody to answer to
+            serve(sock, memoryview(shared))
     finally:
         sock.close()
+    os._exit(0)  # nothing to flush or save: skip the interpreter's teardown, so the gateway's shutdown is quick
 
 
 if __name__ == "__main__":

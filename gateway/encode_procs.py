@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import heapq
 import itertools
 import logging
@@ -182,10 +183,18 @@ class _Process:
             self.lost(f"read: {e}")
             return
         if not data:
-            self.lost(self._exit_text())
+            self.lost("end of file")
             return
-        if self.partial:
-            data = self.partial + data
+        try:
+            self._answers(self.partial + data if self.partial else data)
+        except Exception:  # a response that cannot be read: nothing after it can be trusted
+            log.exception("encoder process %s: unreadable response", self.pid)
+            self.lost("unreadable response")
+            return
+        self.pump()
+
+    def _answers(self, data: bytes) -> None:
+        """Hand every whole response in `data` to its call; keep the rest for the next read."""
         pos, header = 0, w.RESPONSE.size
         while len(data) - pos >= header:
             call_id, count, value, size = w.RESPONSE.unpack_from(data, pos)
@@ -202,19 +211,18 @@ class _Process:
                     fut.set_result((w.packets_of(data, pos + header, count), value))
             pos = end
         self.partial = data[pos:]
-        self.pump()
-
-    def _exit_text(self) -> str:
-        code = self.proc.poll()
-        return f"pid {self.pid} ended" if code is None else f"pid {self.pid} exited with {code}"
 
     def lost(self, why: str) -> None:
-        """The process is gone (or its socket broke): fail its calls, reap it, start a replacement."""
+        """The process is gone (or its socket broke, so it can serve nothing): kill and reap it, fail its calls,
+        start a replacement."""
         if not self.alive:
             return
-        log.warning("encoder process %s lost (%s): its %d turns end; a new one starts", self.pid, why, self.encoders)
         self.detach()
-        self.kill(timeout=1.0)
+        self.proc.kill()  # a no-op for one that has exited
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: Popen reaps it later
+            self.proc.wait(1.0)
+        why = f"pid {self.pid}: {why}, exit status {self.proc.returncode}"
+        log.warning("encoder process lost (%s): its %d turns end; a new one starts", why, self.encoders)
         self.fail_calls(why)
         self.host.replace(self)
 

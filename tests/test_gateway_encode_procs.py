@@ -181,8 +181,7 @@ def test_the_processes_end_with_a_gateway_that_dies():
     program = textwrap.dedent("""
         import asyncio, time
         from gateway.audio import OutputFormat
-        from gateway.encode_wire import SLOT_BYTES
-from gateway.encode_procs import EncodeProcs
+        from gateway.encode_procs import EncodeProcs
 
         async def main():
             host = EncodeProcs(1, nice=0)
