@@ -99,8 +99,8 @@ def serve(sock: socket.socket, shared: memoryview) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -c ... FD SHARED NICE`: serve the socket inherited as FD, with the slots in the memory file SHARED,
-    `NICE` levels below the gateway's CPU priority."""
+    """`python -m gateway.encode_child FD SHARED NICE`: serve the socket inherited as FD, with the slots in the
+    memory file SHARED, `NICE` levels below the gateway's CPU priority."""
     fd, shared_fd, nice = int(argv[0]), int(argv[1]), int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the gateway stops it, and it stops us (end of file)
     if nice > 0:

@@ -35,11 +35,11 @@ import sys
 import tempfile
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.process_env import child_env
 from gateway import encode_wire as w
 from gateway.audio import OutputFormat
 from gateway.offload import URGENT
@@ -50,10 +50,8 @@ log = logging.getLogger("voxgate.encode_procs")
 
 WINDOW = 4  # calls in one process at a time: enough to keep it busy while its results travel back
 READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
-# the interpreter's -c program of an encoder process: the gateway's own package first on its path (a worktree or a
-# checkout wins over an installed copy, as in the parent)
-CHILD_PROGRAM = "import sys; sys.path.insert(0, sys.argv[1]); from gateway.encode_child import main; main(sys.argv[2:])"
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# an encoder process runs no BLAS: numpy need not start a thread per core in each of them
+CHILD_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class EncoderProcessLost(ProtocolError):
@@ -79,9 +77,9 @@ class _Process:
         shared_fd = _shared_file(WINDOW * w.SLOT_BYTES)
         try:
             self.shared = mmap.mmap(shared_fd, WINDOW * w.SLOT_BYTES)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", CHILD_PROGRAM, PACKAGE_ROOT, str(theirs.fileno()), str(shared_fd),
-                 str(host.nice)], pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
+                [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],
+                pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL, env={**child_env(), **CHILD_THREADS})
         except BaseException:
             mine.close()
             raise
