@@ -38,11 +38,15 @@ def speech(seconds: float, rate: int, seed: int = 0) -> np.ndarray:
 SOURCE = speech(1.0, RATE)
 
 
-@pytest_asyncio.fixture
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def procs() -> AsyncIterator[EncodeProcs]:
+    """Two encoder processes shared by the tests that leave them as they found them (every encoder closed)."""
     host = EncodeProcs(2, nice=0)
     yield host
     host.close()
+
+
+shared_loop = pytest.mark.asyncio(loop_scope="module")  # the tests that use `procs`
 
 
 def gone(pid: int) -> bool:
@@ -55,6 +59,7 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("model_rate", [48000, 16000])  # 16 kHz: soxr's blocks make the head split uneven
+@shared_loop
 async def test_the_packets_are_the_in_process_encoders(procs, model_rate):
     fmt = OutputFormat()
     pcm = speech(1.0, model_rate)
@@ -84,7 +89,7 @@ async def test_the_packets_are_the_in_process_encoders(procs, model_rate):
     remote.close()
 
 
-async def test_a_first_frame_overtakes_chunks_queued_before_it(procs):
+async def test_a_first_frame_overtakes_chunks_queued_before_it():
     host = EncodeProcs(1, nice=0)  # one process: the order results come back in is the order it encoded in
     try:
         encoders = [host.open(OutputFormat(), RATE) for _ in range(2 * WINDOW + 1)]
@@ -113,7 +118,15 @@ async def test_a_first_frame_overtakes_chunks_queued_before_it(procs):
     assert done == [*(f"chunk{i}" for i in range(WINDOW)), "head", *(f"chunk{i}" for i in range(WINDOW, 2 * WINDOW))]
 
 
-async def test_a_killed_process_fails_only_its_turns_and_is_replaced(procs):
+async def test_a_killed_process_fails_only_its_turns_and_is_replaced():
+    procs = EncodeProcs(2, nice=0)
+    try:
+        await _kill_one_of(procs)
+    finally:
+        procs.close()
+
+
+async def _kill_one_of(procs: EncodeProcs) -> None:
     a, b = procs.open(OutputFormat(), RATE), procs.open(OutputFormat(), RATE)
     assert isinstance(a, ProcEncoder) and a._process is not b._process  # the least-loaded process each
     reference = Encoder(OutputFormat(), RATE)
@@ -136,6 +149,7 @@ async def test_a_killed_process_fails_only_its_turns_and_is_replaced(procs):
     c.close()
 
 
+@shared_loop
 async def test_closing_and_cancelling_turns_frees_their_encoders(procs):
     encoders = [procs.open(OutputFormat(), RATE) for _ in range(5)]
     await asyncio.gather(*(e.encode(SOURCE[:CHUNK], 100.0) for e in encoders))
@@ -148,6 +162,7 @@ async def test_closing_and_cancelling_turns_frees_their_encoders(procs):
     assert await procs.open_counts() == [0, 0]
 
 
+@shared_loop
 async def test_an_encoder_that_cannot_be_made_fails_its_calls_with_the_reason(procs):
     broken = procs.open(OutputFormat(), 0)
     with pytest.raises(EncodeFailed, match="sample_rate"):
