@@ -153,6 +153,7 @@ class LoggedPool(OffloadPool):
 def pool(monkeypatch) -> Iterator[LoggedPool]:
     """The sessions' encode pool: one thread, each call logged in `pool.log` (sinks log their sends there too)."""
     logged = LoggedPool([])
+    monkeypatch.setenv("VOXGATE_ENCODE_PROCS", "0")  # the thread pool, whatever the environment says
     monkeypatch.setattr(encode_site, "shared_pool", lambda: logged)
     yield logged
     if logged.gate is not None:
