@@ -14,8 +14,8 @@ turns.
 Earliest deadline first, as the thread pool (`gateway.offload`): each process's calls wait here in a heap by deadline
 (queued at + urgency), and only WINDOW of them are in the process at a time, so a turn's first frame waits behind at
 most WINDOW calls, not behind every chunk queued for listeners with audio left. A turn is placed on the process with
-the fewest open encoders. A process that dies fails its own turns' calls (`EncoderProcessLost`, a protocol error the
-turn ends with) and is replaced; the others go on.
+the fewest open encoders. A process that dies (or answers nothing for STALL_S) fails its own turns' calls
+(`EncoderProcessLost`, a protocol error the turn ends with) and is replaced; the others go on.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ from gateway.settings import GatewaySettings
 log = logging.getLogger("voxgate.encode_procs")
 
 WINDOW = 4  # calls in one process at a time: enough to keep it busy while its results travel back
+# a call unanswered this long (a chunk takes ~1 ms) means the process is wedged: it is killed and replaced like a dead
+# one, so its turns end with an error instead of waiting for ever
+STALL_S = 5.0
 READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
 # an encoder process runs no BLAS: numpy need not start a thread per core in each of them
 CHILD_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -93,10 +96,12 @@ class _Process:
         self.alive = True
         self.encoders = 0  # open encoders placed here
         self.queue: list[_Call] = []  # a heap: earliest (deadline, arrival) first
-        self.sent: dict[int, tuple[asyncio.Future, int]] = {}  # call id -> its future and slot, in the process now
+        # call id -> its future, slot and when it went out, for the calls in the process now
+        self.sent: dict[int, tuple[asyncio.Future, int, float]] = {}
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
         loop.add_reader(self.fd, self._readable)
+        self._watch = loop.call_later(host.stall_s / 2, self._check_stall)
 
     @property
     def pid(self) -> int:
@@ -135,7 +140,7 @@ class _Process:
                 parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size))
                 if size:
                     parts.append(payload)
-            self.sent[call_id] = (fut, slot)
+            self.sent[call_id] = (fut, slot, now)
         if parts:
             self._write(parts)
 
@@ -159,6 +164,15 @@ class _Process:
         else:  # behind what is already waiting for the socket
             for p in parts:
                 self.unsent += p
+
+    def _check_stall(self) -> None:
+        if not self.alive:
+            return
+        now = time.monotonic() * 1000.0
+        if self.sent and now - min(sent[2] for sent in self.sent.values()) > self.host.stall_s * 1000.0:
+            self.lost(f"no answer in {self.host.stall_s:g} s")
+            return
+        self._watch = self.loop.call_later(self.host.stall_s / 2, self._check_stall)
 
     def _writable(self) -> None:
         try:
@@ -199,7 +213,7 @@ class _Process:
             end = pos + header + size
             if len(data) < end:
                 break
-            fut, slot = self.sent.pop(call_id, (None, w.INLINE))
+            fut, slot, _ = self.sent.pop(call_id, (None, w.INLINE, 0.0))
             if slot != w.INLINE:  # the process answered: it is done with the slot
                 self.free_slots.append(slot)
             if fut is not None and not fut.done():
@@ -237,6 +251,7 @@ class _Process:
         if not self.alive:
             return
         self.alive = False
+        self._watch.cancel()
         if not self.loop.is_closed():
             self.loop.remove_reader(self.fd)
             self.loop.remove_writer(self.fd)
@@ -299,8 +314,9 @@ class EncodeProcs:
     """`procs` encoder processes serving the turns of one event loop (a `gateway.encode_site.EncodeSite`); started
     on the first `open`. `close()` stops them."""
 
-    def __init__(self, procs: int, nice: int | None = None):
+    def __init__(self, procs: int, nice: int | None = None, stall_s: float = STALL_S):
         self.procs = max(1, procs)
+        self.stall_s = stall_s
         self.nice = GatewaySettings.from_env().encode_nice if nice is None else nice
         self.seq = itertools.count(1)
         self._ids = itertools.count(1)

@@ -149,6 +149,24 @@ async def _kill_one_of(procs: EncodeProcs) -> None:
     c.close()
 
 
+async def test_a_wedged_process_is_replaced_and_its_turns_fail():
+    procs = EncodeProcs(2, nice=0, stall_s=0.5)
+    try:
+        a, b = procs.open(OutputFormat(), RATE), procs.open(OutputFormat(), RATE)
+        await asyncio.gather(a.encode(SOURCE[:CHUNK], 100.0), b.encode(SOURCE[:CHUNK], 100.0))
+        assert isinstance(a, ProcEncoder)
+        wedged = a._process.pid
+        os.kill(wedged, signal.SIGSTOP)  # alive, but answers nothing
+        t0 = time.monotonic()
+        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):
+            await a.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)
+        assert time.monotonic() - t0 < 3.0
+        assert await b.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)  # the other process's turn goes on
+        assert gone(wedged) and len(procs.pids) == 2
+    finally:
+        procs.close()
+
+
 @shared_loop
 async def test_closing_and_cancelling_turns_frees_their_encoders(procs):
     encoders = [procs.open(OutputFormat(), RATE) for _ in range(5)]
