@@ -106,6 +106,21 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def encode_procs_cpu() -> float:
+    """CPU seconds of the gateway's live encoder processes (VOXGATE_ENCODE_PROCS), from /proc (0 without them)."""
+    from gateway.encode_procs import shared_pids
+
+    total = 0.0
+    for pid in shared_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return round(total, 4)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
@@ -131,7 +146,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async def stats(_: web.Request) -> web.Response:
         e = engine.stats()
-        body = {"cpu_s": time.process_time(), "wall_s": time.monotonic(), "threads": thread_cpu(),
+        threads = thread_cpu()
+        encoders = threads["voxgate-encode-procs"] = encode_procs_cpu()  # counted as the gateway's (as threads are)
+        body = {"cpu_s": time.process_time() + encoders, "wall_s": time.monotonic(), "threads": threads,
                 "loop_lag": lag.summary(), "pid": os.getpid(),
                 "engine": {"in_flight": e.in_flight, "running": e.running, "steps": e.steps,
                            "chunks": getattr(engine, "chunks", None)}}

@@ -45,8 +45,11 @@ def default_threads() -> int:
     (bench/gateway_capacity.py). Their lower priority (`lower_thread_priority`) keeps a burst from delaying the loop
     or the engine's host thread, so the pool is sized for encoding throughput."""
     configured = GatewaySettings.from_env().encode_threads
-    if configured is not None:
-        return configured
+    return three_quarters_of_cores() if configured is None else configured
+
+
+def three_quarters_of_cores() -> int:
+    """Three workers per four cores this process may run on, up to 12 (encode threads, or encoder processes)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux

@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.app_keys import GATEWAY
 from gateway.auth import Auth, AuthError
 from gateway.compat import routes as compat_routes
+from gateway.encode_procs import close_shared as close_encode_procs
 from gateway.gateway_config import GatewayConfig
 from gateway.http import pronunciation_api, voice_api
 from gateway.http.http_errors import error_response, quiet_malformed_http, typed_errors
@@ -198,6 +199,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, auth: Auth | 
         await asyncio.gather(*tasks, return_exceptions=True)
         await gw.leases.close()
         await store.close()
+        close_encode_procs()  # the Opus encoder processes, if this loop started any (bounded: a wedged one is killed)
 
     app.cleanup_ctx.append(background)
     app.on_startup.append(_preload_normalizer)

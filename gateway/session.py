@@ -19,13 +19,13 @@ from typing import Any
 
 from gateway import protocol as p
 from gateway.audio import OutputFormat, opus_available
+from gateway.encode_site import encode_site
 from gateway.engine_contract import SessionEngine
 from gateway.metrics import GatewayMetrics
-from gateway.offload import shared_pool
 from gateway.playout import TurnSender
 from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
 from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
-from gateway.turn import OFFLOADED_FORMATS, SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
+from gateway.turn import SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
 from gateway.turn_report import split_heard
 from gateway.voices import stored_voices
 
@@ -318,7 +318,7 @@ class Session(TurnPipeline, TurnSender):
                     segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
                     max_lead_ms=lead,
                     frames=asyncio.Queue(self.config.pipeline_chunks),
-                    offload=shared_pool() if self.fmt.format in OFFLOADED_FORMATS else None)
+                    encode_site=encode_site(self.fmt))
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started
         self.metrics.turns.inc()

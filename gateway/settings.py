@@ -16,6 +16,16 @@ def optional_threads(raw: str) -> int | None:
     return max(1, int(raw)) if raw else None
 
 
+def procs_count(raw: str) -> int | None:
+    """auto: None (the gateway sizes it from the cores); else an integer, at least 0."""
+    if raw == "auto":
+        return None
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be auto or an integer >= 0")
+    return value
+
+
 def nice_increment(raw: str) -> int:
     """0 (off) to 19: how much lower than the rest of the process a thread's CPU priority is."""
     value = int(raw)
@@ -31,10 +41,13 @@ class GatewaySettings:
     encode_threads: int | None = switch(
         "VOXGATE_ENCODE_THREADS", "", "unset | integer", "the Opus encode pool's threads (unset: 3 per 4 cores, at "
         "most 12)", optional_threads)
+    encode_procs: int | None = switch(
+        "VOXGATE_ENCODE_PROCS", "0", "0 | integer | auto", "Opus encoding in this many child processes, each with a "
+        "GIL of its own (0: in the gateway process's thread pool; auto: 3 per 4 cores, at most 12)", procs_count)
     encode_nice: int = switch(
-        "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' CPU priority below the rest of the process "
-        "(Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine worker's host "
-        "thread get a core first", nice_increment)
+        "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' (or processes') CPU priority below the rest of "
+        "the gateway (Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine "
+        "worker's host thread get a core first", nice_increment)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)

@@ -14,9 +14,9 @@ import numpy as np
 
 from engine import errors as engine_errors
 from gateway import protocol as p
-from gateway.audio import Encoder, OutputFormat
+from gateway.audio import OutputFormat
+from gateway.encode_site import ON_LOOP, EncodeSite, TurnEncoder
 from gateway.metrics import GatewayMetrics
-from gateway.offload import OffloadPool
 from gateway.playout_model import Playout
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment, Segmenter
@@ -24,15 +24,12 @@ from gateway.turn_report import SegmentAudio, SegmentTiming
 
 log = logging.getLogger("voxgate.session")
 
-# Formats whose encoding is worth a thread hop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz, without the GIL). PCM and
-# G.711 cost ~0.05 ms per chunk: cheaper on the loop than any hop.
-OFFLOADED_FORMATS = ("opus",)
 # A chunk that starts a listener's audio (a turn's first, or a segment's first while the listener has nothing left to
-# play) is encoded in two pool calls: its first HEAD_FRAMES frames, sent as soon as they are encoded, then the rest
-# (`Session._encode_chunk`), which the pool ranks ahead of every listener with audio queued. A burst of N new turns
-# then costs N frame encodes before every turn has audio out, not N whole chunks. Other chunks stay one call:
-# splitting every short listener's chunk doubles the event loop's hops and writes, which at hundreds of Opus sessions
-# adds loop lag and underruns instead of removing them.
+# play) is encoded in two offloaded calls: its first HEAD_FRAMES frames, sent as soon as they are encoded, then the
+# rest (`Session._encode_chunk`), which the pool (or encoder process) ranks ahead of every listener with audio queued.
+# A burst of N new turns then costs N frame encodes before every turn has audio out, not N whole chunks. Other chunks
+# stay one call: splitting every short listener's chunk doubles the event loop's hops and writes, which at hundreds of
+# Opus sessions adds loop lag and underruns instead of removing them.
 HEAD_FRAMES = 1
 
 
@@ -104,8 +101,8 @@ class Turn:
     max_lead_ms: InitVar[float]  # audio sent ahead of the listener's playout (`playout`'s limit)
     # made by the synthesis task, off the path from a turn's first text to its engine request (a soxr stream costs
     # ~50 us: in a burst of new turns, every one of them waits for the others' set-up)
-    encoder: Encoder | None = None
-    offload: OffloadPool | None = None  # where encoding runs: a thread pool, or None for on the loop
+    encoder: TurnEncoder | None = None
+    encode_site: EncodeSite = ON_LOOP  # where the encoder runs: on the loop, a thread pool, an encoder process
     segments: SegmentQueue = field(default_factory=SegmentQueue)  # Segment | _Started | _FlushMark | _EndMark
     # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
     # released segment goes to the engine from the handler that released it (`Session._release`)
@@ -168,7 +165,7 @@ class TurnPipeline:
     async def _synthesise(self, turn: Turn) -> None:
         """Segments in order through the engine; encoded audio into the bounded frame queue."""
         try:
-            turn.encoder = Encoder(turn.fmt, self.model_rate)
+            turn.encoder = turn.encode_site.open(turn.fmt, self.model_rate)
             while True:
                 if turn.segments.empty():
                     turn.idle = True  # the next released segment is started by its handler (`_release`)
@@ -207,6 +204,9 @@ class TurnPipeline:
             log.exception("session %s context %s: synthesis failed", self.id, turn.id)
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
+        finally:
+            if turn.encoder is not None:  # ended, cancelled or failed: an encoder process frees its state
+                turn.encoder.close()
 
     async def _generate(self, turn: Turn, started: _Started) -> None:
         """Read one segment's stream to its end, encoding and queueing its audio. Its last chunk makes the next
@@ -277,49 +277,43 @@ class TurnPipeline:
         return (now - turn.t_first_text) * 1000.0 if turn.t_first_text is not None else 0.0
 
     async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
-        """One engine chunk (None: the turn's end) -> frames. Opus goes to the shared thread pool, one hop per chunk
-        (libopus runs without the GIL, so one gateway process spreads hundreds of streams over all cores; a chunk
-        that starts the listener's audio takes two: `_encode_chunk`); the cheap formats are encoded right here."""
+        """One engine chunk (None: the turn's end) -> frames, wherever the turn's encoder runs (`encode_site`): Opus
+        off the loop, one hop per chunk (a chunk that starts the listener's audio takes two: `_encode_chunk`); the
+        cheap formats right here."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        work = encoder.finish if pcm is None else encoder.encode
-        args = () if pcm is None else (pcm,)
-        if turn.offload is not None:
-            return await turn.offload.run(work, *args, urgency=turn.playout.buffered_ms(self.clock()))
-        return work(*args)
+        urgency = turn.playout.buffered_ms(self.clock())
+        return await (encoder.finish(urgency) if pcm is None else encoder.encode(pcm, urgency))
 
     async def _drain(self, turn: Turn) -> None:
         """A flush: the audio still inside the encoder (resampler tail, partial frame) queued before the flush's
         answer, so text.flushed follows the flush's last audio; the silence padding the last frame counts as fed."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        if turn.offload is not None:
-            frames, padding = await turn.offload.run(encoder.drain, urgency=turn.playout.buffered_ms(self.clock()))
-        else:
-            frames, padding = encoder.drain()
+        frames, padding = await encoder.drain(turn.playout.buffered_ms(self.clock()))
         turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
         await self._queue_packets(turn, frames)
 
     async def _encode_chunk(self, turn: Turn, pcm: np.ndarray, segment_start: bool = False) -> None:
-        """One engine chunk -> its frames queued. A chunk that starts the listener's audio is two offloaded calls, one
-        after the other (the encoder is not thread-safe): its first frame, sent as soon as it is encoded, then the
-        rest. A burst of new turns arrives in one engine step and the pool runs the most urgent call queued first,
-        so every new turn's first frame is encoded before anyone's rest, and every rest before the chunks of
-        listeners with audio queued."""
+        """One engine chunk -> its frames queued. Off the loop, a chunk that starts the listener's audio is two calls,
+        one after the other (the encoder is a stream): its first frame, sent as soon as it is encoded, then the rest.
+        A burst of new turns arrives in one engine step and the pool (or encoder process) runs the most urgent call
+        queued first, so every new turn's first frame is encoded before anyone's rest, and every rest before the
+        chunks of listeners with audio queued."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
-        if turn.offload is None or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
+        if not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
             await self._queue_packets(turn, await self._encode(turn, pcm))
             return
         buffered = turn.playout.buffered_ms(self.clock())
-        head, used = await turn.offload.run(_encode_head, encoder, pcm, HEAD_FRAMES, step, urgency=buffered)
+        head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over
         urgency = buffered + len(head) * turn.fmt.frame_ms
         # the rest of the chunk follows, so none of the head is the turn's last frame: nothing is held back
         await self._queue_packets(turn, head, more=used < len(pcm))
         if used < len(pcm):
-            await self._queue_packets(turn, await turn.offload.run(encoder.encode, pcm[used:], urgency=urgency))
+            await self._queue_packets(turn, await encoder.encode(pcm[used:], urgency))
 
     def _starts_audio(self, turn: Turn, segment_start: bool) -> bool:
         """The chunk starts the listener's audio: nothing encoded or held yet (a turn's first chunk, or the first
@@ -355,18 +349,6 @@ class TurnPipeline:
         if turn.held is not None:
             payload, turn.held = turn.held, None
             await turn.frames.put(_Packets([payload]))
-
-
-def _encode_head(encoder: Encoder, pcm: np.ndarray, frames: int, step: int) -> tuple[list[bytes], int]:
-    """The start of a chunk until `frames` frames came out (or the chunk ended): (those frames, samples used). A
-    resampler's output comes in blocks, so how much input that takes is only known by trying; the encoder is
-    streaming (resampler state, frame remainder), so the frames are the same as from one call for the whole chunk."""
-    out = encoder.encode(pcm[:frames * step])
-    used = frames * step
-    while len(out) < frames and used < len(pcm):
-        out += encoder.encode(pcm[used:used + step])
-        used += step
-    return out, min(used, len(pcm))
 
 
 async def _aclose(stream: Any) -> None:

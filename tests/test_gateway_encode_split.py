@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 
 from engine.api import AudioChunk, ModelInfo
-from gateway import session as session_module
+from gateway import encode_site
 from gateway.audio import Encoder, OutputFormat, float_to_int16
 from gateway.offload import OffloadPool
 from gateway.protocol import FLAG_LAST, AudioFrame, AudioPackets, ServerMessage
 from gateway.session import Session
-from gateway.turn import _encode_head
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +54,7 @@ def test_a_chunk_split_into_head_and_rest_encodes_to_the_same_bytes(model_rate: 
         piece = pcm[start:start + chunk]
         want += whole.encode(piece)
         frames = (1, 3, 2, 1)[i % 4]
-        head, used = _encode_head(split, piece, frames, step)
+        head, used = split.encode_head(piece, frames, step)
         assert len(head) >= frames or used == len(piece)
         got += head + split.encode(piece[used:])
     assert got + split.finish() == want + whole.finish()
@@ -138,10 +137,10 @@ class LoggedPool(OffloadPool):
 
     async def run(self, fn: Callable[..., Any], *args: Any, urgency: float = 0.0) -> Any:
         name = fn.__name__
-        encoder = args[0] if name == "_encode_head" else fn.__self__
+        encoder = fn.__self__
 
         def logged(*a: Any) -> Any:
-            if name == "_encode_head" and self.gate is not None:
+            if name == "encode_head" and self.gate is not None:
                 self.head_running.set()
                 self.gate.wait(10)
             self.log.append((name, urgency, encoder))
@@ -154,7 +153,8 @@ class LoggedPool(OffloadPool):
 def pool(monkeypatch) -> Iterator[LoggedPool]:
     """The sessions' encode pool: one thread, each call logged in `pool.log` (sinks log their sends there too)."""
     logged = LoggedPool([])
-    monkeypatch.setattr(session_module, "shared_pool", lambda: logged)
+    monkeypatch.setenv("VOXGATE_ENCODE_PROCS", "0")  # the thread pool, whatever the environment says
+    monkeypatch.setattr(encode_site, "shared_pool", lambda: logged)
     yield logged
     if logged.gate is not None:
         logged.gate.set()
@@ -196,13 +196,13 @@ async def test_new_turns_first_frames_go_out_before_anyones_rest(pool):
     engine = TickEngine(chunks=3)
     sinks = {name: Sink(name, log) for name in "ab"}
     sessions = {name: await open_turn(engine, t) for name, t in sinks.items()}
-    who = {id(s.turns["t"].encoder): name for name, s in sessions.items()}
+    who = {id(s.turns["t"].encoder.encoder): name for name, s in sessions.items()}
     engine.tick()  # both turns' first chunk, at once: nothing buffered for either listener
     await until(lambda: sum(e[0] == "encode" for e in log) == 2)
     calls = [(e[0], who[id(e[2])], e[1]) for e in log if e[0] != "send"]
     # both heads (one frame, sent at once: the rest follows, so it cannot be the turn's last) before either rest,
     # which waits for the head's frame to be sent
-    assert sorted(calls[:2]) == [("_encode_head", "a", 0.0), ("_encode_head", "b", 0.0)]
+    assert sorted(calls[:2]) == [("encode_head", "a", 0.0), ("encode_head", "b", 0.0)]
     assert sorted(calls[2:]) == [("encode", "a", 20.0), ("encode", "b", 20.0)]
     for name in "ab":
         rest = next(i for i, e in enumerate(log) if e[0] == "encode" and who[id(e[2])] == name)
@@ -230,7 +230,7 @@ async def test_only_a_turns_first_chunk_is_split(pool):
     await session.close()
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     assert calls == [
-        ("_encode_head", 0.0), ("encode", 20.0),  # the first chunk: its head frame leaves at once
+        ("encode_head", 0.0), ("encode", 20.0),  # the first chunk: its head frame leaves at once
         ("encode", 160.0), ("encode", 320.0), ("encode", 480.0), ("encode", 640.0),  # then one call per chunk
         ("finish", 800.0),
     ]
@@ -266,9 +266,9 @@ async def test_cancel_while_the_head_is_encoding_stops_the_turn_and_encodes_no_r
     assert engine.cancelled == [f"{session.id}:t:0"]
     pool.gate.set()
     await session.close()
-    await until(lambda: any(e[0] == "_encode_head" for e in log))  # the head's encode ran
+    await until(lambda: any(e[0] == "encode_head" for e in log))  # the head's encode ran
     await asyncio.sleep(0.05)  # its result (for nobody) delivered
-    assert [e[0] for e in log if e[0] != "send"] == ["_encode_head"]
+    assert [e[0] for e in log if e[0] != "send"] == ["encode_head"]
     assert sink.frames == []
 
 
@@ -295,9 +295,9 @@ async def test_a_later_segment_splits_its_first_chunk_only_when_the_listener_has
     await until(lambda: len(sink.frames) >= 23)
     calls = [(e[0], e[1]) for e in log if e[0] != "send"]
     # the first segment: its first chunk split (head, rest), its second one call
-    assert calls[:3] == [("_encode_head", 0.0), ("encode", 20.0), ("encode", 160.0)]
+    assert calls[:3] == [("encode_head", 0.0), ("encode", 20.0), ("encode", 160.0)]
     if listener_dry:  # the second segment's first frame goes out alone, then the rest of its chunk
-        assert calls[3:] == [("_encode_head", 20.0), ("encode", 40.0)]
+        assert calls[3:] == [("encode_head", 20.0), ("encode", 40.0)]
     else:  # 300 ms sent and not played, the held frame: the chunk is one call
         assert calls[3:] == [("encode", 320.0)]
     # the bytes of one encoder call per chunk, the split in the middle of the turn included

@@ -86,7 +86,6 @@ async def test_a_burst_of_first_frames_comes_back_before_other_streams_whole_chu
     """256 new turns' first frames arrive while 64 ongoing streams' chunks wait for the (busy) threads: every head is
     handed back before any of those chunks, at about one frame's encode each, and the bytes are one call's."""
     from gateway.audio import Encoder, OutputFormat
-    from gateway.turn import _encode_head
 
     rate, chunk, step = 48000, 7680, 960
     pcm = (0.3 * np.sin(np.arange(chunk) * 0.05) + 0.05 * np.random.default_rng(0).standard_normal(chunk))
@@ -105,7 +104,7 @@ async def test_a_burst_of_first_frames_comes_back_before_other_streams_whole_chu
                          "chunk") for _ in range(64)]
         await asyncio.sleep(0.05)
         encoders = [Encoder(OutputFormat(), rate) for _ in range(256)]
-        heads = [track(asyncio.ensure_future(pool.run(_encode_head, e, pcm, 1, step, urgency=0.0)), "head")
+        heads = [track(asyncio.ensure_future(pool.run(e.encode_head, pcm, 1, step, urgency=0.0)), "head")
                  for e in encoders]
         await asyncio.sleep(0.05)
         gate.set()

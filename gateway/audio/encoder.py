@@ -48,6 +48,18 @@ class Encoder:
         self._pending = buf[n:]
         return self._emit(buf[:n], end=False)
 
+    def encode_head(self, pcm: np.ndarray, frames: int, step: int) -> tuple[list[bytes], int]:
+        """The start of `pcm` until `frames` frames came out (or `pcm` ended), `step` input samples (one frame's time)
+        at a time past the first try: (those frames, input samples used). A resampler's output comes in blocks, so how
+        much input that takes is only known by trying; the state carries on, so the head plus `encode(pcm[used:])` are
+        the same bytes as one `encode(pcm)`."""
+        out = self.encode(pcm[:frames * step])
+        used = frames * step
+        while len(out) < frames and used < len(pcm):
+            out += self.encode(pcm[used:used + step])
+            used += step
+        return out, min(used, len(pcm))
+
     def finish(self) -> list[bytes]:
         """The tail: flush the resampler, pad the last frame (past the codec delay), flush the codec."""
         if self._finished:

@@ -1,0 +1,433 @@
+"""Opus encoding in child processes (`VOXGATE_ENCODE_PROCS`): each turn's `Encoder` lives in one encoder process
+(`gateway.encode_child`) for the turn's life, and the turn holds a `ProcEncoder`, its proxy here.
+
+Encode threads in the gateway process share its GIL with the event loop: each chunk takes and drops it several times
+(numpy, the heap, the loop's wakeup), and at hundreds of streams those acquisitions convoy with the loop thread, which
+drops the GIL at every syscall, so the loop waits while cores are free. A process has a GIL of its own.
+
+The calls go over one socket pair per process, in a hand-written binary framing (`gateway.encode_wire`) read with
+`loop.add_reader`: `multiprocessing.Queue` pickles every item and runs a feeder thread that takes the GIL per item,
+the very cost this removes; here a chunk costs the parent a copy into memory both processes share, a header in one
+write shared by the calls queued in one loop iteration, and its share of one read that brings back results for many
+turns.
+
+Earliest deadline first, as the thread pool (`gateway.offload`): each process's calls wait here in a heap by deadline
+(queued at + urgency), and only WINDOW of them are in the process at a time, so a turn's first frame waits behind at
+most WINDOW calls, not behind every chunk queued for listeners with audio left. A turn is placed on the process with
+the fewest open encoders. A process that dies (or answers nothing for STALL_S) fails its own turns' calls
+(`EncoderProcessLost`, a protocol error the turn ends with) and is replaced; the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import heapq
+import itertools
+import logging
+import mmap
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from engine.process_env import child_env
+from gateway import encode_wire as w
+from gateway.audio import OutputFormat
+from gateway.offload import URGENT
+from gateway.protocol import ErrorCode, ProtocolError
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("voxgate.encode_procs")
+
+WINDOW = 4  # calls in one process at a time: enough to keep it busy while its results travel back
+# a call unanswered this long (a chunk takes ~1 ms) means the process is wedged: it is killed and replaced like a dead
+# one, so its turns end with an error instead of waiting for ever
+STALL_S = 5.0
+READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
+# an encoder process runs no BLAS: numpy need not start a thread per core in each of them
+CHILD_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class EncoderProcessLost(ProtocolError):
+    """The process holding this turn's encoder stopped: its audio cannot go on (the turn ends with this error)."""
+
+    def __init__(self, detail: str):
+        super().__init__(ErrorCode.ENGINE_ERROR, f"the audio encoder process stopped ({detail}); retry the turn")
+
+
+class EncodeFailed(RuntimeError):
+    """The encoder raised in its process (the text is its exception's type and message)."""
+
+
+_Call = tuple[float, int, int, int, int, int, Any, asyncio.Future]  # deadline, seq, op, encoder, a1, a2, payload, fut
+
+
+class _Process:
+    """One encoder process, its socket and its calls: waiting here (a heap), in the process (`sent`)."""
+
+    def __init__(self, host: EncodeProcs, loop: asyncio.AbstractEventLoop):
+        self.host, self.loop = host, loop
+        mine, theirs = socket.socketpair()
+        shared_fd = _shared_file(WINDOW * w.SLOT_BYTES)
+        try:
+            self.shared = mmap.mmap(shared_fd, WINDOW * w.SLOT_BYTES)
+            self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
+                [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],
+                pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL, env={**child_env(), **CHILD_THREADS})
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(shared_fd)  # the mapping keeps the memory
+        self.free_slots = list(range(WINDOW))  # a call in the process holds at most one: never short of one
+        mine.setblocking(False)
+        self.sock = mine
+        self.fd = mine.fileno()
+        self.alive = True
+        self.encoders = 0  # open encoders placed here
+        self.queue: list[_Call] = []  # a heap: earliest (deadline, arrival) first
+        # call id -> its future, slot and when it went out, for the calls in the process now
+        self.sent: dict[int, tuple[asyncio.Future, int, float]] = {}
+        self.unsent = bytearray()  # what the socket did not take yet
+        self.partial = b""  # the start of a response not yet whole
+        loop.add_reader(self.fd, self._readable)
+        self._watch = loop.call_later(host.stall_s / 2, self._check_stall)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def submit(self, op: int, encoder_id: int, a1: int, a2: int, payload: Any, urgency: float) -> asyncio.Future:
+        fut = self.loop.create_future()
+        deadline = time.monotonic() * 1000.0 + urgency
+        heapq.heappush(self.queue, (deadline, next(self.host.seq), op, encoder_id, a1, a2, payload, fut))
+        self.host.wake(self)
+        return fut
+
+    def send_now(self, op: int, encoder_id: int, a1: int = 0, payload: bytes = b"") -> None:
+        """A call without an answer (open, close): straight out, ahead of the heap (it concerns no queued call)."""
+        self._write([w.request(op, False, 0, encoder_id, a1, 0, len(payload)), payload])
+
+    def pump(self) -> None:
+        """Move the most urgent queued calls into the process while the window has room, in one write."""
+        if not self.alive:
+            return
+        parts: list[Any] = []
+        now = time.monotonic() * 1000.0
+        while self.queue and len(self.sent) < WINDOW:
+            deadline, seq, op, encoder_id, a1, a2, payload, fut = heapq.heappop(self.queue)
+            if fut.done():  # its turn was cancelled while the call waited
+                continue
+            call_id = seq & 0xFFFFFFFF
+            size = 0 if payload is None else payload.nbytes
+            urgent = deadline - now < URGENT
+            if size and size <= w.SLOT_BYTES:
+                slot = self.free_slots.pop()
+                self.shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size] = payload
+                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size, slot))
+            else:
+                slot = w.INLINE
+                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size))
+                if size:
+                    parts.append(payload)
+            self.sent[call_id] = (fut, slot, now)
+        if parts:
+            self._write(parts)
+
+    def _write(self, parts: list[Any]) -> None:
+        if not self.alive:
+            return
+        if not self.unsent:
+            try:
+                done = self.sock.sendmsg(parts)
+            except BlockingIOError:
+                done = 0
+            except OSError as e:
+                self.lost(f"write: {e}")
+                return
+            total = sum(memoryview(p).nbytes for p in parts)
+            if done == total:
+                return
+            rest = b"".join(parts)[done:]
+            self.unsent += rest
+            self.loop.add_writer(self.fd, self._writable)
+        else:  # behind what is already waiting for the socket
+            for p in parts:
+                self.unsent += p
+
+    def _check_stall(self) -> None:
+        if not self.alive:
+            return
+        now = time.monotonic() * 1000.0
+        if self.sent and now - min(sent[2] for sent in self.sent.values()) > self.host.stall_s * 1000.0:
+            self.lost(f"no answer in {self.host.stall_s:g} s")
+            return
+        self._watch = self.loop.call_later(self.host.stall_s / 2, self._check_stall)
+
+    def _writable(self) -> None:
+        try:
+            done = self.sock.send(self.unsent)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.lost(f"write: {e}")
+            return
+        del self.unsent[:done]
+        if not self.unsent:
+            self.loop.remove_writer(self.fd)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.lost(f"read: {e}")
+            return
+        if not data:
+            self.lost("end of file")
+            return
+        try:
+            self._answers(self.partial + data if self.partial else data)
+        except Exception:  # a response that cannot be read: nothing after it can be trusted
+            log.exception("encoder process %s: unreadable response", self.pid)
+            self.lost("unreadable response")
+            return
+        self.pump()
+
+    def _answers(self, data: bytes) -> None:
+        """Hand every whole response in `data` to its call; keep the rest for the next read."""
+        pos, header = 0, w.RESPONSE.size
+        while len(data) - pos >= header:
+            call_id, count, value, size = w.RESPONSE.unpack_from(data, pos)
+            end = pos + header + size
+            if len(data) < end:
+                break
+            fut, slot, _ = self.sent.pop(call_id, (None, w.INLINE, 0.0))
+            if slot != w.INLINE:  # the process answered: it is done with the slot
+                self.free_slots.append(slot)
+            if fut is not None and not fut.done():
+                if count == w.ERROR:
+                    fut.set_exception(EncodeFailed(data[pos + header:end].decode("utf-8", "replace")))
+                else:
+                    fut.set_result((w.packets_of(data, pos + header, count), value))
+            pos = end
+        self.partial = data[pos:]
+
+    def lost(self, why: str) -> None:
+        """The process is gone (or its socket broke, so it can serve nothing): kill and reap it, fail its calls,
+        start a replacement."""
+        if not self.alive:
+            return
+        self.detach()
+        self.proc.kill()  # a no-op for one that has exited
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: Popen reaps it later
+            self.proc.wait(1.0)
+        why = f"pid {self.pid}: {why}, exit status {self.proc.returncode}"
+        log.warning("encoder process lost (%s): its %d turns end; a new one starts", why, self.encoders)
+        self.fail_calls(why)
+        self.host.replace(self)
+
+    def fail_calls(self, why: str) -> None:
+        """Every call sent or waiting fails: the process that would answer is gone."""
+        for fut in [*(sent[0] for sent in self.sent.values()), *(call[-1] for call in self.queue)]:
+            if not fut.done():
+                fut.set_exception(EncoderProcessLost(why))
+        self.sent.clear()
+        self.queue.clear()
+
+    def detach(self) -> None:
+        """Stop reading and writing; the process sees end of file and exits."""
+        if not self.alive:
+            return
+        self.alive = False
+        self._watch.cancel()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
+
+    def kill(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the process to end, then kill it (a wedged one must not hold us)."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("encoder process %s did not exit in %.1f s: killed", self.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ProcEncoder:
+    """One turn's encoder in an encoder process (a `gateway.encode_site.TurnEncoder`). Its calls are awaited one
+    after the other (an encoder is a stream), so at most one is out at a time."""
+
+    offloaded = True
+
+    def __init__(self, process: _Process, encoder_id: int):
+        self._process, self._id = process, encoder_id
+        self._closed = False
+
+    async def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> Any:
+        if not self._process.alive:
+            raise EncoderProcessLost(f"pid {self._process.pid} is gone")
+        if pcm is not None and np.ndim(pcm) != 1:
+            raise ValueError(f"pcm: expected mono samples (1-D), got shape {np.shape(pcm)}")
+        payload = None if pcm is None else memoryview(np.ascontiguousarray(pcm, dtype=np.float32)).cast("B")
+        return await self._process.submit(op, self._id, a1, a2, payload, urgency)
+
+    async def encode(self, pcm: np.ndarray, urgency: float) -> list[bytes]:
+        packets, _ = await self._call(w.ENCODE, pcm, urgency)
+        return packets
+
+    async def encode_head(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> tuple[list[bytes], int]:
+        result: tuple[list[bytes], int] = await self._call(w.HEAD, pcm, urgency, frames, step)
+        return result
+
+    async def drain(self, urgency: float) -> tuple[list[bytes], int]:
+        result: tuple[list[bytes], int] = await self._call(w.DRAIN, None, urgency)
+        return result
+
+    async def finish(self, urgency: float) -> list[bytes]:
+        packets, _ = await self._call(w.FINISH, None, urgency)
+        return packets
+
+    def close(self) -> None:
+        """Free the encoder in its process (once; a no-op when the process is gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._process.encoders -= 1
+        self._process.send_now(w.CLOSE, self._id)
+
+
+class EncodeProcs:
+    """`procs` encoder processes serving the turns of one event loop (a `gateway.encode_site.EncodeSite`); started
+    on the first `open`. `close()` stops them."""
+
+    def __init__(self, procs: int, nice: int | None = None, stall_s: float = STALL_S):
+        self.procs = max(1, procs)
+        self.stall_s = stall_s
+        self.nice = GatewaySettings.from_env().encode_nice if nice is None else nice
+        self.seq = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._processes: list[_Process] = []
+        self._dirty: set[_Process] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The live processes' ids (tests, diagnostics)."""
+        return [p.pid for p in self._processes if p.alive]
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError("EncodeProcs serves the event loop that started it")
+        while len(self._processes) < self.procs:
+            self._processes.append(_Process(self, loop))
+
+    def open(self, fmt: OutputFormat, input_rate: int) -> ProcEncoder:
+        """A new encoder for `fmt` from `input_rate` samples, in the process with the fewest open now."""
+        if self.closed:
+            raise EncoderProcessLost("the gateway is shutting down")
+        if len(self._processes) < self.procs:
+            self._start()
+        process = min(self._processes, key=lambda p: p.encoders)
+        encoder_id = next(self._ids) & 0xFFFFFFFF
+        process.encoders += 1
+        process.send_now(w.OPEN, encoder_id, input_rate, pickle.dumps(fmt))
+        return ProcEncoder(process, encoder_id)
+
+    def wake(self, process: _Process) -> None:
+        """`process` has new calls: send them once every task made ready by the same event has queued its own."""
+        if not self._dirty:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._dirty.add(process)
+
+    def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for process in dirty:
+            process.pump()
+
+    def replace(self, process: _Process) -> None:
+        """A lost process's place goes to a new one (its turns are not moved: their encoder state died with it)."""
+        if process in self._processes:
+            self._processes.remove(process)
+        self._dirty.discard(process)
+        if not self.closed and self._loop is not None and not self._loop.is_closed():
+            self._processes.append(_Process(self, self._loop))
+
+    async def open_counts(self) -> list[int]:
+        """The encoders each live process holds, as it counts them (after every call sent before this one)."""
+        futures = [p.submit(w.COUNT, 0, 0, 0, None, urgency=float("inf")) for p in self._processes if p.alive]
+        return [value for _, value in await asyncio.gather(*futures)]
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the processes: each sees end of file and exits; one that has not within `timeout` seconds (in all)
+        is killed. Calls still waiting fail."""
+        self.closed = True
+        processes, self._processes = self._processes, []
+        for p in processes:
+            p.detach()
+        deadline = time.monotonic() + timeout
+        for p in processes:
+            p.kill(max(0.0, deadline - time.monotonic()))
+            p.fail_calls("the gateway is shutting down")
+
+
+def _shared_file(size: int) -> int:
+    """A file descriptor of `size` bytes of memory to share with a child (memfd on Linux, a deleted file elsewhere)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("voxgate-encode-slots")
+    else:
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, size)
+    return fd
+
+
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EncodeProcs] = weakref.WeakKeyDictionary()
+
+
+def shared_procs(procs: int) -> EncodeProcs:
+    """The running loop's encoder processes (made on first use; a closed set is replaced by a new one)."""
+    loop = asyncio.get_running_loop()
+    host = _shared.get(loop)
+    if host is None or host.closed:
+        host = _shared[loop] = EncodeProcs(procs)
+    return host
+
+
+def shared_pids() -> list[int]:
+    """The running loop's live encoder processes (none before its first Opus turn, or with the thread pool)."""
+    host = _shared.get(asyncio.get_running_loop())
+    return [] if host is None else host.pids
+
+
+def close_shared(timeout: float = 2.0) -> None:
+    """Stop the running loop's encoder processes, if any (the server's shutdown; a new turn would start others)."""
+    host = _shared.pop(asyncio.get_running_loop(), None)
+    if host is not None:
+        host.close(timeout)
+
+
+def _close_all() -> None:
+    for host in list(_shared.values()):
+        host.close(timeout=1.0)
+
+
+atexit.register(_close_all)  # no encoder process outlives the gateway, whatever way it ends
