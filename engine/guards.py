@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from engine.config import ModelConfig
 from engine.engine_config import MAX_TIMESTEPS
@@ -135,18 +134,22 @@ def check_prompt_sources(config: ModelConfig, *, voice: bool, prompt_audio: Any,
         raise InvalidParameter(f"reference audio needs a VoxCPM2 model ({config.architecture} has none)")
 
 
-def check_latents(config: ModelConfig, latents: Any, name: str) -> torch.Tensor:
-    """Caller-given patches as a float32 [T, P, D] tensor, T >= 1, all finite."""
+def check_latents(config: ModelConfig, latents: Any, name: str) -> np.ndarray:
+    """Caller-given patches as a float32 [T, P, D] array, T >= 1, all finite (numpy: no torch op on the caller's
+    thread; a float32 array comes back as it is, not copied)."""
     shape = (config.patch_size, config.feat_dim)
     try:
-        t = torch.as_tensor(np.asarray(latents), dtype=torch.float32)
+        a = np.asarray(latents)
+        if a.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {a.dtype}")
+        a = a.astype(np.float32, copy=False)
     except (TypeError, ValueError) as e:
         raise InvalidAudio(f"{name}: not an array of numbers ({e})") from None
-    if t.ndim != 3 or tuple(t.shape[1:]) != shape or t.shape[0] == 0:
-        raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {tuple(t.shape)})")
-    if not torch.isfinite(t).all():
+    if a.ndim != 3 or a.shape[1:] != shape or a.shape[0] == 0:
+        raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {a.shape})")
+    if not np.isfinite(a).all():
         raise InvalidAudio(f"{name} holds NaN or infinite values")
-    return t
+    return a
 
 
 def check_voice_source(config: ModelConfig, *, audio: Any, latents: Any, text: str | None) -> None:

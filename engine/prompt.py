@@ -193,16 +193,16 @@ class PromptLayout:
 
     token_ids: list[int]  # 0 at audio positions
     audio_mask: list[int]  # 1 at audio positions
-    audio: list[tuple[int, Tensor]]  # (first position, patches [T, P, D]) of each audio run, in order
+    audio: list[tuple[int, np.ndarray]]  # (first position, float32 patches [T, P, D]) of each audio run, in order
     n_target_tokens: int
     n_context: int  # last prompt patches that prime the VAE stream (continuation), else 0
 
 
 def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
+                  prompt_patches: np.ndarray | None = None, reference_patches: np.ndarray | None = None,
                   instruction: str | None = None) -> PromptLayout:
     """The positions of one request's prefill (see the module docstring for the four layouts), checked; plain
-    lists, so a text-only request costs no tensor work here."""
+    lists and the given float32 arrays, so it makes no tensor (it runs on the engine caller's thread)."""
     if not isinstance(text, str):
         raise InvalidRequest(f"text must be a string (got {type(text).__name__})")
     target = normalize_text(text)
@@ -232,9 +232,9 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     text_ids.append(AUDIO_START)
     ids: list[int] = []
     mask: list[int] = []
-    audio: list[tuple[int, Tensor]] = []
+    audio: list[tuple[int, np.ndarray]] = []
 
-    def add_audio(patches: Tensor) -> None:
+    def add_audio(patches: np.ndarray) -> None:
         audio.append((len(ids), patches))
         ids.extend([0] * len(patches))
         mask.extend([1] * len(patches))
@@ -253,23 +253,27 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     return PromptLayout(ids, mask, audio, n_target, n_context)
 
 
-def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = None) -> Tensor:
+def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = None) -> np.ndarray:
     """float32 [n, P, D] of the layout's first `n` positions (all by default): its audio patches, zeros at text."""
     n = len(layout.token_ids) if n is None else n
-    patches = torch.zeros(n, config.patch_size, config.feat_dim)
+    patches = np.zeros((n, config.patch_size, config.feat_dim), np.float32)
     for start, p in layout.audio:
         if start < n:
-            patches[start:start + len(p)] = p[:n - start].detach()
+            patches[start:start + len(p)] = p[:n - start]
     return patches
 
 
 def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
                  instruction: str | None = None) -> Prompt:
-    """The prefill sequence of one request (see the module docstring for the four layouts)."""
-    layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
-                           reference_patches=reference_patches, instruction=instruction)
-    patches = layout_patches(config, layout)
+    """The prefill sequence of one request (see the module docstring for the four layouts), as tensors; the
+    patches come from the encoder (`encode_prompt_audio`)."""
+    def array(p: Tensor | None) -> np.ndarray | None:
+        return None if p is None else p.detach().float().cpu().numpy()
+
+    layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=array(prompt_patches),
+                           reference_patches=array(reference_patches), instruction=instruction)
+    patches = torch.from_numpy(layout_patches(config, layout))
     return Prompt(
         token_ids=torch.tensor(layout.token_ids, dtype=torch.long),
         patches=patches,

@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.sampling import SamplingParams
@@ -21,14 +22,18 @@ from engine.sampling import SamplingParams
 
 @dataclass
 class RequestSpec:
-    """Everything the worker needs, built and checked in the caller's process."""
+    """Everything the worker needs, built and checked in the caller's process.
+
+    Its arrays are numpy: the caller (a gateway's event loop) builds them without a torch op, each of which would
+    drop the GIL and wait to take it back behind the loop's other threads; the worker's `Request` views them as
+    tensors (`as_tensor`, no copy)."""
 
     request_id: str
     token_ids: list[int]
-    patches: torch.Tensor  # [N, P, D] float32; zeros at text positions (text-only: a read-only expanded zero)
+    patches: np.ndarray  # [N, P, D] float32; zeros at text positions (text-only: a read-only view of one zero)
     audio_mask: list[int]  # [N] 1 at audio positions
-    cond: torch.Tensor  # [P, D] the patch that conditions the first sampled one
-    context_patches: torch.Tensor | None  # [C, P, D] primes the VAE stream for continuation
+    cond: np.ndarray  # [P, D] float32: the patch that conditions the first sampled one
+    context_patches: np.ndarray | None  # [C, P, D] float32: primes the VAE stream for continuation
     params: SamplingParams
     voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
     prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
@@ -39,43 +44,46 @@ class RequestSpec:
     def prompt_len(self) -> int:
         return len(self.token_ids)
 
-    # Pickled by value, audio rows only. Tensors in a pickle would travel as shared-memory handles that the worker
-    # fetches one by one from a thread of the sending process; behind a busy event loop each fetch waits for the
-    # GIL, which made a burst of requests reach the worker ~10 ms apart. A text-only prompt (most requests) sends
-    # no rows at all and skips the scan of its mask.
+    # Pickled with the audio rows only: a text-only prompt (most requests) sends its shape alone and skips the scan
+    # of its mask, and the worker makes the same zero view.
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         if any(self.audio_mask):
             audio = [i for i, a in enumerate(self.audio_mask) if a]
-            state["patches"] = (tuple(self.patches.shape), audio, self.patches[audio].numpy())
+            state["patches"] = (self.patches.shape, audio, self.patches[audio])
         else:
-            state["patches"] = (tuple(self.patches.shape), None, None)
-        state["cond"] = self.cond.numpy()
-        if self.context_patches is not None:
-            state["context_patches"] = self.context_patches.numpy()
+            state["patches"] = (self.patches.shape, None, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         shape, audio, values = state["patches"]
-        patches = zero_patches(shape) if audio is None else torch.zeros(shape)
-        if audio is not None:
-            patches[audio] = torch.from_numpy(values)
-        state["patches"], state["cond"] = patches, torch.from_numpy(state["cond"])
-        if state["context_patches"] is not None:
-            state["context_patches"] = torch.from_numpy(state["context_patches"])
+        if audio is None:
+            state["patches"] = zero_patches(shape)
+        else:
+            state["patches"] = np.zeros(shape, np.float32)
+            state["patches"][audio] = values
         self.__dict__.update(state)
 
 
-# A fresh [N, P, D] zeros tensor per request costs page faults on each side of the pipe: ~50 us a request on the
-# event loop, and a worker unpickling a burst of 64 tiny-model prompts took 8-60 ms on a 2-core machine (~1 ms as
-# views), all before the burst's first step. An expanded view of this one allocates nothing, and in-place writes to
-# it raise instead of corrupting it.
-_ZERO = torch.zeros((), dtype=torch.float32)
+# A fresh [N, P, D] zeros array per request costs page faults on each side of the pipe, and a worker unpickling a
+# burst of 64 tiny-model prompts took 8-60 ms on a 2-core machine (~1 ms as views), all before the burst's first
+# step. A broadcast view of one zero allocates nothing, and writes to it raise instead of corrupting it.
+_ZERO = np.zeros((), np.float32)
+_ZERO.flags.writeable = False
+_ZERO_TENSOR = torch.zeros((), dtype=torch.float32)
 
 
-def zero_patches(shape: tuple[int, ...]) -> torch.Tensor:
+def zero_patches(shape: tuple[int, ...]) -> np.ndarray:
     """All-zero float32 patches of `shape` (a text-only prompt's) as a read-only view: nothing allocated."""
-    return _ZERO.expand(shape)
+    return np.broadcast_to(_ZERO, shape)
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A spec's array as the worker's tensor, sharing its memory: a zero view (`zero_patches`) becomes the same
+    view of one torch zero (in-place writes to it raise), any other read-only array a copy."""
+    if array.size and not any(array.strides) and not array.flat[0]:
+        return _ZERO_TENSOR.expand(array.shape)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 class Status(enum.Enum):
@@ -107,10 +115,17 @@ class Request:
     emitted_since_report_ms: float = 0.0
     first_emit_at: float | None = None
     generator: torch.Generator = field(init=False)
+    # the spec's arrays as tensors (views, made here in the worker: the caller's thread makes no tensor)
+    patches: torch.Tensor = field(init=False)  # [N, P, D]
+    prompt_cond: torch.Tensor = field(init=False)  # [P, D]
+    context_patches: torch.Tensor | None = field(init=False)  # [C, P, D]
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(self.spec.params.seed)
+        spec = self.spec
+        self.patches, self.prompt_cond = as_tensor(spec.patches), as_tensor(spec.cond)
+        self.context_patches = None if spec.context_patches is None else as_tensor(spec.context_patches)
 
     @property
     def request_id(self) -> str:
@@ -132,14 +147,14 @@ class Request:
 
     @property
     def cond(self) -> torch.Tensor:
-        return self.generated[-1] if self.generated else self.spec.cond
+        return self.generated[-1] if self.generated else self.prompt_cond
 
     def inputs(self, start: int, end: int) -> tuple[list[int], torch.Tensor, list[int]]:
         """Token ids, patches [n, P, D] and audio mask of positions [start, end)."""
         n_prompt = self.spec.prompt_len
         ids = self.spec.token_ids[start:min(end, n_prompt)]
         mask = self.spec.audio_mask[start:min(end, n_prompt)]
-        parts = [self.spec.patches[start:min(end, n_prompt)]]
+        parts = [self.patches[start:min(end, n_prompt)]]
         if end > n_prompt:
             new = self.generated[max(start, n_prompt) - n_prompt:end - n_prompt]
             ids = ids + [0] * len(new)

@@ -83,9 +83,9 @@ def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int,
     n = len(token_ids)
     cap = min(length_cap(n_target, params.max_length or config.max_length), config.max_length - n, kv_positions - n)
     params.max_length = cap
-    return RequestSpec(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches,
-                       audio_mask=[int(m) for m in mask], cond=patches[-1].clone(),
-                       context_patches=patches[len(patches) - n_context:], params=params)
+    return RequestSpec(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches.numpy(),
+                       audio_mask=[int(m) for m in mask], cond=patches[-1].clone().numpy(),
+                       context_patches=patches[len(patches) - n_context:].numpy(), params=params)
 
 
 def assert_same_spec(a: RequestSpec, b: RequestSpec) -> None:
@@ -96,7 +96,8 @@ def assert_same_spec(a: RequestSpec, b: RequestSpec) -> None:
     assert all(type(m) is int for m in a.audio_mask)
     for name in ("patches", "cond", "context_patches"):
         x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape and torch.equal(x, y), name
+        assert isinstance(x, np.ndarray) and isinstance(y, np.ndarray), name  # the caller makes no tensor
+        assert x.dtype == y.dtype == np.float32 and x.shape == y.shape and np.array_equal(x, y), name
     assert a.params == b.params
     assert (a.voice_id, a.prefix_only, a.lora) == (b.voice_id, b.prefix_only, b.lora)
 
@@ -127,36 +128,41 @@ def test_request_spec_matches_reference(tokenizer, config, mode):
         prompt = torch.randn(3 + k, *shape, generator=gen) if prompt_text is not None else None
         ref = torch.randn(5 + k, *shape, generator=gen) if mode.startswith("reference") else None
         for max_length in (0, 7):
-            args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt, ref_patches=ref,
-                        request_id=f"r{k}")
+            args = dict(text=text, prompt_text=prompt_text, request_id=f"r{k}")
             p = SamplingParams(seed=k, max_length=max_length)
-            ours = request_spec(config, tokenizer, 10_000, params=p, voice_id=None, **args)
+            ours = request_spec(config, tokenizer, 10_000, params=p, voice_id=None, **args,
+                                prompt_patches=None if prompt is None else prompt.numpy(),
+                                ref_patches=None if ref is None else ref.numpy())
             ref_spec = reference_spec(config, tokenizer, 10_000, params=SamplingParams(seed=k, max_length=max_length),
-                                      **args)
+                                      prompt_patches=prompt, ref_patches=ref, **args)
             assert_same_spec(ours, ref_spec)
             assert_same_spec(pickle.loads(pickle.dumps(ours)), ref_spec)
             # build_prompt (the offline path) agrees with the request builder
             built = build_prompt(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt,
                                  reference_patches=ref)
             assert built.token_ids.tolist() == ours.token_ids
-            assert torch.equal(built.patches, ref_spec.patches) and torch.equal(built.cond, ref_spec.cond)
-            assert torch.equal(built.context_patches, ref_spec.context_patches)
+            assert torch.equal(built.patches, torch.from_numpy(ref_spec.patches))
+            assert torch.equal(built.cond, torch.from_numpy(ref_spec.cond))
+            assert torch.equal(built.context_patches, torch.from_numpy(ref_spec.context_patches))
 
 
 def test_text_only_patches_allocate_nothing_on_either_side(tokenizer, config):
     spec = request_spec(config, tokenizer, 10_000, text=TEXTS[0], prompt_text=None, prompt_patches=None,
                         ref_patches=None, params=SamplingParams(), request_id="r", voice_id=None)
-    assert spec.patches.stride() == (0, 0, 0)  # a view of one zero
-    with pytest.raises(RuntimeError):
+    assert spec.patches.strides == (0, 0, 0)  # a view of one zero
+    with pytest.raises(ValueError, match="read-only"):
         spec.patches[0] += 1  # the shared zero cannot be written through it
     state = spec.__getstate__()
     assert state["patches"][1] is None and state["patches"][2] is None  # shape only: no rows travel
-    # the worker's copy is the same kind of view (a burst of 64 fresh zero tensors cost the worker milliseconds of
+    # the worker's copy is the same kind of view (a burst of 64 fresh zero arrays cost the worker milliseconds of
     # page faults before the burst's first step), and reads like zeros of the shape
     worker = pickle.loads(pickle.dumps(spec))
-    assert worker.patches.shape == spec.patches.shape and worker.patches.stride() == (0, 0, 0)
-    assert torch.equal(worker.patches, torch.zeros(spec.patches.shape))
+    assert worker.patches.shape == spec.patches.shape and worker.patches.strides == (0, 0, 0)
+    assert np.array_equal(worker.patches, np.zeros(spec.patches.shape, np.float32))
     req = Request(worker)  # what the worker reads them through: a prompt's positions, then past its end
+    assert req.patches.stride() == (0, 0, 0)  # still a view of one zero, now a tensor
+    with pytest.raises(RuntimeError):
+        req.patches[0] += 1
     n, patch = worker.prompt_len, torch.ones(*spec.patches.shape[1:])
     req.generated.append(patch)
     _, patches, _ = req.inputs(n - 2, n + 1)
@@ -165,16 +171,16 @@ def test_text_only_patches_allocate_nothing_on_either_side(tokenizer, config):
 
 def test_voice_prefix_spec_matches_reference(tokenizer, config):
     ref = torch.randn(6, config.patch_size, config.feat_dim, generator=torch.Generator().manual_seed(1))
-    ours = voice_prefix_spec(config, tokenizer, 10_000, "v", ref)
+    ours = voice_prefix_spec(config, tokenizer, 10_000, "v", ref.numpy())
     full = reference_spec(config, tokenizer, 10_000, text="a", prompt_text=None, prompt_patches=None,
                           ref_patches=ref, params=SamplingParams(), request_id="x")
     n = len(ref) + 2
     assert ours.token_ids == full.token_ids[:n] and ours.audio_mask == full.audio_mask[:n]
-    assert torch.equal(ours.patches, full.patches[:n]) and ours.prefix_only
+    assert np.array_equal(ours.patches, full.patches[:n]) and ours.prefix_only
     back = pickle.loads(pickle.dumps(ours))
-    assert torch.equal(back.patches, full.patches[:n]) and back.context_patches is None
+    assert np.array_equal(back.patches, full.patches[:n]) and back.context_patches is None
     with pytest.raises(TextTooLong):
-        voice_prefix_spec(config, tokenizer, n - 1, "v", ref)
+        voice_prefix_spec(config, tokenizer, n - 1, "v", ref.numpy())
 
 
 def test_new_request_ids_are_unique_hex_and_skip_ids_in_flight():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.checkpoint import load_model
-from engine.request import RequestSpec, SamplingParams
+from engine.request import RequestSpec, SamplingParams, zero_patches
 from engine.runner import Runner, triton_compiles
 from engine.scheduler import Scheduler
 from engine.worker import WorkerConfig
@@ -33,9 +33,9 @@ def test_no_triton_compiles_after_warm_up(voxcpm2_dir, cuda):
     for wave in (range(0, 16, 2), range(1, 16, 2)):
         for i in wave:
             n = (1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 114, 130, 200, 257, 300, 7)[i]
-            context = torch.randn(i % 3 + 1, p, d) if i % 5 else None
-            sched.add(RequestSpec(f"r{i}", [k % 50 + 1 for k in range(n)], torch.zeros(n, p, d), [0] * n,
-                                  torch.zeros(p, d), context,
+            context = torch.randn(i % 3 + 1, p, d).numpy() if i % 5 else None
+            sched.add(RequestSpec(f"r{i}", [k % 50 + 1 for k in range(n)], zero_patches((n, p, d)), [0] * n,
+                                  zero_patches((p, d)), context,
                                   SamplingParams(seed=i, max_length=6, min_length=6, timesteps=3 if i % 4 == 3 else 4)))
         while sched.has_work:
             seqs = sched.schedule()
