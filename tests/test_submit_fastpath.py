@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine import guards, ipc
 from engine.config import ModelConfig
@@ -240,6 +241,56 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
         await asyncio.sleep(0.02)
     assert not worker.stats.get("running") and not worker.stats.get("waiting")
     assert engine.stats().in_flight == 0
+
+
+class CountTorchOps(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called on the thread that entered it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_generate_makes_no_torch_op_on_the_callers_thread(engine):
+    """`generate` checks and builds a request on the caller's thread (a gateway's event loop) without a torch op:
+    each drops the GIL and waits to take it back behind the loop's other threads. The spec carries numpy arrays; the
+    worker makes the tensors. Plain, continuation (a gateway turn's later segments), reference and stored-voice
+    requests, and the chunks they give are served as usual."""
+    c = engine.config
+    rng = np.random.default_rng(0)
+    tail = rng.standard_normal((3, c.patch_size, c.feat_dim)).astype(np.float32)
+    ref = rng.standard_normal((5, c.patch_size, c.feat_dim)).astype(np.float32)
+    voice = await engine.add_voice(latents=ref)
+    kinds = {"plain": {}, "instruction": {"instruction": "calm"},
+             "continuation": {"prompt_latents": tail, "prompt_text": "Before."},
+             "float64 continuation": {"prompt_latents": tail.astype(np.float64), "prompt_text": "Before."},
+             "reference": {"reference_latents": ref},
+             "voice + continuation": {"voice": voice, "prompt_latents": tail, "prompt_text": "Before."}}
+    worker = engine._workers[0]
+    sent: list[ipc.Add] = []
+    send = worker.send
+    worker.send = lambda msg: (sent.append(msg) if isinstance(msg, ipc.Add) else None, send(msg))
+    try:
+        for name, kwargs in kinds.items():
+            sent.clear()
+            with CountTorchOps() as ops:
+                gen = engine.generate("Spoken after it.", seed=1, max_length=2, min_length=2, **kwargs)
+            assert ops.calls == [], name
+            chunks = [chunk async for chunk in gen]
+            assert len(chunks) == 2 and chunks[-1].is_last, name
+            spec = sent[0].spec
+            for field_name in ("patches", "cond", "context_patches"):
+                assert isinstance(getattr(spec, field_name), np.ndarray), (name, field_name)
+        assert len(sent[0].spec.context_patches) == len(tail)  # the continuation's tail primes the VAE stream
+    finally:
+        worker.send = send
+        await engine.remove_voice(voice)
 
 
 async def _until(done: Any, timeout_s: float = 10.0) -> None:
