@@ -641,7 +641,7 @@ def _profile_mixed(runner, config, length: int) -> dict:
     import cProfile
     import pstats
 
-    from engine.request import RequestSpec, SamplingParams, zero_patches
+    from engine.request import RequestSpec, SamplingParams
     from engine.scheduler import Scheduler
 
     sched = Scheduler(max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=length * 64 + 64,
@@ -656,8 +656,7 @@ def _profile_mixed(runner, config, length: int) -> dict:
         for i in range(count):
             ids = [(7 * i + k) % (vocab - 1) + 1 for k in range(length)]
             lora = str(slots[len(sched.requests) % len(slots)]) if runner.lora else None
-            sched.add(RequestSpec(f"{tag}{i}", ids, zero_patches((length, p, d)), [0] * length, zero_patches((p, d)),
-                                  None,
+            sched.add(RequestSpec(f"{tag}{i}", ids, [0] * length, (p, d),
                                   SamplingParams(seed=i, max_length=40, min_length=40, timesteps=runner.timesteps),
                                   lora=lora))
 

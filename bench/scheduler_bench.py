@@ -21,7 +21,7 @@ import time
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.request import RequestSpec, SamplingParams, zero_patches
+from engine.request import RequestSpec, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 
 P, D = 2, 4
@@ -30,8 +30,8 @@ _ids = itertools.count()
 
 
 def _spec(max_length: int) -> RequestSpec:
-    return RequestSpec(f"r{next(_ids)}", list(range(PROMPT)), zero_patches((PROMPT, P, D)), [0] * PROMPT,
-                       zero_patches((P, D)), None, SamplingParams(max_length=max_length, min_length=0))
+    return RequestSpec(f"r{next(_ids)}", list(range(PROMPT)), [0] * PROMPT,
+                       (P, D), SamplingParams(max_length=max_length, min_length=0))
 
 
 def _collect(s: Scheduler, seqs: list[ScheduledSeq], patch: torch.Tensor) -> None:

@@ -253,14 +253,26 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     return PromptLayout(ids, mask, audio, n_target, n_context)
 
 
-def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = None) -> np.ndarray:
-    """float32 [n, P, D] of the layout's first `n` positions (all by default): its audio patches, zeros at text."""
-    n = len(layout.token_ids) if n is None else n
-    patches = np.zeros((n, config.patch_size, config.feat_dim), np.float32)
-    for start, p in layout.audio:
-        if start < n:
-            patches[start:start + len(p)] = p[:n - start]
-    return patches
+# A text-only prompt's patches are an expanded view of this one zero: nothing allocated (a burst of 64 fresh zero
+# tensors cost a worker 8-60 ms of page faults on a 2-core machine before the burst's first step), and in-place
+# writes to it raise instead of corrupting it.
+_ZERO = torch.zeros((), dtype=torch.float32)
+
+
+def prompt_tensors(n: int, audio: list[tuple[int, np.ndarray]], n_context: int,
+                   shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """A prompt's first `n` positions as the model takes them: float32 patches [n, P, D] (the `audio` runs, zeros
+    at text positions), the patch the first sampled one is conditioned on (the last position's, [P, D]) and the
+    last `n_context` patches, which prime the VAE stream in continuation ([C, P, D])."""
+    runs = [(start, p[:n - start]) for start, p in audio if start < n]
+    if runs:
+        filled = np.zeros((n, *shape), np.float32)
+        for start, p in runs:
+            filled[start:start + len(p)] = p
+        patches = torch.from_numpy(filled)
+    else:
+        patches = _ZERO.expand(n, *shape)
+    return patches, patches[-1], patches[n - n_context:]
 
 
 def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
@@ -273,14 +285,15 @@ def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt
 
     layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=array(prompt_patches),
                            reference_patches=array(reference_patches), instruction=instruction)
-    patches = torch.from_numpy(layout_patches(config, layout))
+    patches, cond, context = prompt_tensors(len(layout.token_ids), layout.audio, layout.n_context,
+                                            (config.patch_size, config.feat_dim))
     return Prompt(
         token_ids=torch.tensor(layout.token_ids, dtype=torch.long),
         patches=patches,
         audio_mask=torch.tensor(layout.audio_mask, dtype=torch.bool),
         n_target_tokens=layout.n_target_tokens,
-        context_patches=patches[len(patches) - layout.n_context:],
-        cond=patches[-1].clone(),
+        context_patches=context,
+        cond=cond,
     )
 
 
@@ -290,4 +303,4 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
 
 
 __all__ = ["Prompt", "PromptLayout", "build_final_text", "build_prompt", "encode_in_slices", "encode_prompt_audio",
-           "layout_patches", "length_cap", "positions_left", "prompt_layout", "prompt_samples", "read_audio"]
+           "length_cap", "positions_left", "prompt_layout", "prompt_samples", "prompt_tensors", "read_audio"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.prompt import prompt_tensors
 from engine.sampling import SamplingParams
 
 
@@ -24,17 +25,19 @@ from engine.sampling import SamplingParams
 class RequestSpec:
     """Everything the worker needs, built and checked in the caller's process.
 
-    Its arrays are numpy: the caller (a gateway's event loop) builds them without a torch op, each of which would
-    drop the GIL and wait to take it back behind the loop's other threads; the worker's `Request` views them as
-    tensors (`as_tensor`, no copy)."""
+    The caller (a gateway's event loop) builds it without a torch op, each of which would drop the GIL and wait to
+    take it back behind the loop's other threads, and without copying patches: the prompt's audio travels as the
+    runs the caller gave (numpy, pickled by value), and the worker's `Request` lays them out as tensors
+    (`engine.prompt.prompt_tensors`). A text-only prompt (most requests) sends no patches at all."""
 
     request_id: str
     token_ids: list[int]
-    patches: np.ndarray  # [N, P, D] float32; zeros at text positions (text-only: a read-only view of one zero)
     audio_mask: list[int]  # [N] 1 at audio positions
-    cond: np.ndarray  # [P, D] float32: the patch that conditions the first sampled one
-    context_patches: np.ndarray | None  # [C, P, D] float32: primes the VAE stream for continuation
+    patch_shape: tuple[int, int]  # (P, D) of one patch
     params: SamplingParams
+    # (first position, float32 patches [T, P, D]) of each audio run, in order; zeros at the other positions
+    audio: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    n_context: int = 0  # last prompt patches that prime the VAE stream (continuation)
     voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
     prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
     lora: str | None = None  # a registered LoRA adapter applied to this request
@@ -43,47 +46,6 @@ class RequestSpec:
     @property
     def prompt_len(self) -> int:
         return len(self.token_ids)
-
-    # Pickled with the audio rows only: a text-only prompt (most requests) sends its shape alone and skips the scan
-    # of its mask, and the worker makes the same zero view.
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if any(self.audio_mask):
-            audio = [i for i, a in enumerate(self.audio_mask) if a]
-            state["patches"] = (self.patches.shape, audio, self.patches[audio])
-        else:
-            state["patches"] = (self.patches.shape, None, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        shape, audio, values = state["patches"]
-        if audio is None:
-            state["patches"] = zero_patches(shape)
-        else:
-            state["patches"] = np.zeros(shape, np.float32)
-            state["patches"][audio] = values
-        self.__dict__.update(state)
-
-
-# A fresh [N, P, D] zeros array per request costs page faults on each side of the pipe, and a worker unpickling a
-# burst of 64 tiny-model prompts took 8-60 ms on a 2-core machine (~1 ms as views), all before the burst's first
-# step. A broadcast view of one zero allocates nothing, and writes to it raise instead of corrupting it.
-_ZERO = np.zeros((), np.float32)
-_ZERO.flags.writeable = False
-_ZERO_TENSOR = torch.zeros((), dtype=torch.float32)
-
-
-def zero_patches(shape: tuple[int, ...]) -> np.ndarray:
-    """All-zero float32 patches of `shape` (a text-only prompt's) as a read-only view: nothing allocated."""
-    return np.broadcast_to(_ZERO, shape)
-
-
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A spec's array as the worker's tensor, sharing its memory: a zero view (`zero_patches`) becomes the same
-    view of one torch zero (in-place writes to it raise), any other read-only array a copy."""
-    if array.size and not any(array.strides) and not array.flat[0]:
-        return _ZERO_TENSOR.expand(array.shape)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 class Status(enum.Enum):
@@ -115,17 +77,17 @@ class Request:
     emitted_since_report_ms: float = 0.0
     first_emit_at: float | None = None
     generator: torch.Generator = field(init=False)
-    # the spec's arrays as tensors (views, made here in the worker: the caller's thread makes no tensor)
+    # the prompt's tensors, made here in the worker (the caller's thread makes none)
     patches: torch.Tensor = field(init=False)  # [N, P, D]
-    prompt_cond: torch.Tensor = field(init=False)  # [P, D]
-    context_patches: torch.Tensor | None = field(init=False)  # [C, P, D]
+    prompt_cond: torch.Tensor = field(init=False)  # [P, D] the patch that conditions the first sampled one
+    context_patches: torch.Tensor = field(init=False)  # [C, P, D] primes the VAE stream (C = 0: no continuation)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(self.spec.params.seed)
         spec = self.spec
-        self.patches, self.prompt_cond = as_tensor(spec.patches), as_tensor(spec.cond)
-        self.context_patches = None if spec.context_patches is None else as_tensor(spec.context_patches)
+        self.patches, self.prompt_cond, self.context_patches = prompt_tensors(
+            spec.prompt_len, spec.audio, spec.n_context, spec.patch_shape)
 
     @property
     def request_id(self) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kv_cache import BlockManager
-from engine.request import RequestSpec, SamplingParams, Status, zero_patches
+from engine.request import RequestSpec, SamplingParams, Status
 from engine.scheduler import Scheduler
 
 P, D = 2, 4
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def spec(rid: str, n: int, max_length: int = 50, voice_id: str | None = None, prefix_only: bool = False,
          priority: int = 0, tenant: str | None = None) -> RequestSpec:
-    return RequestSpec(rid, list(range(n)), zero_patches((n, P, D)), [0] * n, zero_patches((P, D)), None,
+    return RequestSpec(rid, list(range(n)), [0] * n, (P, D),
                        SamplingParams(max_length=max_length, min_length=0, priority=priority),
                        voice_id=voice_id, prefix_only=prefix_only, tenant=tenant)
 

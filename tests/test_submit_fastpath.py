@@ -1,8 +1,9 @@
-"""The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, expanded zero
-patches, deferred sends) gives exactly what the reference path (one vocabulary lookup per token string, tensors for
-every position, as the code before it) gives: the same token ids and the same `RequestSpec`, before and after the
-pickle that carries it to a worker. `generate` sends a request from the call when it has no audio to encode and its
-worker is up (else at the first read); an unread request is still cancelled and freed when closed or dropped."""
+"""The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, numpy patch runs
+and no torch op on the caller's thread, expanded zero patches in the worker, deferred sends) gives exactly what the
+reference path (one vocabulary lookup per token string, tensors for every position, as the code before it) gives:
+the same token ids and, in the worker, the same prompt tensors, before and after the pickle that carries the
+`RequestSpec` to it. `generate` sends a request from the call when it has no audio to encode and its worker is up
+(else at the first read); an unread request is still cancelled and freed when closed or dropped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import pickle
 import re
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -50,9 +52,9 @@ def config() -> ModelConfig:
 
 def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
                    prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
-                   params: SamplingParams, request_id: str) -> RequestSpec:
+                   params: SamplingParams, request_id: str) -> SimpleNamespace:
     """The request builder as it was: the target tokenized twice by the per-token-string lookup, a tensor for
-    every position, ids and mask read back element by element."""
+    every position, ids and mask read back element by element; the prompt's tensors as the worker must see them."""
     target = normalize_text(text)
     shape = (config.patch_size, config.feat_dim)
     n_target = len(tokenizer.encode_reference(target))
@@ -84,23 +86,26 @@ def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int,
     n = len(token_ids)
     cap = min(length_cap(n_target, params.max_length or config.max_length), config.max_length - n, kv_positions - n)
     params.max_length = cap
-    return RequestSpec(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches.numpy(),
-                       audio_mask=[int(m) for m in mask], cond=patches[-1].clone().numpy(),
-                       context_patches=patches[len(patches) - n_context:].numpy(), params=params)
+    return SimpleNamespace(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches,
+                           audio_mask=[int(m) for m in mask], cond=patches[-1].clone(),
+                           context_patches=patches[len(patches) - n_context:], params=params)
 
 
-def assert_same_spec(a: RequestSpec, b: RequestSpec) -> None:
+def assert_same_spec(a: RequestSpec, b: SimpleNamespace) -> None:
+    """`a` (and the worker's tensors of it) is the reference's request `b`."""
     assert a.request_id == b.request_id
     assert a.token_ids == b.token_ids
     assert all(type(t) is int for t in a.token_ids)
     assert a.audio_mask == b.audio_mask
     assert all(type(m) is int for m in a.audio_mask)
-    for name in ("patches", "cond", "context_patches"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert isinstance(x, np.ndarray) and isinstance(y, np.ndarray), name  # the caller makes no tensor
-        assert x.dtype == y.dtype == np.float32 and x.shape == y.shape and np.array_equal(x, y), name
+    assert all(isinstance(p, np.ndarray) and p.dtype == np.float32 for _, p in a.audio)  # the caller makes no tensor
+    worker = Request(a)
+    for name in ("patches", "context_patches"):
+        x, y = getattr(worker, name), getattr(b, name)
+        assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape and torch.equal(x, y), name
+    assert torch.equal(worker.prompt_cond, b.cond) and torch.equal(worker.cond, b.cond)
     assert a.params == b.params
-    assert (a.voice_id, a.prefix_only, a.lora) == (b.voice_id, b.prefix_only, b.lora)
+    assert (a.voice_id, a.prefix_only, a.lora) == (None, False, None)
 
 
 def test_encode_matches_the_per_token_lookup(tokenizer):
@@ -142,29 +147,24 @@ def test_request_spec_matches_reference(tokenizer, config, mode):
             built = build_prompt(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt,
                                  reference_patches=ref)
             assert built.token_ids.tolist() == ours.token_ids
-            assert torch.equal(built.patches, torch.from_numpy(ref_spec.patches))
-            assert torch.equal(built.cond, torch.from_numpy(ref_spec.cond))
-            assert torch.equal(built.context_patches, torch.from_numpy(ref_spec.context_patches))
+            assert torch.equal(built.patches, ref_spec.patches) and torch.equal(built.cond, ref_spec.cond)
+            assert torch.equal(built.context_patches, ref_spec.context_patches)
 
 
 def test_text_only_patches_allocate_nothing_on_either_side(tokenizer, config):
     spec = request_spec(config, tokenizer, 10_000, text=TEXTS[0], prompt_text=None, prompt_patches=None,
                         ref_patches=None, params=SamplingParams(), request_id="r", voice_id=None)
-    assert spec.patches.strides == (0, 0, 0)  # a view of one zero
-    with pytest.raises(ValueError, match="read-only"):
-        spec.patches[0] += 1  # the shared zero cannot be written through it
-    state = spec.__getstate__()
-    assert state["patches"][1] is None and state["patches"][2] is None  # shape only: no rows travel
-    # the worker's copy is the same kind of view (a burst of 64 fresh zero arrays cost the worker milliseconds of
-    # page faults before the burst's first step), and reads like zeros of the shape
-    worker = pickle.loads(pickle.dumps(spec))
-    assert worker.patches.shape == spec.patches.shape and worker.patches.strides == (0, 0, 0)
-    assert np.array_equal(worker.patches, np.zeros(spec.patches.shape, np.float32))
-    req = Request(worker)  # what the worker reads them through: a prompt's positions, then past its end
-    assert req.patches.stride() == (0, 0, 0)  # still a view of one zero, now a tensor
+    assert spec.audio == [] and spec.n_context == 0  # no patches travel
+    # the worker's patches are a view of one zero (a burst of 64 fresh zero tensors cost the worker milliseconds of
+    # page faults before the burst's first step) that reads like zeros of the shape and cannot be written through
+    req = Request(pickle.loads(pickle.dumps(spec)))
+    shape = (spec.prompt_len, config.patch_size, config.feat_dim)
+    assert req.patches.shape == shape and req.patches.stride() == (0, 0, 0)
+    assert torch.equal(req.patches, torch.zeros(shape)) and torch.equal(req.cond, torch.zeros(shape[1:]))
     with pytest.raises(RuntimeError):
         req.patches[0] += 1
-    n, patch = worker.prompt_len, torch.ones(*spec.patches.shape[1:])
+    # what the worker reads them through: a prompt's positions, then past its end
+    n, patch = req.spec.prompt_len, torch.ones(*shape[1:])
     req.generated.append(patch)
     _, patches, _ = req.inputs(n - 2, n + 1)
     assert torch.equal(patches, torch.cat((torch.zeros(2, *patch.shape), patch[None])))
@@ -177,9 +177,9 @@ def test_voice_prefix_spec_matches_reference(tokenizer, config):
                           ref_patches=ref, params=SamplingParams(), request_id="x")
     n = len(ref) + 2
     assert ours.token_ids == full.token_ids[:n] and ours.audio_mask == full.audio_mask[:n]
-    assert np.array_equal(ours.patches, full.patches[:n]) and ours.prefix_only
-    back = pickle.loads(pickle.dumps(ours))
-    assert np.array_equal(back.patches, full.patches[:n]) and back.context_patches is None
+    assert torch.equal(Request(ours).patches, full.patches[:n]) and ours.prefix_only
+    back = Request(pickle.loads(pickle.dumps(ours)))
+    assert torch.equal(back.patches, full.patches[:n]) and len(back.context_patches) == 0
     with pytest.raises(TextTooLong):
         voice_prefix_spec(config, tokenizer, n - 1, "v", ref.numpy())
 
@@ -284,10 +284,9 @@ async def test_generate_makes_no_torch_op_on_the_callers_thread(engine):
             assert ops.calls == [], name
             chunks = [chunk async for chunk in gen]
             assert len(chunks) == 2 and chunks[-1].is_last, name
-            spec = sent[0].spec
-            for field_name in ("patches", "cond", "context_patches"):
-                assert isinstance(getattr(spec, field_name), np.ndarray), (name, field_name)
-        assert len(sent[0].spec.context_patches) == len(tail)  # the continuation's tail primes the VAE stream
+            assert all(isinstance(p, np.ndarray) for _, p in sent[0].spec.audio), name
+        assert sent[0].spec.audio[-1][1] is tail  # the caller's tail as it is: not copied on the caller's thread
+        assert sent[0].spec.n_context == len(tail)  # it primes the VAE stream
     finally:
         worker.send = send
         await engine.remove_voice(voice)

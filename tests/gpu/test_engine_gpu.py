@@ -17,7 +17,7 @@ import torch
 from engine import Engine
 from engine.checkpoint import load_model
 from engine.model.attention import AttentionMetadata, KVCache, TorchAttention, make_attention_backend
-from engine.request import RequestSpec, SamplingParams, zero_patches
+from engine.request import RequestSpec, SamplingParams
 from engine.runner import Runner
 from engine.scheduler import Scheduler
 from engine.worker import WorkerConfig
@@ -32,7 +32,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_spec(i: int, config, timesteps: int, prompt_len: int = 12, cfg_value: float = 2.0) -> RequestSpec:
     tokens = [(7 * i + k) % 50 + 1 for k in range(prompt_len)]
     p, d = config.patch_size, config.feat_dim
-    return RequestSpec(f"r{i}", tokens, zero_patches((prompt_len, p, d)), [0] * prompt_len, zero_patches((p, d)), None,
+    return RequestSpec(f"r{i}", tokens, [0] * prompt_len, (p, d),
                        SamplingParams(cfg_value=cfg_value, seed=i, max_length=50, min_length=50, timesteps=timesteps))
 
 
