@@ -124,13 +124,11 @@ def test_a_step_picked_ahead_is_what_schedule_picks_after_the_collection(clock):
 def test_a_refused_step_ahead_leaves_the_state_as_it_was(clock):
     """An admission that what the in-flight step frees could change: no step, and nothing admitted or charged."""
     s = Scheduler(max_num_seqs=1, max_num_batched_tokens=16, num_blocks=16, block_size=4, patch_ms=80.0)
-    last = RequestSpec("last", [0, 1], [0, 0], (P, D),
-                       SamplingParams(max_length=2, min_length=0))
+    last = RequestSpec("last", [0, 1], [0, 0], (P, D), SamplingParams(max_length=2, min_length=0))
     s.add(last)
     collect(s, s.schedule(), [False])
     in_flight = s.schedule()  # its second and last patch: its VAE slot is free once collected
-    s.add(RequestSpec("next", [0], [0], (P, D), SamplingParams(),
-                      tenant="t"))
+    s.add(RequestSpec("next", [0], [0], (P, D), SamplingParams(), tenant="t"))
     served = dict(s.fair.served)
     assert s.schedule_ahead(in_flight, admit=True) is None
     assert s.requests["next"].status is Status.WAITING and [r.request_id for r in s.waiting] == ["next"]
@@ -170,8 +168,7 @@ def test_a_step_ahead_larger_than_the_flat_buffers_is_left_to_the_synchronous_pa
     s.add(RequestSpec("talker", [0, 1], [0, 0], (P, D), SamplingParams()))
     collect(s, s.schedule(), [False])
     in_flight = s.schedule()
-    s.add(RequestSpec("long", list(range(20)), [0] * 20, (P, D),
-                      SamplingParams()))
+    s.add(RequestSpec("long", list(range(20)), [0] * 20, (P, D), SamplingParams()))
     assert s.schedule_ahead(in_flight, admit=True, max_tokens=16) is None
     assert s.requests["long"].status is Status.WAITING and s.blocks.num_free == 64 - 1
     ahead = s.schedule_ahead(in_flight, admit=True, max_tokens=64)
