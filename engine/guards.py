@@ -147,9 +147,24 @@ def check_latents(config: ModelConfig, latents: Any, name: str) -> np.ndarray:
         raise InvalidAudio(f"{name}: not an array of numbers ({e})") from None
     if a.ndim != 3 or a.shape[1:] != shape or a.shape[0] == 0:
         raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {a.shape})")
-    if not np.isfinite(a).all():
+    if not all_finite(a):
         raise InvalidAudio(f"{name} holds NaN or infinite values")
     return a
+
+
+# numpy drops the GIL inside a loop over more than this many elements (NPY_BEGIN_THREADS_THRESHOLDED), and the event
+# loop then waits to take it back behind the gateway's other threads: a continuation's tail (3 patches, 768 values)
+# is checked in blocks this size, which keep it.
+NUMPY_GIL_HELD_ELEMENTS = 500
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or infinity in `a`; a small array in blocks that keep the GIL, a large one (a reference) in one pass."""
+    flat = a.reshape(-1)
+    if flat.size > 8 * NUMPY_GIL_HELD_ELEMENTS:
+        return bool(np.isfinite(flat).all())
+    step = NUMPY_GIL_HELD_ELEMENTS
+    return all(np.isfinite(flat[i:i + step]).all() for i in range(0, flat.size, step))
 
 
 def check_voice_source(config: ModelConfig, *, audio: Any, latents: Any, text: str | None) -> None:
