@@ -84,6 +84,16 @@ def test_all_finite_sees_every_value_of_small_and_large_arrays():
                 assert not all_finite(b), (size, pos, bad)
 
 
+def test_held_copy_is_a_read_only_float32_copy_of_any_numeric_array():
+    from engine.guards import held_copy
+
+    base = np.arange(2 * 3 * 64, dtype=np.float32).reshape(2, 3, 64)
+    for a in (base, base.astype(np.float64), base.astype(np.int16), base[:, ::-1], np.asfortranarray(base)):
+        c = held_copy(a)
+        assert c.dtype == np.float32 and c.shape == a.shape and np.array_equal(c, a.astype(np.float32))
+        assert not np.shares_memory(c, a) and not c.flags.writeable
+
+
 def test_settings_errors_name_what_the_server_serves(engine, tiny_v1_dir):
     """Timesteps past the served maximum are refused up front, never sampled on a slow path, and the message says
     what is served; an engine started with a larger `max_timesteps` takes them."""

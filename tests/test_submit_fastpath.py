@@ -285,8 +285,18 @@ async def test_generate_makes_no_torch_op_on_the_callers_thread(engine):
             chunks = [chunk async for chunk in gen]
             assert len(chunks) == 2 and chunks[-1].is_last, name
             assert all(isinstance(p, np.ndarray) for _, p in sent[0].spec.audio), name
-        assert sent[0].spec.audio[-1][1] is tail  # the caller's tail as it is: not copied on the caller's thread
+        run = sent[0].spec.audio[-1][1]
+        assert np.array_equal(run, tail) and not np.shares_memory(run, tail)  # the tail as it was at the call
         assert sent[0].spec.n_context == len(tail)  # it primes the VAE stream
+
+        # the caller may reuse its array once `generate` returns: the request still has what it was given
+        sent.clear()
+        mine = tail.copy()
+        gen = engine.generate("Spoken after it.", seed=1, max_length=2, min_length=2, prompt_latents=mine,
+                              prompt_text="Before.")
+        mine[:] = np.nan  # before the request leaves (at the end of this pass of the event loop)
+        assert len([chunk async for chunk in gen]) == 2
+        assert np.array_equal(sent[0].spec.audio[-1][1], tail)
     finally:
         worker.send = send
         await engine.remove_voice(voice)
