@@ -656,7 +656,7 @@ def _profile_mixed(runner, config, length: int) -> dict:
         for i in range(count):
             ids = [(7 * i + k) % (vocab - 1) + 1 for k in range(length)]
             lora = str(slots[len(sched.requests) % len(slots)]) if runner.lora else None
-            sched.add(RequestSpec(f"{tag}{i}", ids, torch.zeros(length, p, d), [0] * length, torch.zeros(p, d), None,
+            sched.add(RequestSpec(f"{tag}{i}", ids, [0] * length, (p, d),
                                   SamplingParams(seed=i, max_length=40, min_length=40, timesteps=runner.timesteps),
                                   lora=lora))
 

@@ -30,8 +30,8 @@ _ids = itertools.count()
 
 
 def _spec(max_length: int) -> RequestSpec:
-    return RequestSpec(f"r{next(_ids)}", list(range(PROMPT)), torch.zeros(PROMPT, P, D), [0] * PROMPT,
-                       torch.zeros(P, D), None, SamplingParams(max_length=max_length, min_length=0))
+    return RequestSpec(f"r{next(_ids)}", list(range(PROMPT)), [0] * PROMPT, (P, D),
+                       SamplingParams(max_length=max_length, min_length=0))
 
 
 def _collect(s: Scheduler, seqs: list[ScheduledSeq], patch: torch.Tensor) -> None:

@@ -332,9 +332,9 @@ class Engine:
                            _pad: str = "left") -> np.ndarray:
         """Prompt audio (file bytes, or samples with their rate) -> patches [T, P, D] float32. At most
         `guards.MAX_PROMPT_AUDIO_S` long (`AudioTooLong`, from a file's header before it is decoded)."""
-        return (await self._encode(audio, sample_rate, _pad)).numpy()
+        return await self._encode(audio, sample_rate, _pad)
 
-    async def _encode(self, audio: Any, sample_rate: int | None, pad: str) -> torch.Tensor:
+    async def _encode(self, audio: Any, sample_rate: int | None, pad: str) -> np.ndarray:
         if not isinstance(audio, (bytes, bytearray, memoryview)):
             if sample_rate is None:
                 raise InvalidParameter("sample_rate is required with raw samples")
@@ -344,7 +344,7 @@ class Engine:
         # decoding, mixing down and resampling (a minute of audio: tens of ms) off the event loop; the worker gets
         # mono samples at its VAE's rate and encodes them in slices between steps
         samples = await asyncio.to_thread(prompt_samples, audio, sample_rate, self.config.audio_vae.sample_rate)
-        return torch.from_numpy(await self._call(self._pick_worker(), ipc.Encode, samples, pad))
+        return await self._call(self._pick_worker(), ipc.Encode, samples, pad)
 
     async def add_voice(self, *, audio: Any = None, sample_rate: int | None = None, latents: Any = None,
                         text: str | None = None, voice_id: str | None = None, lora: str | None = None) -> str:
@@ -353,7 +353,7 @@ class Engine:
         `lora` names a registered adapter the voice's requests use; with no audio the voice is the adapter alone."""
         self._loras.get(lora)
 
-        def prefix_spec(voice_id: str, patches: torch.Tensor, lora: str | None) -> RequestSpec:
+        def prefix_spec(voice_id: str, patches: np.ndarray, lora: str | None) -> RequestSpec:
             return voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora)
 
         async def add_to_workers(prefix: RequestSpec) -> None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from engine.config import ModelConfig
 from engine.engine_config import MAX_TIMESTEPS
@@ -135,18 +134,45 @@ def check_prompt_sources(config: ModelConfig, *, voice: bool, prompt_audio: Any,
         raise InvalidParameter(f"reference audio needs a VoxCPM2 model ({config.architecture} has none)")
 
 
-def check_latents(config: ModelConfig, latents: Any, name: str) -> torch.Tensor:
-    """Caller-given patches as a float32 [T, P, D] tensor, T >= 1, all finite."""
+def check_latents(config: ModelConfig, latents: Any, name: str) -> np.ndarray:
+    """Caller-given patches as a float32 [T, P, D] array, T >= 1, all finite: a read-only copy (`held_copy`), so
+    the request is what the caller gave at the call whatever it writes to its array later. No torch op: this runs on
+    the caller's thread."""
     shape = (config.patch_size, config.feat_dim)
     try:
-        t = torch.as_tensor(np.asarray(latents), dtype=torch.float32)
+        a = np.asarray(latents)
+        if a.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {a.dtype}")
     except (TypeError, ValueError) as e:
         raise InvalidAudio(f"{name}: not an array of numbers ({e})") from None
-    if t.ndim != 3 or tuple(t.shape[1:]) != shape or t.shape[0] == 0:
-        raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {tuple(t.shape)})")
-    if not torch.isfinite(t).all():
+    if a.ndim != 3 or a.shape[1:] != shape or a.shape[0] == 0:
+        raise InvalidAudio(f"{name} must be [T, {shape[0]}, {shape[1]}] with T >= 1 (got {a.shape})")
+    a = held_copy(a)
+    if not all_finite(a):
         raise InvalidAudio(f"{name} holds NaN or infinite values")
-    return t
+    return a
+
+
+# numpy drops the GIL inside a loop over more than this many elements (NPY_BEGIN_THREADS_THRESHOLDED), and the event
+# loop then waits to take it back behind the gateway's other threads. A continuation's tail (3 patches, 768 values)
+# is copied and checked without such a loop.
+NUMPY_GIL_HELD_ELEMENTS = 500
+
+
+def held_copy(a: np.ndarray) -> np.ndarray:
+    """A read-only float32 copy of `a`, made as bytes (one memcpy with the GIL held); a caller's float32 array is
+    not cast or repacked first."""
+    a = np.ascontiguousarray(a, np.float32)
+    return np.frombuffer(a.tobytes(), np.float32).reshape(a.shape)
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or infinity in `a`; a small array in blocks that keep the GIL, a large one (a reference) in one pass."""
+    flat = a.reshape(-1)
+    if flat.size > 8 * NUMPY_GIL_HELD_ELEMENTS:
+        return bool(np.isfinite(flat).all())
+    step = NUMPY_GIL_HELD_ELEMENTS
+    return all(np.isfinite(flat[i:i + step]).all() for i in range(0, flat.size, step))
 
 
 def check_voice_source(config: ModelConfig, *, audio: Any, latents: Any, text: str | None) -> None:

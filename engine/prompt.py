@@ -193,16 +193,16 @@ class PromptLayout:
 
     token_ids: list[int]  # 0 at audio positions
     audio_mask: list[int]  # 1 at audio positions
-    audio: list[tuple[int, Tensor]]  # (first position, patches [T, P, D]) of each audio run, in order
+    audio: list[tuple[int, np.ndarray]]  # (first position, float32 patches [T, P, D]) of each audio run, in order
     n_target_tokens: int
     n_context: int  # last prompt patches that prime the VAE stream (continuation), else 0
 
 
 def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
+                  prompt_patches: np.ndarray | None = None, reference_patches: np.ndarray | None = None,
                   instruction: str | None = None) -> PromptLayout:
     """The positions of one request's prefill (see the module docstring for the four layouts), checked; plain
-    lists, so a text-only request costs no tensor work here."""
+    lists and the given float32 arrays, so it makes no tensor (it runs on the engine caller's thread)."""
     if not isinstance(text, str):
         raise InvalidRequest(f"text must be a string (got {type(text).__name__})")
     target = normalize_text(text)
@@ -232,9 +232,9 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     text_ids.append(AUDIO_START)
     ids: list[int] = []
     mask: list[int] = []
-    audio: list[tuple[int, Tensor]] = []
+    audio: list[tuple[int, np.ndarray]] = []
 
-    def add_audio(patches: Tensor) -> None:
+    def add_audio(patches: np.ndarray) -> None:
         audio.append((len(ids), patches))
         ids.extend([0] * len(patches))
         mask.extend([1] * len(patches))
@@ -253,30 +253,47 @@ def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, promp
     return PromptLayout(ids, mask, audio, n_target, n_context)
 
 
-def layout_patches(config: ModelConfig, layout: PromptLayout, n: int | None = None) -> Tensor:
-    """float32 [n, P, D] of the layout's first `n` positions (all by default): its audio patches, zeros at text."""
-    n = len(layout.token_ids) if n is None else n
-    patches = torch.zeros(n, config.patch_size, config.feat_dim)
-    for start, p in layout.audio:
-        if start < n:
-            patches[start:start + len(p)] = p[:n - start].detach()
-    return patches
+# A text-only prompt's patches are an expanded view of this one zero: nothing allocated (a burst of 64 fresh zero
+# tensors cost a worker 8-60 ms of page faults on a 2-core machine before the burst's first step), and in-place
+# writes to it raise instead of corrupting it.
+_ZERO = torch.zeros((), dtype=torch.float32)
+
+
+def prompt_tensors(n: int, audio: list[tuple[int, np.ndarray]], n_context: int,
+                   shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """A prompt's first `n` positions as the model takes them: float32 patches [n, P, D] (the `audio` runs, zeros
+    at text positions), the patch the first sampled one is conditioned on (the last position's, [P, D]) and the
+    last `n_context` patches, which prime the VAE stream in continuation ([C, P, D])."""
+    runs = [(start, p[:n - start]) for start, p in audio if start < n]
+    if runs:
+        filled = np.zeros((n, *shape), np.float32)
+        for start, p in runs:
+            filled[start:start + len(p)] = p
+        patches = torch.from_numpy(filled)
+    else:
+        patches = _ZERO.expand(n, *shape)
+    return patches, patches[-1], patches[n - n_context:]
 
 
 def build_prompt(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
                  prompt_patches: Tensor | None = None, reference_patches: Tensor | None = None,
                  instruction: str | None = None) -> Prompt:
-    """The prefill sequence of one request (see the module docstring for the four layouts)."""
-    layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=prompt_patches,
-                           reference_patches=reference_patches, instruction=instruction)
-    patches = layout_patches(config, layout)
+    """The prefill sequence of one request (see the module docstring for the four layouts), as tensors; the
+    patches come from the encoder (`encode_prompt_audio`)."""
+    def array(p: Tensor | None) -> np.ndarray | None:
+        return None if p is None else p.detach().float().cpu().numpy()
+
+    layout = prompt_layout(config, tokenizer, text, prompt_text=prompt_text, prompt_patches=array(prompt_patches),
+                           reference_patches=array(reference_patches), instruction=instruction)
+    patches, cond, context = prompt_tensors(len(layout.token_ids), layout.audio, layout.n_context,
+                                            (config.patch_size, config.feat_dim))
     return Prompt(
         token_ids=torch.tensor(layout.token_ids, dtype=torch.long),
         patches=patches,
         audio_mask=torch.tensor(layout.audio_mask, dtype=torch.bool),
         n_target_tokens=layout.n_target_tokens,
-        context_patches=patches[len(patches) - layout.n_context:],
-        cond=patches[-1].clone(),
+        context_patches=context,
+        cond=cond,
     )
 
 
@@ -286,4 +303,4 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
 
 
 __all__ = ["Prompt", "PromptLayout", "build_final_text", "build_prompt", "encode_in_slices", "encode_prompt_audio",
-           "layout_patches", "length_cap", "positions_left", "prompt_layout", "prompt_samples", "read_audio"]
+           "length_cap", "positions_left", "prompt_layout", "prompt_samples", "prompt_tensors", "read_audio"]

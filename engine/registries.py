@@ -33,7 +33,7 @@ class Voice:
     """A stored voice: its patches, transcript (prompt voices) and, on VoxCPM2, the prefix every worker keeps."""
 
     info: VoiceInfo
-    latents: torch.Tensor | None  # [T, P, D]
+    latents: np.ndarray | None  # float32 [T, P, D]
     text: str | None
     prefix: RequestSpec | None  # v2: the reference prefix whose KV every worker keeps
 
@@ -153,11 +153,11 @@ class VoiceRegistry:
     def latents(self, voice_id: str) -> np.ndarray | None:
         """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice)."""
         v = self.get(voice_id)
-        return None if v.latents is None else v.latents.numpy().copy()
+        return None if v.latents is None else v.latents.copy()
 
     async def add(self, voice_id: str | None, *, audio: Any, sample_rate: int | None, latents: Any, text: str | None,
-                  lora: str | None, encode: Callable[[Any, int | None, str], Awaitable[torch.Tensor]],
-                  prefix_spec: Callable[[str, torch.Tensor, str | None], RequestSpec],
+                  lora: str | None, encode: Callable[[Any, int | None, str], Awaitable[np.ndarray]],
+                  prefix_spec: Callable[[str, np.ndarray, str | None], RequestSpec],
                   add_to_workers: Callable[[RequestSpec], Awaitable[Any]],
                   remove: Callable[[str], Awaitable[None]]) -> str:
         """Store a voice (see `Engine.add_voice`) and return its id. `encode`: audio -> patches on a worker;

@@ -14,22 +14,30 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from engine.prompt import prompt_tensors
 from engine.sampling import SamplingParams
 
 
 @dataclass
 class RequestSpec:
-    """Everything the worker needs, built and checked in the caller's process."""
+    """Everything the worker needs, built and checked in the caller's process.
+
+    The caller (a gateway's event loop) builds it without a torch op, each of which would drop the GIL and wait to
+    take it back behind the loop's other threads, and without copying patches: the prompt's audio travels as the
+    runs the caller gave (numpy, pickled by value), and the worker's `Request` lays them out as tensors
+    (`engine.prompt.prompt_tensors`). A text-only prompt (most requests) sends no patches at all."""
 
     request_id: str
     token_ids: list[int]
-    patches: torch.Tensor  # [N, P, D] float32; zeros at text positions (text-only: a read-only expanded zero)
     audio_mask: list[int]  # [N] 1 at audio positions
-    cond: torch.Tensor  # [P, D] the patch that conditions the first sampled one
-    context_patches: torch.Tensor | None  # [C, P, D] primes the VAE stream for continuation
+    patch_shape: tuple[int, int]  # (P, D) of one patch
     params: SamplingParams
+    # (first position, float32 patches [T, P, D]) of each audio run, in order; zeros at the other positions
+    audio: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    n_context: int = 0  # last prompt patches that prime the VAE stream (continuation)
     voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
     prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
     lora: str | None = None  # a registered LoRA adapter applied to this request
@@ -38,44 +46,6 @@ class RequestSpec:
     @property
     def prompt_len(self) -> int:
         return len(self.token_ids)
-
-    # Pickled by value, audio rows only. Tensors in a pickle would travel as shared-memory handles that the worker
-    # fetches one by one from a thread of the sending process; behind a busy event loop each fetch waits for the
-    # GIL, which made a burst of requests reach the worker ~10 ms apart. A text-only prompt (most requests) sends
-    # no rows at all and skips the scan of its mask.
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if any(self.audio_mask):
-            audio = [i for i, a in enumerate(self.audio_mask) if a]
-            state["patches"] = (tuple(self.patches.shape), audio, self.patches[audio].numpy())
-        else:
-            state["patches"] = (tuple(self.patches.shape), None, None)
-        state["cond"] = self.cond.numpy()
-        if self.context_patches is not None:
-            state["context_patches"] = self.context_patches.numpy()
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        shape, audio, values = state["patches"]
-        patches = zero_patches(shape) if audio is None else torch.zeros(shape)
-        if audio is not None:
-            patches[audio] = torch.from_numpy(values)
-        state["patches"], state["cond"] = patches, torch.from_numpy(state["cond"])
-        if state["context_patches"] is not None:
-            state["context_patches"] = torch.from_numpy(state["context_patches"])
-        self.__dict__.update(state)
-
-
-# A fresh [N, P, D] zeros tensor per request costs page faults on each side of the pipe: ~50 us a request on the
-# event loop, and a worker unpickling a burst of 64 tiny-model prompts took 8-60 ms on a 2-core machine (~1 ms as
-# views), all before the burst's first step. An expanded view of this one allocates nothing, and in-place writes to
-# it raise instead of corrupting it.
-_ZERO = torch.zeros((), dtype=torch.float32)
-
-
-def zero_patches(shape: tuple[int, ...]) -> torch.Tensor:
-    """All-zero float32 patches of `shape` (a text-only prompt's) as a read-only view: nothing allocated."""
-    return _ZERO.expand(shape)
 
 
 class Status(enum.Enum):
@@ -107,10 +77,17 @@ class Request:
     emitted_since_report_ms: float = 0.0
     first_emit_at: float | None = None
     generator: torch.Generator = field(init=False)
+    # the prompt's tensors, made here in the worker (the caller's thread makes none)
+    patches: torch.Tensor = field(init=False)  # [N, P, D]
+    prompt_cond: torch.Tensor = field(init=False)  # [P, D] the patch that conditions the first sampled one
+    context_patches: torch.Tensor = field(init=False)  # [C, P, D] primes the VAE stream (C = 0: no continuation)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(self.spec.params.seed)
+        spec = self.spec
+        self.patches, self.prompt_cond, self.context_patches = prompt_tensors(
+            spec.prompt_len, spec.audio, spec.n_context, spec.patch_shape)
 
     @property
     def request_id(self) -> str:
@@ -132,14 +109,14 @@ class Request:
 
     @property
     def cond(self) -> torch.Tensor:
-        return self.generated[-1] if self.generated else self.spec.cond
+        return self.generated[-1] if self.generated else self.prompt_cond
 
     def inputs(self, start: int, end: int) -> tuple[list[int], torch.Tensor, list[int]]:
         """Token ids, patches [n, P, D] and audio mask of positions [start, end)."""
         n_prompt = self.spec.prompt_len
         ids = self.spec.token_ids[start:min(end, n_prompt)]
         mask = self.spec.audio_mask[start:min(end, n_prompt)]
-        parts = [self.spec.patches[start:min(end, n_prompt)]]
+        parts = [self.patches[start:min(end, n_prompt)]]
         if end > n_prompt:
             new = self.generated[max(start, n_prompt) - n_prompt:end - n_prompt]
             ids = ids + [0] * len(new)

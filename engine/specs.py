@@ -1,26 +1,26 @@
 """A checked request turned into the `RequestSpec` a worker runs: the prompt built here, its length capped to fit.
 
-This runs on the event loop once per request, so it builds no per-position Python or tensor objects: the prompt
-layout comes as plain lists (`engine.prompt.prompt_layout`), and a text-only prompt's all-zero patches are a view of
-one zero (`engine.request.zero_patches`; the pickle sends their shape, the worker makes the same view).
+This runs on the event loop once per request, so it builds no per-position Python objects, makes no torch op (each
+drops the GIL and waits to take it back behind the loop's other threads) and copies no patches: the prompt layout
+comes as plain lists and the caller's numpy patch runs (`engine.prompt.prompt_layout`); the worker makes the tensors.
 """
 
 from __future__ import annotations
 
 import uuid
 
-import torch
+import numpy as np
 
 from engine.config import ModelConfig
 from engine.errors import EngineError, InvalidRequest, TextTooLong
-from engine.prompt import layout_patches, length_cap, prompt_layout
-from engine.request import RequestSpec, zero_patches
+from engine.prompt import length_cap, prompt_layout
+from engine.request import RequestSpec
 from engine.sampling import SamplingParams
 from engine.text import Tokenizer
 
 
 def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
-                 prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
+                 prompt_text: str | None, prompt_patches: np.ndarray | None, ref_patches: np.ndarray | None,
                  params: SamplingParams, request_id: str, voice_id: str | None,
                  lora: str | None = None, tenant: str | None = None,
                  instruction: str | None = None) -> RequestSpec:
@@ -40,18 +40,14 @@ def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *
         raise TextTooLong(f"the prompt takes {n} positions; the model has {config.max_length} and the KV "
                           f"cache {kv_positions}: no room left to speak")
     params.max_length = cap
-    if layout.audio:
-        patches = layout_patches(config, layout)
-    else:
-        patches = zero_patches((n, config.patch_size, config.feat_dim))
     return RequestSpec(
-        request_id=request_id, token_ids=layout.token_ids, patches=patches, audio_mask=layout.audio_mask,
-        cond=patches[-1].clone(), context_patches=patches[n - layout.n_context:], params=params, voice_id=voice_id,
-        lora=lora, tenant=tenant)
+        request_id=request_id, token_ids=layout.token_ids, audio_mask=layout.audio_mask,
+        patch_shape=(config.patch_size, config.feat_dim), params=params, audio=layout.audio,
+        n_context=layout.n_context, voice_id=voice_id, lora=lora, tenant=tenant)
 
 
 def voice_prefix_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, voice_id: str,
-                      ref: torch.Tensor, lora: str | None = None) -> RequestSpec:
+                      ref: np.ndarray, lora: str | None = None) -> RequestSpec:
     """`[103, ref..., 104]`: the first positions of every prompt of this voice, as a prefix-only request."""
     layout = prompt_layout(config, tokenizer, "a", reference_patches=ref)
     n = ref.shape[0] + 2
@@ -59,6 +55,5 @@ def voice_prefix_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: i
         raise TextTooLong(f"the voice takes {n} positions, more than the KV cache holds")
     return RequestSpec(
         request_id=f"voice:{voice_id}:{uuid.uuid4().hex[:8]}", token_ids=layout.token_ids[:n],
-        patches=layout_patches(config, layout, n), audio_mask=layout.audio_mask[:n],
-        cond=torch.zeros(config.patch_size, config.feat_dim), context_patches=None,
-        params=SamplingParams(), voice_id=voice_id, prefix_only=True, lora=lora)
+        audio_mask=layout.audio_mask[:n], patch_shape=(config.patch_size, config.feat_dim), params=SamplingParams(),
+        audio=layout.audio, voice_id=voice_id, prefix_only=True, lora=lora)  # its one run: the reference

@@ -70,6 +70,30 @@ def test_generate_guards(engine, kwargs, error):
     assert engine.stats().in_flight == 0
 
 
+def test_all_finite_sees_every_value_of_small_and_large_arrays():
+    """The finite check of caller-given latents (in GIL-keeping blocks when small) misses no position."""
+    from engine.guards import NUMPY_GIL_HELD_ELEMENTS, all_finite
+
+    for size in (1, NUMPY_GIL_HELD_ELEMENTS - 1, NUMPY_GIL_HELD_ELEMENTS + 1, 768, 8 * NUMPY_GIL_HELD_ELEMENTS + 3):
+        a = np.ones(size, np.float32)
+        assert all_finite(a) and all_finite(a.reshape(1, 1, -1))
+        for pos in sorted({0, size // 2, NUMPY_GIL_HELD_ELEMENTS % size, size - 1}):
+            for bad in (np.nan, np.inf, -np.inf):
+                b = a.copy()
+                b[pos] = bad
+                assert not all_finite(b), (size, pos, bad)
+
+
+def test_held_copy_is_a_read_only_float32_copy_of_any_numeric_array():
+    from engine.guards import held_copy
+
+    base = np.arange(2 * 3 * 64, dtype=np.float32).reshape(2, 3, 64)
+    for a in (base, base.astype(np.float64), base.astype(np.int16), base[:, ::-1], np.asfortranarray(base)):
+        c = held_copy(a)
+        assert c.dtype == np.float32 and c.shape == a.shape and np.array_equal(c, a.astype(np.float32))
+        assert not np.shares_memory(c, a) and not c.flags.writeable
+
+
 def test_settings_errors_name_what_the_server_serves(engine, tiny_v1_dir):
     """Timesteps past the served maximum are refused up front, never sampled on a slow path, and the message says
     what is served; an engine started with a larger `max_timesteps` takes them."""

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def spec(rid: str, n: int, max_length: int = 50, voice_id: str | None = None, prefix_only: bool = False,
          priority: int = 0, tenant: str | None = None) -> RequestSpec:
-    return RequestSpec(rid, list(range(n)), torch.zeros(n, P, D), [0] * n, torch.zeros(P, D), None,
+    return RequestSpec(rid, list(range(n)), [0] * n, (P, D),
                        SamplingParams(max_length=max_length, min_length=0, priority=priority),
                        voice_id=voice_id, prefix_only=prefix_only, tenant=tenant)
 

@@ -31,8 +31,7 @@ def test_histogram_percentiles_track_numpy_within_one_bucket():
 
 def make_spec(i: int, config, prompt_len: int) -> RequestSpec:
     p, d = config.patch_size, config.feat_dim
-    return RequestSpec(f"r{i}", [(3 * i + k) % 50 + 1 for k in range(prompt_len)], torch.zeros(prompt_len, p, d),
-                       [0] * prompt_len, torch.zeros(p, d), None,
+    return RequestSpec(f"r{i}", [(3 * i + k) % 50 + 1 for k in range(prompt_len)], [0] * prompt_len, (p, d),
                        SamplingParams(seed=i, max_length=4, min_length=4, timesteps=2))
 
 

@@ -106,8 +106,7 @@ def serve_settings(loaded, eager: bool) -> tuple[list[torch.Tensor], list[int]]:
     sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=80, num_blocks=runner.num_blocks, block_size=16,
                       patch_ms=loaded.config.patch_ms)
     p, d = loaded.config.patch_size, loaded.config.feat_dim
-    reqs = [sched.add(RequestSpec(f"r{i}", [(7 * i + k) % 50 + 1 for k in range(9 + i)], torch.zeros(9 + i, p, d),
-                                  [0] * (9 + i), torch.zeros(p, d), None,
+    reqs = [sched.add(RequestSpec(f"r{i}", [(7 * i + k) % 50 + 1 for k in range(9 + i)], [0] * (9 + i), (p, d),
                                   SamplingParams(seed=i, max_length=4, min_length=4, timesteps=t, cfg_value=c)))
             for i, (t, c) in enumerate(SETTINGS)]
     step = runner._eager_step if eager else runner.step

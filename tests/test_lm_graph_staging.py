@@ -84,8 +84,7 @@ def serve(loaded, flat: bool, eager_only: bool = False, large: bool = False) -> 
     p, d = loaded.config.patch_size, loaded.config.feat_dim
     reqs = []
     for i, n in enumerate((37, 5, 70, 16, 3)):  # a chunked prompt, prompts that join running streams
-        reqs.append(sched.add(RequestSpec(f"r{i}", [(5 * i + k) % 50 + 1 for k in range(n)], torch.zeros(n, p, d),
-                                          [0] * n, torch.zeros(p, d), None,
+        reqs.append(sched.add(RequestSpec(f"r{i}", [(5 * i + k) % 50 + 1 for k in range(n)], [0] * n, (p, d),
                                           SamplingParams(seed=i, max_length=5, min_length=5, timesteps=2))))
         out = runner.step(seqs := sched.schedule())
         sched.postprocess(seqs, out.patches, out.stops)

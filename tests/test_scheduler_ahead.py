@@ -75,7 +75,7 @@ def scenario(seed: int, clock: Clock) -> tuple[int, int, int]:
         nonlocal count
         for _ in range(rng.choice([0, 0, 0, 1, 1, 3])):
             n = rng.randint(1, 14)
-            spec = RequestSpec(f"r{count}", list(range(n)), torch.zeros(n, P, D), [0] * n, torch.zeros(P, D), None,
+            spec = RequestSpec(f"r{count}", list(range(n)), [0] * n, (P, D),
                                SamplingParams(max_length=rng.randint(1, 9), min_length=0,
                                               priority=rng.choice([0, 0, 1])),
                                tenant=rng.choice(tenants))
@@ -124,13 +124,11 @@ def test_a_step_picked_ahead_is_what_schedule_picks_after_the_collection(clock):
 def test_a_refused_step_ahead_leaves_the_state_as_it_was(clock):
     """An admission that what the in-flight step frees could change: no step, and nothing admitted or charged."""
     s = Scheduler(max_num_seqs=1, max_num_batched_tokens=16, num_blocks=16, block_size=4, patch_ms=80.0)
-    last = RequestSpec("last", [0, 1], torch.zeros(2, P, D), [0, 0], torch.zeros(P, D), None,
-                       SamplingParams(max_length=2, min_length=0))
+    last = RequestSpec("last", [0, 1], [0, 0], (P, D), SamplingParams(max_length=2, min_length=0))
     s.add(last)
     collect(s, s.schedule(), [False])
     in_flight = s.schedule()  # its second and last patch: its VAE slot is free once collected
-    s.add(RequestSpec("next", [0], torch.zeros(1, P, D), [0], torch.zeros(P, D), None, SamplingParams(),
-                      tenant="t"))
+    s.add(RequestSpec("next", [0], [0], (P, D), SamplingParams(), tenant="t"))
     served = dict(s.fair.served)
     assert s.schedule_ahead(in_flight, admit=True) is None
     assert s.requests["next"].status is Status.WAITING and [r.request_id for r in s.waiting] == ["next"]
@@ -167,11 +165,10 @@ def test_a_step_ahead_larger_than_the_flat_buffers_is_left_to_the_synchronous_pa
     """`max_tokens` (what the runner can launch ahead) is no rule of `schedule`: a step past it is not picked ahead,
     and the prompt it would admit is admitted by the synchronous step instead."""
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, block_size=4, patch_ms=80.0)
-    s.add(RequestSpec("talker", [0, 1], torch.zeros(2, P, D), [0, 0], torch.zeros(P, D), None, SamplingParams()))
+    s.add(RequestSpec("talker", [0, 1], [0, 0], (P, D), SamplingParams()))
     collect(s, s.schedule(), [False])
     in_flight = s.schedule()
-    s.add(RequestSpec("long", list(range(20)), torch.zeros(20, P, D), [0] * 20, torch.zeros(P, D), None,
-                      SamplingParams()))
+    s.add(RequestSpec("long", list(range(20)), [0] * 20, (P, D), SamplingParams()))
     assert s.schedule_ahead(in_flight, admit=True, max_tokens=16) is None
     assert s.requests["long"].status is Status.WAITING and s.blocks.num_free == 64 - 1
     ahead = s.schedule_ahead(in_flight, admit=True, max_tokens=64)

@@ -1,8 +1,9 @@
-"""The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, expanded zero
-patches, deferred sends) gives exactly what the reference path (one vocabulary lookup per token string, tensors for
-every position, as the code before it) gives: the same token ids and the same `RequestSpec`, before and after the
-pickle that carries it to a worker. `generate` sends a request from the call when it has no audio to encode and its
-worker is up (else at the first read); an unread request is still cancelled and freed when closed or dropped."""
+"""The request builder's fast path (`Tokenizer.encode` on the backend's ids, `prompt_layout` lists, numpy patch runs
+and no torch op on the caller's thread, expanded zero patches in the worker, deferred sends) gives exactly what the
+reference path (one vocabulary lookup per token string, tensors for every position, as the code before it) gives:
+the same token ids and, in the worker, the same prompt tensors, before and after the pickle that carries the
+`RequestSpec` to it. `generate` sends a request from the call when it has no audio to encode and its worker is up
+(else at the first read); an unread request is still cancelled and freed when closed or dropped."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import asyncio
 import pickle
 import re
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine import guards, ipc
 from engine.config import ModelConfig
@@ -49,9 +52,9 @@ def config() -> ModelConfig:
 
 def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,
                    prompt_text: str | None, prompt_patches: torch.Tensor | None, ref_patches: torch.Tensor | None,
-                   params: SamplingParams, request_id: str) -> RequestSpec:
+                   params: SamplingParams, request_id: str) -> SimpleNamespace:
     """The request builder as it was: the target tokenized twice by the per-token-string lookup, a tensor for
-    every position, ids and mask read back element by element."""
+    every position, ids and mask read back element by element; the prompt's tensors as the worker must see them."""
     target = normalize_text(text)
     shape = (config.patch_size, config.feat_dim)
     n_target = len(tokenizer.encode_reference(target))
@@ -83,22 +86,26 @@ def reference_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int,
     n = len(token_ids)
     cap = min(length_cap(n_target, params.max_length or config.max_length), config.max_length - n, kv_positions - n)
     params.max_length = cap
-    return RequestSpec(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches,
-                       audio_mask=[int(m) for m in mask], cond=patches[-1].clone(),
-                       context_patches=patches[len(patches) - n_context:], params=params)
+    return SimpleNamespace(request_id=request_id, token_ids=[int(t) for t in token_ids], patches=patches,
+                           audio_mask=[int(m) for m in mask], cond=patches[-1].clone(),
+                           context_patches=patches[len(patches) - n_context:], params=params)
 
 
-def assert_same_spec(a: RequestSpec, b: RequestSpec) -> None:
+def assert_same_spec(a: RequestSpec, b: SimpleNamespace) -> None:
+    """`a` (and the worker's tensors of it) is the reference's request `b`."""
     assert a.request_id == b.request_id
     assert a.token_ids == b.token_ids
     assert all(type(t) is int for t in a.token_ids)
     assert a.audio_mask == b.audio_mask
     assert all(type(m) is int for m in a.audio_mask)
-    for name in ("patches", "cond", "context_patches"):
-        x, y = getattr(a, name), getattr(b, name)
+    assert all(isinstance(p, np.ndarray) and p.dtype == np.float32 for _, p in a.audio)  # the caller makes no tensor
+    worker = Request(a)
+    for name in ("patches", "context_patches"):
+        x, y = getattr(worker, name), getattr(b, name)
         assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape and torch.equal(x, y), name
+    assert torch.equal(worker.prompt_cond, b.cond) and torch.equal(worker.cond, b.cond)
     assert a.params == b.params
-    assert (a.voice_id, a.prefix_only, a.lora) == (b.voice_id, b.prefix_only, b.lora)
+    assert (a.voice_id, a.prefix_only, a.lora) == (None, False, None)
 
 
 def test_encode_matches_the_per_token_lookup(tokenizer):
@@ -127,12 +134,13 @@ def test_request_spec_matches_reference(tokenizer, config, mode):
         prompt = torch.randn(3 + k, *shape, generator=gen) if prompt_text is not None else None
         ref = torch.randn(5 + k, *shape, generator=gen) if mode.startswith("reference") else None
         for max_length in (0, 7):
-            args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt, ref_patches=ref,
-                        request_id=f"r{k}")
+            args = dict(text=text, prompt_text=prompt_text, request_id=f"r{k}")
             p = SamplingParams(seed=k, max_length=max_length)
-            ours = request_spec(config, tokenizer, 10_000, params=p, voice_id=None, **args)
+            ours = request_spec(config, tokenizer, 10_000, params=p, voice_id=None, **args,
+                                prompt_patches=None if prompt is None else prompt.numpy(),
+                                ref_patches=None if ref is None else ref.numpy())
             ref_spec = reference_spec(config, tokenizer, 10_000, params=SamplingParams(seed=k, max_length=max_length),
-                                      **args)
+                                      prompt_patches=prompt, ref_patches=ref, **args)
             assert_same_spec(ours, ref_spec)
             assert_same_spec(pickle.loads(pickle.dumps(ours)), ref_spec)
             # build_prompt (the offline path) agrees with the request builder
@@ -146,18 +154,17 @@ def test_request_spec_matches_reference(tokenizer, config, mode):
 def test_text_only_patches_allocate_nothing_on_either_side(tokenizer, config):
     spec = request_spec(config, tokenizer, 10_000, text=TEXTS[0], prompt_text=None, prompt_patches=None,
                         ref_patches=None, params=SamplingParams(), request_id="r", voice_id=None)
-    assert spec.patches.stride() == (0, 0, 0)  # a view of one zero
+    assert spec.audio == [] and spec.n_context == 0  # no patches travel
+    # the worker's patches are a view of one zero (a burst of 64 fresh zero tensors cost the worker milliseconds of
+    # page faults before the burst's first step) that reads like zeros of the shape and cannot be written through
+    req = Request(pickle.loads(pickle.dumps(spec)))
+    shape = (spec.prompt_len, config.patch_size, config.feat_dim)
+    assert req.patches.shape == shape and req.patches.stride() == (0, 0, 0)
+    assert torch.equal(req.patches, torch.zeros(shape)) and torch.equal(req.cond, torch.zeros(shape[1:]))
     with pytest.raises(RuntimeError):
-        spec.patches[0] += 1  # the shared zero cannot be written through it
-    state = spec.__getstate__()
-    assert state["patches"][1] is None and state["patches"][2] is None  # shape only: no rows travel
-    # the worker's copy is the same kind of view (a burst of 64 fresh zero tensors cost the worker milliseconds of
-    # page faults before the burst's first step), and reads like zeros of the shape
-    worker = pickle.loads(pickle.dumps(spec))
-    assert worker.patches.shape == spec.patches.shape and worker.patches.stride() == (0, 0, 0)
-    assert torch.equal(worker.patches, torch.zeros(spec.patches.shape))
-    req = Request(worker)  # what the worker reads them through: a prompt's positions, then past its end
-    n, patch = worker.prompt_len, torch.ones(*spec.patches.shape[1:])
+        req.patches[0] += 1
+    # what the worker reads them through: a prompt's positions, then past its end
+    n, patch = req.spec.prompt_len, torch.ones(*shape[1:])
     req.generated.append(patch)
     _, patches, _ = req.inputs(n - 2, n + 1)
     assert torch.equal(patches, torch.cat((torch.zeros(2, *patch.shape), patch[None])))
@@ -165,16 +172,16 @@ def test_text_only_patches_allocate_nothing_on_either_side(tokenizer, config):
 
 def test_voice_prefix_spec_matches_reference(tokenizer, config):
     ref = torch.randn(6, config.patch_size, config.feat_dim, generator=torch.Generator().manual_seed(1))
-    ours = voice_prefix_spec(config, tokenizer, 10_000, "v", ref)
+    ours = voice_prefix_spec(config, tokenizer, 10_000, "v", ref.numpy())
     full = reference_spec(config, tokenizer, 10_000, text="a", prompt_text=None, prompt_patches=None,
                           ref_patches=ref, params=SamplingParams(), request_id="x")
     n = len(ref) + 2
     assert ours.token_ids == full.token_ids[:n] and ours.audio_mask == full.audio_mask[:n]
-    assert torch.equal(ours.patches, full.patches[:n]) and ours.prefix_only
-    back = pickle.loads(pickle.dumps(ours))
-    assert torch.equal(back.patches, full.patches[:n]) and back.context_patches is None
+    assert torch.equal(Request(ours).patches, full.patches[:n]) and ours.prefix_only
+    back = Request(pickle.loads(pickle.dumps(ours)))
+    assert torch.equal(back.patches, full.patches[:n]) and len(back.context_patches) == 0
     with pytest.raises(TextTooLong):
-        voice_prefix_spec(config, tokenizer, n - 1, "v", ref)
+        voice_prefix_spec(config, tokenizer, n - 1, "v", ref.numpy())
 
 
 def test_new_request_ids_are_unique_hex_and_skip_ids_in_flight():
@@ -234,6 +241,65 @@ async def test_a_burst_reaches_the_worker_together_and_in_order(engine):
         await asyncio.sleep(0.02)
     assert not worker.stats.get("running") and not worker.stats.get("waiting")
     assert engine.stats().in_flight == 0
+
+
+class CountTorchOps(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called on the thread that entered it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.timeout(60)
+async def test_generate_makes_no_torch_op_on_the_callers_thread(engine):
+    """`generate` checks and builds a request on the caller's thread (a gateway's event loop) without a torch op:
+    each drops the GIL and waits to take it back behind the loop's other threads. The spec carries numpy arrays; the
+    worker makes the tensors. Plain, continuation (a gateway turn's later segments), reference and stored-voice
+    requests, and the chunks they give are served as usual."""
+    c = engine.config
+    rng = np.random.default_rng(0)
+    tail = rng.standard_normal((3, c.patch_size, c.feat_dim)).astype(np.float32)
+    ref = rng.standard_normal((5, c.patch_size, c.feat_dim)).astype(np.float32)
+    voice = await engine.add_voice(latents=ref)
+    kinds = {"plain": {}, "instruction": {"instruction": "calm"},
+             "continuation": {"prompt_latents": tail, "prompt_text": "Before."},
+             "float64 continuation": {"prompt_latents": tail.astype(np.float64), "prompt_text": "Before."},
+             "reference": {"reference_latents": ref},
+             "voice + continuation": {"voice": voice, "prompt_latents": tail, "prompt_text": "Before."}}
+    worker = engine._workers[0]
+    sent: list[ipc.Add] = []
+    send = worker.send
+    worker.send = lambda msg: (sent.append(msg) if isinstance(msg, ipc.Add) else None, send(msg))
+    try:
+        for name, kwargs in kinds.items():
+            sent.clear()
+            with CountTorchOps() as ops:
+                gen = engine.generate("Spoken after it.", seed=1, max_length=2, min_length=2, **kwargs)
+            assert ops.calls == [], name
+            chunks = [chunk async for chunk in gen]
+            assert len(chunks) == 2 and chunks[-1].is_last, name
+            assert all(isinstance(p, np.ndarray) for _, p in sent[0].spec.audio), name
+        run = sent[0].spec.audio[-1][1]
+        assert np.array_equal(run, tail) and not np.shares_memory(run, tail)  # the tail as it was at the call
+        assert sent[0].spec.n_context == len(tail)  # it primes the VAE stream
+
+        # the caller may reuse its array once `generate` returns: the request still has what it was given
+        sent.clear()
+        mine = tail.copy()
+        gen = engine.generate("Spoken after it.", seed=1, max_length=2, min_length=2, prompt_latents=mine,
+                              prompt_text="Before.")
+        mine[:] = np.nan  # before the request leaves (at the end of this pass of the event loop)
+        assert len([chunk async for chunk in gen]) == 2
+        assert np.array_equal(sent[0].spec.audio[-1][1], tail)
+    finally:
+        worker.send = send
+        await engine.remove_voice(voice)
 
 
 async def _until(done: Any, timeout_s: float = 10.0) -> None:

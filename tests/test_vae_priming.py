@@ -25,7 +25,7 @@ def test_batched_priming_equals_priming_each_alone():
     p, d = config.patch_size, vae.latent_dim
     rows = PRIME_ROWS + 8
     lengths = [3] * (PRIME_ROWS + 3) + [2, 1, 2]  # more of one length than one decode primes, and other lengths
-    reqs = [SimpleNamespace(vae_slot=i, vae_primed=False, spec=SimpleNamespace(context_patches=torch.randn(k, p, d)))
+    reqs = [SimpleNamespace(vae_slot=i, vae_primed=False, context_patches=torch.randn(k, p, d))
             for i, k in enumerate(lengths)]
     bystander = len(reqs)  # a row mid-stream, not primed now
     batched, alone = _lane(vae, config, rows), _lane(vae, config, rows)
@@ -35,7 +35,7 @@ def test_batched_priming_equals_priming_each_alone():
         batched.prime(reqs)
         for req in reqs:
             alone.state.reset_(torch.tensor([req.vae_slot]))
-            alone.prime_contexts([req.vae_slot], [req.spec.context_patches])
+            alone.prime_contexts([req.vae_slot], [req.context_patches])
         assert all(r.vae_primed for r in reqs)
         slots = torch.tensor([r.vae_slot for r in reqs] + [bystander])
         nxt = torch.randn(len(slots), p, d)

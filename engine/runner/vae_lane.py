@@ -113,14 +113,13 @@ class VaeLane:
         with self.on_lane():  # in order with the lane's decodes, and the main stream never waits for it
             self.state.reset_(slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots)
             for req in reqs:
-                context = req.spec.context_patches
-                if context is not None and len(context):
-                    by_length.setdefault(len(context), []).append(req)
+                if len(req.context_patches):
+                    by_length.setdefault(len(req.context_patches), []).append(req)
                 req.vae_primed = True
             for group in by_length.values():
                 for i in range(0, len(group), PRIME_ROWS):
                     part = group[i:i + PRIME_ROWS]
-                    self.prime_contexts([r.vae_slot for r in part], [r.spec.context_patches for r in part])
+                    self.prime_contexts([r.vae_slot for r in part], [r.context_patches for r in part])
 
     def prime_contexts(self, slots: list[int], contexts: list[torch.Tensor]) -> None:
         """Replay continuations' prompt tails (each [k, P, D], one k) into VAE rows `slots` as one decode. Under load

@@ -33,10 +33,11 @@ def test_no_triton_compiles_after_warm_up(voxcpm2_dir, cuda):
     for wave in (range(0, 16, 2), range(1, 16, 2)):
         for i in wave:
             n = (1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 114, 130, 200, 257, 300, 7)[i]
-            context = torch.randn(i % 3 + 1, p, d) if i % 5 else None
-            sched.add(RequestSpec(f"r{i}", [k % 50 + 1 for k in range(n)], torch.zeros(n, p, d), [0] * n,
-                                  torch.zeros(p, d), context,
-                                  SamplingParams(seed=i, max_length=6, min_length=6, timesteps=3 if i % 4 == 3 else 4)))
+            k = min(i % 3 + 1, n - 1) if i % 5 else 0  # the prompt ends with k patches of audio, its VAE context
+            ids, mask = [j % 50 + 1 for j in range(n - k)] + [0] * k, [0] * (n - k) + [1] * k
+            sched.add(RequestSpec(f"r{i}", ids, mask, (p, d),
+                                  SamplingParams(seed=i, max_length=6, min_length=6, timesteps=3 if i % 4 == 3 else 4),
+                                  audio=[(n - k, torch.randn(k, p, d).numpy())] if k else [], n_context=k))
         while sched.has_work:
             seqs = sched.schedule()
             out = runner.step(seqs)

@@ -32,7 +32,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_spec(i: int, config, timesteps: int, prompt_len: int = 12, cfg_value: float = 2.0) -> RequestSpec:
     tokens = [(7 * i + k) % 50 + 1 for k in range(prompt_len)]
     p, d = config.patch_size, config.feat_dim
-    return RequestSpec(f"r{i}", tokens, torch.zeros(prompt_len, p, d), [0] * prompt_len, torch.zeros(p, d), None,
+    return RequestSpec(f"r{i}", tokens, [0] * prompt_len, (p, d),
                        SamplingParams(cfg_value=cfg_value, seed=i, max_length=50, min_length=50, timesteps=timesteps))
 
 
