@@ -107,6 +107,9 @@ class Turn:
     # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
     # released segment goes to the engine from the handler that released it (`Session._release`)
     idle: bool = True
+    # segmenter work queued behind the cuts a new turn's first text.append held back (`Session._push_text`); None:
+    # none held back, work runs at once
+    deferred: list[Callable[[], None]] | None = None
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session

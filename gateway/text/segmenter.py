@@ -351,6 +351,7 @@ class Segmenter:
         self._queued_ms = 0.0
         self._queue_dry_at: float | None = None
         self._ended = False
+        self._held_at: float | None = None  # when the push whose `limit` held cuts back ran (`release` makes them)
         self.segments: list[Segment] = []  # everything released so far, in order
 
     @property
@@ -366,8 +367,11 @@ class Segmenter:
     def ended(self) -> bool:
         return self._ended
 
-    def push(self, text: str) -> list[Segment]:
-        """Append streamed text (any split: mid-word, mid-number, mid-markup)."""
+    def push(self, text: str, limit: int | None = None) -> list[Segment]:
+        """Append streamed text (any split: mid-word, mid-number, mid-markup). `limit`: release at most this many
+        segments now; `release()`, called before anything else, releases the others exactly as this call would have
+        (a new turn's first segment goes to the engine at once, and cutting the rest of its text can wait until the
+        handlers of other turns' first text have run)."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         if self._ended:
@@ -376,7 +380,17 @@ class Segmenter:
         self._append(self._norm.feed(text))
         if was_empty and self.pending_text:
             self._since = self._clock()
-        return self._release(complete=False)
+        if limit is None:
+            return self._release(complete=False)
+        now = self._clock()
+        segments = self._release(complete=False, now=now, limit=limit)
+        if len(segments) == limit:
+            self._held_at = now
+        return segments
+
+    def release(self) -> list[Segment]:
+        """The segments the text so far allows that a `push` with a `limit` held back (none if none was)."""
+        return [] if self._held_at is None else self._release(complete=False, now=self._held_at)
 
     def flush(self) -> list[Segment]:
         """Everything buffered now (text.flush); the turn goes on."""
@@ -433,15 +447,17 @@ class Segmenter:
             clean = clean.lstrip()
         self._buf += clean
 
-    def _release(self, complete: bool, last_reason: str = "end") -> list[Segment]:
-        segments = []
-        while (cut := self._cut()) is not None:
-            segments.append(self._emit(*cut))
+    def _release(self, complete: bool, last_reason: str = "end", now: float | None = None,
+                 limit: int | None = None) -> list[Segment]:
+        self._held_at = None  # whatever releases, releases the held-back cuts too
+        segments: list[Segment] = []
+        while (limit is None or len(segments) < limit) and (cut := self._cut()) is not None:
+            segments.append(self._emit(*cut, now=now))
         if complete and self._buf:
-            segments.append(self._emit(len(self._buf), last_reason))
+            segments.append(self._emit(len(self._buf), last_reason, now=now))
         return segments
 
-    def _emit(self, cut: int, reason: str) -> Segment:
+    def _emit(self, cut: int, reason: str, now: float | None = None) -> Segment:
         text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
         self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
         self._buf = rest.lstrip()
@@ -449,7 +465,7 @@ class Segmenter:
             self._lang = "zh"
         segment = Segment(text, len(self.segments), reason, self._mode, self._lang, rewrite=self._rewrite)
         self.segments.append(segment)
-        self._since = self._clock() if self.pending_text else None
+        self._since = (self._clock() if now is None else now) if self.pending_text else None
         return segment
 
     def _cut(self) -> tuple[int, str] | None:
