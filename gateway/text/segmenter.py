@@ -352,6 +352,10 @@ class Segmenter:
         self._queue_dry_at: float | None = None
         self._ended = False
         self._held_at: float | None = None  # when the push whose `limit` held cuts back ran (`release` makes them)
+        # the last scan of the text that found no cut: (its inputs, every boundary it passed). A push scans; the
+        # segment timer's `next_deadline` right after it asks the same questions of the same text (LLM deltas: one
+        # scan per delta instead of three)
+        self._no_cut: tuple[tuple[str, bool, bool, int], list[int]] | None = None
         self.segments: list[Segment] = []  # everything released so far, in order
 
     @property
@@ -473,6 +477,10 @@ class Segmenter:
         cfg, buf, index = self.config, self._buf, len(self.segments)
         if not buf:
             return None
+        # everything the answer depends on (the config and the normalisation mode are the turn's, fixed)
+        inputs = (buf, self._line_start, self._queued_ms >= RELAXED_QUEUE_MS, index)
+        if self._no_cut is not None and self._no_cut[0] == inputs:
+            return None
         first = index == 0 and cfg.schedule is None
         if cfg.schedule is not None:
             threshold, kinds = cfg.schedule[min(index, len(cfg.schedule) - 1)], ("sentence", "clause", "word")
@@ -482,10 +490,12 @@ class Segmenter:
             threshold, kinds = cfg.min_chars, ("sentence", "clause")
         weights = _prefix_weights(buf)
         best: dict[str, int] = {}
+        passed: list[int] = []
         for cut, kind in _boundaries(buf, self._line_start, self._mode != "off"):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
+            passed.append(cut)
             if w == 0:
                 continue
             if kind in kinds and w >= threshold:
@@ -493,7 +503,8 @@ class Segmenter:
             if first and kind == "word" and w >= cfg.first_chars:
                 return cut, "length"
             best[kind] = cut
-        if weights[-1] <= cfg.max_chars:
+        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars)
+            self._no_cut = inputs, passed
             return None
         for kind in ("sentence", "clause", "word"):
             if kind in best:
@@ -504,7 +515,11 @@ class Segmenter:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
         buf, cfg = self._buf, self.config
         weights = _prefix_weights(buf)
-        cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
+        scanned = self._no_cut
+        if scanned is not None and scanned[0][0] is buf and scanned[0][1] == self._line_start:
+            cuts = list(scanned[1])  # the boundaries of this very text, as `_cut` passed them all
+        else:
+            cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
         if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])) and (
                 spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
                 else not spoken.inside_braces(buf, len(buf))):
