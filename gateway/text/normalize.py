@@ -358,6 +358,12 @@ def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> b
     return _TRIGGER_START.match(first) is None
 
 
+def word_cuts_decided_before(text: str) -> int:
+    """A position before which `cut_state` of a word boundary (word=True, not at_end) is True or False, never None:
+    it is undecided only at the text's end (the next word unknown) or within the Chinese context of it."""
+    return min(len(text.rstrip()), len(text) - _ZH_CONTEXT)
+
+
 def _is_chinese(c: str) -> bool:
     """`contains_chinese` of one character (or of "")."""
     return "\u4e00" <= c <= "\u9fff"

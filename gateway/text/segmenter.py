@@ -249,10 +249,15 @@ def _prefix_weights(text: str) -> list[int] | range:
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
 
 
-def _boundaries(buf: str, line_start: bool, normalizing: bool = False) -> Iterator[tuple[int, str]]:
+def _boundaries(buf: str, line_start: bool, normalizing: bool = False,
+                words_from: int = 0) -> Iterator[tuple[int, str]]:
     """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one. Never inside
-    a phoneme brace; `normalizing`: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50")."""
+    a phoneme brace; `normalizing`: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50").
+    `words_from`: word boundaries before it are left out (for a caller that takes no word cut; they must be ones that
+    cannot stop the scan: `normalize.word_cuts_decided_before`)."""
     for cut, kind in _candidates(buf, line_start):
+        if cut < words_from and kind == "word":
+            continue
         ok = spoken.cut_state(buf, cut, kind == "word") if normalizing else not spoken.inside_braces(buf, cut)
         if ok is None:
             return
@@ -355,7 +360,7 @@ class Segmenter:
         # the last scan of the text that found no cut: (its inputs, every boundary it passed). A push scans; the
         # segment timer's `next_deadline` right after it asks the same questions of the same text (LLM deltas: one
         # scan per delta instead of three)
-        self._no_cut: tuple[tuple[str, bool, bool, int], list[int]] | None = None
+        self._no_cut: tuple[tuple[str, bool, bool, int], list[int] | None] | None = None
         self.segments: list[Segment] = []  # everything released so far, in order
 
     @property
@@ -491,7 +496,14 @@ class Segmenter:
         weights = _prefix_weights(buf)
         best: dict[str, int] = {}
         passed: list[int] = []
-        for cut, kind in _boundaries(buf, self._line_start, self._mode != "off"):
+        normalizing = self._mode != "off"
+        # A later segment takes no word cut, and with the text within max_chars there is no word fallback either: a
+        # word boundary matters only where it could stop the scan, so the others are not looked at (a paragraph's
+        # words are most of its boundaries). The scan then passes fewer than all boundaries.
+        words_from = 0
+        if not first and "word" not in kinds and weights[-1] <= cfg.max_chars:
+            words_from = spoken.word_cuts_decided_before(buf) if normalizing else len(buf) + 1
+        for cut, kind in _boundaries(buf, self._line_start, normalizing, words_from):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
@@ -503,8 +515,8 @@ class Segmenter:
             if first and kind == "word" and w >= cfg.first_chars:
                 return cut, "length"
             best[kind] = cut
-        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars)
-            self._no_cut = inputs, passed
+        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars), unless words were left out
+            self._no_cut = inputs, None if words_from else passed
             return None
         for kind in ("sentence", "clause", "word"):
             if kind in best:
@@ -516,7 +528,7 @@ class Segmenter:
         buf, cfg = self._buf, self.config
         weights = _prefix_weights(buf)
         scanned = self._no_cut
-        if scanned is not None and scanned[0][0] is buf and scanned[0][1] == self._line_start:
+        if scanned is not None and scanned[1] is not None and scanned[0][:2] == (buf, self._line_start):
             cuts = list(scanned[1])  # the boundaries of this very text, as `_cut` passed them all
         else:
             cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
