@@ -25,8 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.playout import TurnSender
 from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
 from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
-from gateway.turn import SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
+from gateway.turn import SessionClosed, Turn, TurnPipeline, _aclose, _Started
 from gateway.turn_report import split_heard
+from gateway.turn_text import TextOp, TurnText
 from gateway.voices import stored_voices
 
 log = logging.getLogger("voxgate.session")
@@ -50,7 +51,7 @@ class SessionConfig:
 
 
 
-class Session(TurnPipeline, TurnSender):
+class Session(TurnPipeline, TurnSender, TurnText):
     """Drive with `receive()` per client frame; `close()` when the connection ends."""
 
     def __init__(self, engine: SessionEngine, sink: EventSink, config: SessionConfig = SessionConfig(), *,
@@ -200,12 +201,12 @@ class Session(TurnPipeline, TurnSender):
             if turn.ended:
                 raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended: everything "
                                     "is being spoken already", context_id=m.context_id)
-            self._in_order(turn, functools.partial(self._flush_text, turn, m.flush_id))
+            self._in_order(turn, TextOp("flush", m.flush_id))
         elif isinstance(m, p.ContextEnd):
             turn = self._turn(m.context_id)
             if not turn.ended:
                 turn.ended = True
-                self._in_order(turn, functools.partial(self._end_text, turn))
+                self._in_order(turn, TextOp("end"))
                 turn.wake.set()  # the segment timer has nothing left to do
         elif isinstance(m, p.ContextCancel):
             await self._cancel(m.context_id)
@@ -295,7 +296,7 @@ class Session(TurnPipeline, TurnSender):
                 turn.t_first_text = self._message_at
                 turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text
-            self._in_order(turn, functools.partial(self._push_text, turn, m.text))
+            self._in_order(turn, TextOp("push", m.text))
             turn.wake.set()
         finally:
             if opened:  # context.started (and the turn's tasks) only after the engine request is out
@@ -326,45 +327,6 @@ class Session(TurnPipeline, TurnSender):
         await self._send(p.ContextStarted(turn.id, turn.index, _output_dict(turn.fmt)))
         turn.tasks = [asyncio.create_task(self._synthesise(turn)), asyncio.create_task(self._send_audio(turn)),
                       asyncio.create_task(self._segment_timer(turn))]
-
-    def _push_text(self, turn: Turn, text: str) -> None:
-        """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
-        the rest of the text that released it is cut in a callback after every handler ready now: in a burst of new
-        turns, each handler cuts one segment, not a whole paragraph, before the next turn's text is read."""
-        turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
-        first = not turn.segmenter.segments
-        segments = turn.segmenter.push(text, limit=1 if first else None)
-        self._release(turn, segments)  # a first segment's engine request leaves here
-        if first and segments:
-            # Exact: until the callback, this turn's segmenter is touched by nothing but `_in_order` (which queues
-            # behind it), and its listener's queued audio (which decides cuts) stays 0: no chunk of the turn can be
-            # handled before a callback queued now.
-            turn.deferred = []
-            asyncio.get_running_loop().call_soon(self._cut_deferred, turn)
-
-    def _cut_deferred(self, turn: Turn) -> None:
-        """The cuts `_push_text` held back, then the turn's segmenter work queued behind them, in order."""
-        ops, turn.deferred = turn.deferred, None
-        if ops is None:  # the turn was stopped meanwhile
-            return
-        self._release(turn, turn.segmenter.release())
-        for op in ops:
-            op()
-
-    def _in_order(self, turn: Turn, op: Callable[[], None]) -> None:
-        """Run `op` (segmenter work of the turn) now, or after the cuts `_push_text` held back if they are pending."""
-        if turn.deferred is None:
-            op()
-        else:
-            turn.deferred.append(op)
-
-    def _flush_text(self, turn: Turn, flush_id: str | None) -> None:
-        self._release(turn, turn.segmenter.flush())
-        turn.segments.put_nowait(_FlushMark(flush_id))
-
-    def _end_text(self, turn: Turn) -> None:
-        self._release(turn, turn.segmenter.end())
-        turn.segments.put_nowait(_EndMark())
 
     def _release(self, turn: Turn, segments: list[Segment]) -> None:
         """Hand released segments to the synthesis task. When it is idle (the previous segment done, nothing
@@ -411,7 +373,7 @@ class Session(TurnPipeline, TurnSender):
 
     async def _stop_turn(self, turn: Turn) -> None:
         """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
-        turn.deferred = None  # its segmenter work not done yet is not wanted
+        self._settle(turn)
         me = asyncio.current_task()
         tasks = [t for t in turn.tasks if t is not me]
         for t in tasks:

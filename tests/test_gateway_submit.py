@@ -147,12 +147,15 @@ class Said(Sink):
     def __init__(self, events: Events):
         super().__init__(events)
         self.said: dict[str, list[str]] = {}
+        self.cancelled: dict[str, p.ContextCancelled] = {}
 
     async def message(self, msg: p.ServerMessage) -> None:
         if isinstance(msg, p.SegmentStarted):
             self.said.setdefault(msg.context_id, []).append(msg.text)
         elif isinstance(msg, p.TextFlushed):
             self.said.setdefault(msg.context_id, []).append(f"<flushed {msg.flush_id}>")
+        elif isinstance(msg, p.ContextCancelled):
+            self.cancelled[msg.context_id] = msg
         await super().message(msg)
 
 
@@ -190,18 +193,26 @@ async def test_a_new_turns_later_segments_are_cut_after_the_handlers_ready_now_i
 async def test_a_turn_stopped_before_its_held_back_cuts_releases_nothing_more(engine):
     events = Events()
     recorded = Recorded(engine)
-    session = Session(recorded, Said(events))
+    sink = Said(events)
+    session = Session(recorded, sink)
     session.open()
     await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
-    await session.receive(json.dumps({"type": "text.append", "context_id": "a", "text": PARAGRAPH}))
-    await session.receive(json.dumps({"type": "context.end", "context_id": "a"}))
-    await session.receive(json.dumps({"type": "context.cancel", "context_id": "a"}))
+    more = " Then call us back."
+    for message in ({"type": "text.append", "context_id": "a", "text": PARAGRAPH},
+                    {"type": "text.append", "context_id": "a", "text": more},  # queued behind the held-back cuts
+                    {"type": "context.cancel", "context_id": "a"}):
+        await session.receive(json.dumps(message))
     await asyncio.sleep(0)  # where the held-back cuts would have run
     await asyncio.sleep(0.05)
-    cancelled = next(turn for cid, turn in session.finished.items() if cid == "a")
-    assert len(cancelled.segmenter.segments) == 1 and cancelled.segments.empty()
-    assert len(recorded.streams) == 1 and recorded.streams[0].closed and engine.stats().in_flight == 0
-    assert ("context.cancelled", "a") in events.log and ("context.done", "a") not in events.log
+    cancelled = session.finished["a"]
+    # nothing more released or requested: the first segment's stream closed, the rest cut in the segmenter alone
+    assert cancelled.segments.empty() and len(recorded.streams) == 1 and recorded.streams[0].closed
+    assert engine.stats().in_flight == 0 and ("context.done", "a") not in events.log
+    whole = Segmenter(normalize="auto")
+    assert [s.text for s in cancelled.segmenter.segments] == [s.text for s in whole.push(PARAGRAPH) + whole.push(more)]
+    # and the cancel reports all of the turn's text as not heard, both appends
+    assert sink.cancelled["a"].text_spoken == ""
+    assert sink.cancelled["a"].text_remaining == " ".join(s.text for s in whole.segments) + " " + whole.pending_text
     await session.close()
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.text.segmenter import REASONS, ChunkingConfig, Segmenter, normalize, weight
+from gateway.text.boundaries import weight
+from gateway.text.segmenter import REASONS, ChunkingConfig, Segmenter, normalize
 
 DATA = sorted(Path(__file__).parent.glob("data/llm_stream_*.txt"))
 
