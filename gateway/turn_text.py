@@ -7,11 +7,16 @@ before the next turn's text is read. `TurnText` is a part of `Session`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
+from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment
 from gateway.turn import Turn, _EndMark, _FlushMark
+
+log = logging.getLogger("voxgate.session")
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,11 @@ class TurnText:
     """The text work of a `Session`'s turns (it mixes this in)."""
 
     # the Session's attributes these methods use
+    id: str
     clock: Callable[[], float]
     _release: Callable[[Turn, list[Segment]], None]
+    _background: Callable[[Coroutine[Any, Any, None]], None]
+    _abort_turn: Callable[[Turn, ProtocolError], Coroutine[Any, Any, None]]
 
     def _push_text(self, turn: Turn, text: str) -> None:
         """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
@@ -50,9 +58,14 @@ class TurnText:
         ops, turn.deferred = turn.deferred, None
         if ops is None:  # the turn was stopped meanwhile (`_stop_turn` settled its segmenter)
             return
-        self._release(turn, turn.segmenter.release())
-        for op in ops:
-            self._text_op(turn, op)
+        try:
+            self._release(turn, turn.segmenter.release())
+            for op in ops:
+                self._text_op(turn, op)
+        except Exception:  # a bug here must not leave the turn waiting for segments that never come
+            log.exception("session %s context %s: cutting its text failed", self.id, turn.id)
+            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                                  context_id=turn.id)))
 
     def _in_order(self, turn: Turn, op: TextOp) -> None:
         """Do `op` now, or after the cuts `_push_text` held back if they are pending."""

@@ -234,3 +234,25 @@ async def test_messages_behind_held_back_cuts_keep_their_order(engine):
     await session.close()
     assert sink.said["a"] == ["One two three,", "four five six,", "seven eight", "<flushed f1>", "nine ten,",
                               "and eleven."]
+
+
+async def test_a_failure_while_cutting_held_back_text_ends_the_turn_with_an_error(engine):
+    events = Events()
+    recorded = Recorded(engine)
+    session = Session(recorded, Said(events))
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
+    await session.receive(json.dumps({"type": "text.append", "context_id": "a", "text": PARAGRAPH}))
+
+    def broken() -> list:
+        raise RuntimeError("a bug in the segmenter")
+
+    session.turns["a"].segmenter.release = broken  # the held-back cuts fail when they run
+    for _ in range(50):
+        if ("error", "a") in events.log:
+            break
+        await asyncio.sleep(0.01)
+    # the client hears of it (an internal error naming the context), and nothing of the turn is left running
+    assert ("error", "a") in events.log and "a" not in session.turns
+    assert recorded.streams[0].closed and engine.stats().in_flight == 0
+    await session.close()
