@@ -25,8 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.playout import TurnSender
 from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
 from gateway.text.segmenter import ChunkingConfig, Segment, Segmenter
-from gateway.turn import SessionClosed, Turn, TurnPipeline, _aclose, _EndMark, _FlushMark, _Started
+from gateway.turn import SessionClosed, Turn, TurnPipeline, _aclose, _Started
 from gateway.turn_report import split_heard
+from gateway.turn_text import TextOp, TurnText
 from gateway.voices import stored_voices
 
 log = logging.getLogger("voxgate.session")
@@ -50,7 +51,7 @@ class SessionConfig:
 
 
 
-class Session(TurnPipeline, TurnSender):
+class Session(TurnPipeline, TurnSender, TurnText):
     """Drive with `receive()` per client frame; `close()` when the connection ends."""
 
     def __init__(self, engine: SessionEngine, sink: EventSink, config: SessionConfig = SessionConfig(), *,
@@ -200,14 +201,12 @@ class Session(TurnPipeline, TurnSender):
             if turn.ended:
                 raise ProtocolError(ErrorCode.CONTEXT_CLOSED, f"context {m.context_id!r} was ended: everything "
                                     "is being spoken already", context_id=m.context_id)
-            self._release(turn, turn.segmenter.flush())
-            turn.segments.put_nowait(_FlushMark(m.flush_id))
+            self._in_order(turn, TextOp("flush", m.flush_id))
         elif isinstance(m, p.ContextEnd):
             turn = self._turn(m.context_id)
             if not turn.ended:
                 turn.ended = True
-                self._release(turn, turn.segmenter.end())
-                turn.segments.put_nowait(_EndMark())
+                self._in_order(turn, TextOp("end"))
                 turn.wake.set()  # the segment timer has nothing left to do
         elif isinstance(m, p.ContextCancel):
             await self._cancel(m.context_id)
@@ -297,8 +296,7 @@ class Session(TurnPipeline, TurnSender):
                 turn.t_first_text = self._message_at
                 turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text
-            turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
-            self._release(turn, turn.segmenter.push(m.text))  # a first segment's engine request leaves here
+            self._in_order(turn, TextOp("push", m.text))
             turn.wake.set()
         finally:
             if opened:  # context.started (and the turn's tasks) only after the engine request is out
@@ -375,6 +373,7 @@ class Session(TurnPipeline, TurnSender):
 
     async def _stop_turn(self, turn: Turn) -> None:
         """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
+        self._settle(turn)
         me = asyncio.current_task()
         tasks = [t for t in turn.tasks if t is not me]
         for t in tasks:

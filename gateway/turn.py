@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from gateway.playout_model import Playout
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment, Segmenter
 from gateway.turn_report import SegmentAudio, SegmentTiming
+
+if TYPE_CHECKING:
+    from gateway.turn_text import TextOp
 
 log = logging.getLogger("voxgate.session")
 
@@ -107,6 +110,9 @@ class Turn:
     # the synthesis task waits for a segment with the previous one done (its continuation prompt known): the next
     # released segment goes to the engine from the handler that released it (`Session._release`)
     idle: bool = True
+    # text work queued behind the cuts a new turn's first text.append held back (`gateway.turn_text`); None: none
+    # held back, text work is done at once
+    deferred: list[TextOp] | None = None
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session

@@ -15,6 +15,7 @@ import pytest
 from engine import ipc
 from gateway import protocol as p
 from gateway.session import Session
+from gateway.text.segmenter import Segmenter
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -138,3 +139,120 @@ async def test_a_request_started_by_a_handler_is_closed_when_its_turn_stops_unre
             break
         await asyncio.sleep(0.02)
     assert (engine.stats().running, engine.stats().waiting) == (0, 0)
+
+
+class Said(Sink):
+    """The session's EventSink: also each segment.started's text and each text.flushed, in order, per turn."""
+
+    def __init__(self, events: Events):
+        super().__init__(events)
+        self.said: dict[str, list[str]] = {}
+        self.cancelled: dict[str, p.ContextCancelled] = {}
+
+    async def message(self, msg: p.ServerMessage) -> None:
+        if isinstance(msg, p.SegmentStarted):
+            self.said.setdefault(msg.context_id, []).append(msg.text)
+        elif isinstance(msg, p.TextFlushed):
+            self.said.setdefault(msg.context_id, []).append(f"<flushed {msg.flush_id}>")
+        elif isinstance(msg, p.ContextCancelled):
+            self.cancelled[msg.context_id] = msg
+        await super().message(msg)
+
+
+PARAGRAPH = ("Sure thing, the quickest way is to restart the router first. Unplug it and wait about thirty seconds "
+             "before you plug it back in. Once the lights settle you can connect again.")
+
+
+async def test_a_new_turns_later_segments_are_cut_after_the_handlers_ready_now_in_order(engine):
+    events = Events()
+    recorded = Recorded(engine)
+    sink = Said(events)
+    session = Session(recorded, sink)
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"},
+                                      "generation": {"max_length": 2}}))
+    # a burst: two new turns' paragraphs and ends, handled back to back (no callback runs in between)
+    for cid in ("a", "b"):
+        await session.receive(json.dumps({"type": "text.append", "context_id": cid, "text": PARAGRAPH}))
+        await session.receive(json.dumps({"type": "context.end", "context_id": cid}))
+    # each handler cut and started its turn's first segment only
+    assert len(recorded.streams) == 2
+    assert [len(session.turns[cid].segmenter.segments) for cid in ("a", "b")] == [1, 1]
+    await asyncio.sleep(0)  # the held-back cuts, then the ends queued behind them
+    assert all(session.turns[cid].segmenter.ended for cid in ("a", "b"))
+    for cid in ("a", "b"):
+        sink.done.setdefault(cid, asyncio.Event())
+        await asyncio.wait_for(sink.done[cid].wait(), 60)
+    await session.close()
+    # every segment spoken once, in order: the whole paragraph, as one push would have cut it
+    whole = Segmenter(normalize="auto")
+    expected = [s.speak() for s in whole.push(PARAGRAPH) + whole.end()]
+    assert len(expected) > 2 and sink.said == {"a": expected, "b": expected}
+
+
+async def test_a_turn_stopped_before_its_held_back_cuts_releases_nothing_more(engine):
+    events = Events()
+    recorded = Recorded(engine)
+    sink = Said(events)
+    session = Session(recorded, sink)
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
+    more = " Then call us back."
+    for message in ({"type": "text.append", "context_id": "a", "text": PARAGRAPH},
+                    {"type": "text.append", "context_id": "a", "text": more},  # queued behind the held-back cuts
+                    {"type": "context.cancel", "context_id": "a"}):
+        await session.receive(json.dumps(message))
+    await asyncio.sleep(0)  # where the held-back cuts would have run
+    await asyncio.sleep(0.05)
+    cancelled = session.finished["a"]
+    # nothing more released or requested: the first segment's stream closed, the rest cut in the segmenter alone
+    assert cancelled.segments.empty() and len(recorded.streams) == 1 and recorded.streams[0].closed
+    assert engine.stats().in_flight == 0 and ("context.done", "a") not in events.log
+    whole = Segmenter(normalize="auto")
+    assert [s.text for s in cancelled.segmenter.segments] == [s.text for s in whole.push(PARAGRAPH) + whole.push(more)]
+    # and the cancel reports all of the turn's text as not heard, both appends
+    assert sink.cancelled["a"].text_spoken == ""
+    assert sink.cancelled["a"].text_remaining == " ".join(s.text for s in whole.segments) + " " + whole.pending_text
+    await session.close()
+
+
+async def test_messages_behind_held_back_cuts_keep_their_order(engine):
+    events = Events()
+    sink = Said(events)
+    session = Session(engine, sink)
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"},
+                                      "generation": {"max_length": 2, "normalize": "off"}}))
+    # all in one pass: the first text's later cuts are held back, the flush, the next text and the end wait for them
+    for message in ({"type": "text.append", "context_id": "a", "text": "One two three, four five six, seven eight "},
+                    {"type": "text.flush", "context_id": "a", "flush_id": "f1"},
+                    {"type": "text.append", "context_id": "a", "text": "nine ten, and eleven."},
+                    {"type": "context.end", "context_id": "a"}):
+        await session.receive(json.dumps(message))
+    sink.done.setdefault("a", asyncio.Event())
+    await asyncio.wait_for(sink.done["a"].wait(), 60)
+    await session.close()
+    assert sink.said["a"] == ["One two three,", "four five six,", "seven eight", "<flushed f1>", "nine ten,",
+                              "and eleven."]
+
+
+async def test_a_failure_while_cutting_held_back_text_ends_the_turn_with_an_error(engine):
+    events = Events()
+    recorded = Recorded(engine)
+    session = Session(recorded, Said(events))
+    session.open()
+    await session.receive(json.dumps({"type": "session.start", "output": {"format": "pcm_s16le"}}))
+    await session.receive(json.dumps({"type": "text.append", "context_id": "a", "text": PARAGRAPH}))
+
+    def broken() -> list:
+        raise RuntimeError("a bug in the segmenter")
+
+    session.turns["a"].segmenter.release = broken  # the held-back cuts fail when they run
+    for _ in range(50):
+        if ("error", "a") in events.log:
+            break
+        await asyncio.sleep(0.01)
+    # the client hears of it (an internal error naming the context), and nothing of the turn is left running
+    assert ("error", "a") in events.log and "a" not in session.turns
+    assert recorded.streams[0].closed and engine.stats().in_flight == 0
+    await session.close()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.text.segmenter import REASONS, ChunkingConfig, Segmenter, normalize, weight
+from gateway.text.boundaries import weight
+from gateway.text.segmenter import REASONS, ChunkingConfig, Segmenter, normalize
 
 DATA = sorted(Path(__file__).parent.glob("data/llm_stream_*.txt"))
 
@@ -294,3 +295,30 @@ def test_chunking_config_rejects_bad_values_naming_the_field(d, field):
 def test_chunking_config_from_dict():
     assert ChunkingConfig.from_dict(None) == ChunkingConfig()
     assert ChunkingConfig.from_dict({"schedule": [120, 160, 250, 290]}).schedule == (120, 160, 250, 290)
+
+
+def test_a_push_held_to_one_segment_then_released_gives_exactly_the_whole_push():
+    """`push(text, limit=1)` + `release()` (a new turn's first text: its first segment now, the rest after the burst's
+    other handlers) are the segments of `push(text)`, with the same deadlines; whatever runs next releases the held
+    cuts too, so nothing is lost or reordered however the session orders its calls."""
+    rng = random.Random(7)
+    texts = [path.read_text() for path in DATA] + [
+        "".join(rng.choice(PIECES) + rng.choice(["", " "]) for _ in range(rng.randint(5, 60))) for _ in range(30)]
+    for i, text in enumerate(texts):
+        config = [ChunkingConfig(), ChunkingConfig(min_chars=1, first_chars=5, max_chars=40),
+                  ChunkingConfig(schedule=(30, 50), max_chars=60)][i % 3]
+        for mode in ("auto", "off"):
+            for queued_ms in (0.0, 5000.0):
+                whole, held = (Segmenter(config, clock=FakeClock(), normalize=mode) for _ in range(2))
+                for s in (whole, held):
+                    s.set_queued_audio_ms(queued_ms)
+                expected = whole.push(text)
+                first = held.push(text, limit=1)
+                assert len(first) == min(1, len(expected))
+                assert held.release() == expected[1:] and held.release() == []
+                assert (held.pending_text, held.next_deadline()) == (whole.pending_text, whole.next_deadline())
+                assert held.end() == whole.end()
+                # the held cuts come out of whichever call comes next, ahead of its own
+                direct = Segmenter(config, clock=FakeClock(), normalize=mode)
+                direct.set_queued_audio_ms(queued_ms)
+                assert direct.push(text, limit=1) + direct.end() == whole.segments

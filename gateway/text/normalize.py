@@ -325,25 +325,48 @@ def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> b
     "March 5," before "1990"); at a word boundary, not after a token with digits or symbols (English: either of the
     two before), not before a word that starts with one, nor within three characters of one (Chinese).
     `word`: a cut at whitespace (False: after a clause or sentence mark); `at_end`: the text is all there is for now
-    (a cut on a timeout)."""
+    (a cut on a timeout).
+
+    The segmenter asks this at every word of a turn's text, and a new turn's first text is cut in the handler of its
+    message (in a burst, every other turn's handler waits for it), so it looks at the characters around `pos` only:
+    no copy of the text before or after it."""
     if inside_braces(text, pos):
         return False
-    before, after = text[:pos].rstrip(), text[pos:].lstrip()
-    if not word and before and before[-1] in _CLAUSE_ENDS:
-        if before[-1] == "," and before[-2:-1].isdigit():  # "March 5, 1990", "1, 2, 3"
-            return (False if at_end else None) if not after else not after[0].isdigit()
+    end = pos  # `text[:pos].rstrip()` is text[:end]
+    while end and text[end - 1].isspace():
+        end -= 1
+    nxt = pos  # `text[pos:].lstrip()` starts at nxt (empty when nxt == len(text))
+    while nxt < len(text) and text[nxt].isspace():
+        nxt += 1
+    last = text[end - 1] if end else ""
+    first = text[nxt] if nxt < len(text) else ""
+    if not word and last and last in _CLAUSE_ENDS:
+        if last == "," and end >= 2 and text[end - 2].isdigit():  # "March 5, 1990", "1, 2, 3"
+            return (False if at_end else None) if not first else not first.isdigit()
         return True
-    if contains_chinese(before[-1:]) or contains_chinese(after[:1]):
+    if _is_chinese(last) or _is_chinese(first):
         if len(text) - pos < _ZH_CONTEXT and not at_end:
             return None
         return _TRIGGER.search(text[max(0, pos - _ZH_CONTEXT):pos + _ZH_CONTEXT]) is None
-    if any(_TRIGGER.search(token) for token in before[-40:].split()[-_EN_AFTER:]):
+    # either of the two tokens before (of the 40 characters before, as a token may be longer)
+    if _TRIGGER.search(" ".join(text[max(0, end - 40):end].split()[-_EN_AFTER:])):
         return False
-    if not after:  # a timeout: the next word is unknown; a month name waits for its day ("on March" + "5, 1990")
-        return _MONTH.fullmatch(before[-12:].split()[-1]) is None if at_end and before else None
+    if not first:  # a timeout: the next word is unknown; a month name waits for its day ("on March" + "5, 1990")
+        return _MONTH.fullmatch(text[max(0, end - 12):end].split()[-1]) is None if at_end and end else None
     # the next word by its first character alone, so the cut is decided as soon as the segmenter's own rule allows
     # (the next visible character has arrived): a number or symbol starting it keeps its left context
-    return _TRIGGER_START.match(after) is None
+    return _TRIGGER_START.match(first) is None
+
+
+def word_cuts_decided_before(text: str) -> int:
+    """A position before which `cut_state` of a word boundary (word=True, not at_end) is True or False, never None:
+    it is undecided only at the text's end (the next word unknown) or within the Chinese context of it."""
+    return min(len(text.rstrip()), len(text) - _ZH_CONTEXT)
+
+
+def _is_chinese(c: str) -> bool:
+    """`contains_chinese` of one character (or of "")."""
+    return "\u4e00" <= c <= "\u9fff"
 
 
 _MONTH = re.compile(r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?")

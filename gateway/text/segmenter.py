@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from itertools import accumulate
 from typing import Any
 
 from gateway.text import normalize as spoken
+from gateway.text.boundaries import IS_CJK, boundaries, prefix_weights, speak
 
 REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
 RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
@@ -213,125 +213,6 @@ def normalize(text: str) -> str:
     return _Normalizer().feed(text, final=True)
 
 
-# --- boundaries -----------------------------------------------------------------------------------------------------
-
-_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-_WIDE = re.compile(f"[{_CJK}\uac00-\ud7af\u3000-\u303f\uff00-\uffef]")  # a wide char counts as two
-_IS_CJK = re.compile(f"[{_CJK}]")
-_CANDIDATE = re.compile(
-    r"(?P<sentence>[。！？]+[.!?…。！？]*|[.!?…]+)"
-    r"|(?P<clause>[，；：]|[,;:]|—|(?<=\s)[-–](?=\s))"
-    r"|(?P<newline>\n)"
-    r"|(?P<word> )"
-    f"|(?P<cjk>(?<=[{_CJK}])(?=[{_CJK}]))"
-)
-_CLOSERS = "\"'”’»)]}」』）】〉》"
-_OPENERS = "([{（【「『〈《"
-_BRACKET_CLOSERS = ")]}）】」』〉》"
-_WORD_BEFORE = re.compile(r"[^\s(\[{\"'“‘«]*$")
-_NEVER_ENDS = {  # "Dr. Smith", "e.g. Paris": a capital letter after these does not start a sentence
-    "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "mt", "gen", "col", "capt", "lt", "sgt", "rev", "hon", "sen",
-    "rep", "gov", "pres", "e.g", "i.e", "cf", "vs", "viz", "approx", "ca", "dept", "ave", "blvd",
-}
-_BEFORE_NUMBERS = {"no", "nos", "nr", "fig", "figs", "vol", "ch", "pp", "p", "art", "sec", "op", "eq", "ref"}
-
-
-def weight(text: str) -> int:
-    """Characters, counting CJK/wide characters twice (one hanzi carries about two Latin letters of speech)."""
-    return len(text) + len(_WIDE.findall(text))
-
-
-def _prefix_weights(text: str) -> list[int] | range:
-    """weights[i] == weight(text[:i])."""
-    if not _WIDE.search(text):  # the common case, and this runs for every cut: no list to build
-        return range(len(text) + 1)
-    wide = {m.start() for m in _WIDE.finditer(text)}
-    return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
-
-
-def _boundaries(buf: str, line_start: bool, normalizing: bool = False) -> Iterator[tuple[int, str]]:
-    """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one. Never inside
-    a phoneme brace; `normalizing`: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50")."""
-    for cut, kind in _candidates(buf, line_start):
-        ok = spoken.cut_state(buf, cut, kind == "word") if normalizing else not spoken.inside_braces(buf, cut)
-        if ok is None:
-            return
-        if ok:
-            yield cut, kind
-
-
-def _candidates(buf: str, line_start: bool) -> Iterator[tuple[int, str]]:
-    for m in _CANDIDATE.finditer(buf):
-        kind, start, end = m.lastgroup, m.start(), m.end()
-        if kind in ("word", "cjk"):
-            yield start, "word"
-            continue
-        if kind == "newline":
-            yield start, "sentence"
-            continue
-        while end < len(buf) and buf[end] in _CLOSERS:
-            end += 1
-        if end == len(buf):
-            return  # the next character decides (a digit after "3.", a closing quote, ...)
-        nxt = buf[end]
-        if kind == "clause":
-            cjk = m.group()[0] in "，；：—"
-            if (cjk or nxt.isspace()) and _depth(buf[:start]) == 0:
-                yield end, "clause"
-            continue
-        if _IS_CJK.match(m.group()[0]) or m.group()[0] in "。！？" or _IS_CJK.match(nxt):
-            yield end, "sentence"  # CJK needs no space after the stop
-        elif nxt.isspace():
-            after = end
-            while after < len(buf) and buf[after].isspace():
-                after += 1
-            if after == len(buf):
-                return
-            if _ends_sentence(buf, start, m.group(), buf[after], line_start):
-                yield end, "sentence"
-
-
-def _ends_sentence(buf: str, dot: int, punct: str, nxt: str, line_start: bool) -> bool:
-    if nxt.islower():
-        return False  # "Stop." she said / Wait... what / e.g. lowercase
-    if punct != ".":
-        return True
-    word = _WORD_BEFORE.search(buf, 0, dot).group()
-    low = word.lower()
-    if low in _NEVER_ENDS or (low in _BEFORE_NUMBERS and nxt.isdigit()):
-        return False
-    if len(word) == 1 and word.isupper():
-        return False  # an initial: J. R. R. Tolkien
-    begin = dot - len(word)
-    # a numbered list item ("1. Preheat the oven") is no sentence end
-    return not (word.isdigit() and (buf[:begin].endswith("\n") or (begin == 0 and line_start)))
-
-
-def _depth(text: str) -> int:
-    """Open brackets at the end of `text`: no clause cuts inside (but sentence cuts still happen)."""
-    depth = 0
-    for c in text:
-        if c in _OPENERS:
-            depth += 1
-        elif c in _BRACKET_CLOSERS and depth:
-            depth -= 1
-    return depth
-
-
-def speak(text: str, mode: str, lang: spoken.Lang) -> str:
-    """`text` normalised sentence by sentence (the official normaliser's unit: its grammar reads a number differently
-    with other sentences around it)."""
-    out, pos, budget = [], 0, spoken.Budget()
-    for cut in [*(cut for cut, kind in _candidates(text, False) if kind == "sentence"), len(text)]:
-        piece, pos = text[pos:cut], cut
-        body = piece.strip()
-        if body:
-            start = piece.index(body[0])
-            piece = piece[:start] + spoken.normalize(body, mode, lang, budget) + piece[start + len(body):]
-        out.append(piece)
-    return "".join(out)
-
-
 # --- the segmenter --------------------------------------------------------------------------------------------------
 
 class Segmenter:
@@ -351,6 +232,11 @@ class Segmenter:
         self._queued_ms = 0.0
         self._queue_dry_at: float | None = None
         self._ended = False
+        self._held_at: float | None = None  # when the push whose `limit` held cuts back ran (`release` makes them)
+        # the last scan of the text that found no cut: (its inputs, every boundary it passed). A push scans; the
+        # segment timer's `next_deadline` right after it asks the same questions of the same text (LLM deltas: one
+        # scan per delta instead of three)
+        self._no_cut: tuple[tuple[str, bool, bool, int], list[int] | None] | None = None
         self.segments: list[Segment] = []  # everything released so far, in order
 
     @property
@@ -366,8 +252,11 @@ class Segmenter:
     def ended(self) -> bool:
         return self._ended
 
-    def push(self, text: str) -> list[Segment]:
-        """Append streamed text (any split: mid-word, mid-number, mid-markup)."""
+    def push(self, text: str, limit: int | None = None) -> list[Segment]:
+        """Append streamed text (any split: mid-word, mid-number, mid-markup). `limit`: release at most this many
+        segments now; `release()`, called before anything else, releases the others exactly as this call would have
+        (a new turn's first segment goes to the engine at once, and cutting the rest of its text can wait until the
+        handlers of other turns' first text have run)."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         if self._ended:
@@ -376,7 +265,17 @@ class Segmenter:
         self._append(self._norm.feed(text))
         if was_empty and self.pending_text:
             self._since = self._clock()
-        return self._release(complete=False)
+        if limit is None:
+            return self._release(complete=False)
+        now = self._clock()
+        segments = self._release(complete=False, now=now, limit=limit)
+        if len(segments) == limit:
+            self._held_at = now
+        return segments
+
+    def release(self) -> list[Segment]:
+        """The segments the text so far allows that a `push` with a `limit` held back (none if none was)."""
+        return [] if self._held_at is None else self._release(complete=False, now=self._held_at)
 
     def flush(self) -> list[Segment]:
         """Everything buffered now (text.flush); the turn goes on."""
@@ -433,15 +332,17 @@ class Segmenter:
             clean = clean.lstrip()
         self._buf += clean
 
-    def _release(self, complete: bool, last_reason: str = "end") -> list[Segment]:
-        segments = []
-        while (cut := self._cut()) is not None:
-            segments.append(self._emit(*cut))
+    def _release(self, complete: bool, last_reason: str = "end", now: float | None = None,
+                 limit: int | None = None) -> list[Segment]:
+        self._held_at = None  # whatever releases, releases the held-back cuts too
+        segments: list[Segment] = []
+        while (limit is None or len(segments) < limit) and (cut := self._cut()) is not None:
+            segments.append(self._emit(*cut, now=now))
         if complete and self._buf:
-            segments.append(self._emit(len(self._buf), last_reason))
+            segments.append(self._emit(len(self._buf), last_reason, now=now))
         return segments
 
-    def _emit(self, cut: int, reason: str) -> Segment:
+    def _emit(self, cut: int, reason: str, now: float | None = None) -> Segment:
         text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
         self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
         self._buf = rest.lstrip()
@@ -449,13 +350,17 @@ class Segmenter:
             self._lang = "zh"
         segment = Segment(text, len(self.segments), reason, self._mode, self._lang, rewrite=self._rewrite)
         self.segments.append(segment)
-        self._since = self._clock() if self.pending_text else None
+        self._since = (self._clock() if now is None else now) if self.pending_text else None
         return segment
 
     def _cut(self) -> tuple[int, str] | None:
         """Where the next segment ends, by the text alone (no clock): the same cuts however the text was split."""
         cfg, buf, index = self.config, self._buf, len(self.segments)
         if not buf:
+            return None
+        # everything the answer depends on (the config and the normalisation mode are the turn's, fixed)
+        inputs = (buf, self._line_start, self._queued_ms >= RELAXED_QUEUE_MS, index)
+        if self._no_cut is not None and self._no_cut[0] == inputs:
             return None
         first = index == 0 and cfg.schedule is None
         if cfg.schedule is not None:
@@ -464,12 +369,21 @@ class Segmenter:
             threshold, kinds = cfg.min_chars, ("sentence",)
         else:
             threshold, kinds = cfg.min_chars, ("sentence", "clause")
-        weights = _prefix_weights(buf)
+        weights = prefix_weights(buf)
         best: dict[str, int] = {}
-        for cut, kind in _boundaries(buf, self._line_start, self._mode != "off"):
+        passed: list[int] = []
+        normalizing = self._mode != "off"
+        # A later segment takes no word cut, and with the text within max_chars there is no word fallback either: a
+        # word boundary matters only where it could stop the scan, so the others are not looked at (a paragraph's
+        # words are most of its boundaries). The scan then passes fewer than all boundaries.
+        words_from = 0
+        if not first and "word" not in kinds and weights[-1] <= cfg.max_chars:
+            words_from = spoken.word_cuts_decided_before(buf) if normalizing else len(buf) + 1
+        for cut, kind in boundaries(buf, self._line_start, normalizing, words_from):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
+            passed.append(cut)
             if w == 0:
                 continue
             if kind in kinds and w >= threshold:
@@ -477,7 +391,8 @@ class Segmenter:
             if first and kind == "word" and w >= cfg.first_chars:
                 return cut, "length"
             best[kind] = cut
-        if weights[-1] <= cfg.max_chars:
+        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars), unless words were left out
+            self._no_cut = inputs, None if words_from else passed
             return None
         for kind in ("sentence", "clause", "word"):
             if kind in best:
@@ -487,9 +402,13 @@ class Segmenter:
     def _timeout_cut(self) -> int | None:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
         buf, cfg = self._buf, self.config
-        weights = _prefix_weights(buf)
-        cuts = [cut for cut, _ in _boundaries(buf, self._line_start, self._mode != "off")]
-        if buf and (self._norm.ends_word or _IS_CJK.match(buf[-1])) and (
+        weights = prefix_weights(buf)
+        scanned = self._no_cut
+        if scanned is not None and scanned[1] is not None and scanned[0][:2] == (buf, self._line_start):
+            cuts = list(scanned[1])  # the boundaries of this very text, as `_cut` passed them all
+        else:
+            cuts = [cut for cut, _ in boundaries(buf, self._line_start, self._mode != "off")]
+        if buf and (self._norm.ends_word or IS_CJK.match(buf[-1])) and (
                 spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
                 else not spoken.inside_braces(buf, len(buf))):
             cuts.append(len(buf))

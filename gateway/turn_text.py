@@ -1,0 +1,101 @@
+"""A turn's text through its segmenter, in message order: text.append, text.flush and context.end (`TextOp`s), and
+the segments they release handed to the turn (`Session._release`). A new turn's first text.append cuts and starts only
+its first segment; the rest of that text is cut in a callback after every handler ready now, and text work of the
+turn's later messages queues behind it: in a burst of new turns, each handler cuts one segment, not a paragraph,
+before the next turn's text is read. `TurnText` is a part of `Session`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.protocol import ErrorCode, ProtocolError
+from gateway.text.segmenter import Segment
+from gateway.turn import Turn, _EndMark, _FlushMark
+
+log = logging.getLogger("voxgate.session")
+
+
+@dataclass(frozen=True)
+class TextOp:
+    """A message's work on a turn's text: "push" (text.append: `arg` is its text), "flush" (text.flush: `arg` is
+    its flush id) or "end" (context.end)."""
+
+    kind: str
+    arg: str | None = None
+
+
+class TurnText:
+    """The text work of a `Session`'s turns (it mixes this in)."""
+
+    # the Session's attributes these methods use
+    id: str
+    clock: Callable[[], float]
+    _release: Callable[[Turn, list[Segment]], None]
+    _background: Callable[[Coroutine[Any, Any, None]], None]
+    _abort_turn: Callable[[Turn, ProtocolError], Coroutine[Any, Any, None]]
+
+    def _push_text(self, turn: Turn, text: str) -> None:
+        """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
+        the rest of the text that released it is cut in a callback after every handler ready now: in a burst of new
+        turns, each handler cuts one segment, not a whole paragraph, before the next turn's text is read."""
+        turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
+        first = not turn.segmenter.segments
+        segments = turn.segmenter.push(text, limit=1 if first else None)
+        self._release(turn, segments)  # a first segment's engine request leaves here
+        if first and segments:
+            # Exact: until the callback, this turn's segmenter is touched by nothing but `_in_order` (which queues
+            # behind it), and its listener's queued audio (which decides cuts) stays 0: no chunk of the turn can be
+            # handled before a callback queued now.
+            turn.deferred = []
+            asyncio.get_running_loop().call_soon(self._cut_deferred, turn)
+
+    def _cut_deferred(self, turn: Turn) -> None:
+        """The cuts `_push_text` held back, then the turn's text work queued behind them, in order."""
+        ops, turn.deferred = turn.deferred, None
+        if ops is None:  # the turn was stopped meanwhile (`_stop_turn` settled its segmenter)
+            return
+        try:
+            self._release(turn, turn.segmenter.release())
+            for op in ops:
+                self._text_op(turn, op)
+        except Exception:  # a bug here must not leave the turn waiting for segments that never come
+            log.exception("session %s context %s: cutting its text failed", self.id, turn.id)
+            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                                  context_id=turn.id)))
+
+    def _in_order(self, turn: Turn, op: TextOp) -> None:
+        """Do `op` now, or after the cuts `_push_text` held back if they are pending."""
+        if turn.deferred is None:
+            self._text_op(turn, op)
+        else:
+            turn.deferred.append(op)
+
+    def _text_op(self, turn: Turn, op: TextOp) -> None:
+        if op.kind == "push":
+            self._push_text(turn, op.arg or "")
+        elif op.kind == "flush":
+            self._release(turn, turn.segmenter.flush())
+            turn.segments.put_nowait(_FlushMark(op.arg))
+        else:
+            self._release(turn, turn.segmenter.end())
+            turn.segments.put_nowait(_EndMark())
+
+    def _settle(self, turn: Turn) -> None:
+        """A stopped turn's text work still held back, done to its segmenter alone (no segment released, no request
+        sent): its text and cuts are then what they would have been (what a cancel reports as heard and not)."""
+        ops, turn.deferred = turn.deferred, None
+        if ops is None:
+            return
+        turn.segmenter.release()
+        for op in ops:
+            if op.kind == "push":
+                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
+                turn.segmenter.push(op.arg or "")
+            elif op.kind == "flush":
+                turn.segmenter.flush()
+            else:
+                turn.segmenter.end()
