@@ -158,6 +158,19 @@ async def _start_engine(args: argparse.Namespace):
     return engine
 
 
+def _check_switches() -> None:
+    """Every VOXGATE_* switch parsed now: one that holds a value it does not take stops the start with its name,
+    rather than failing the first request that reads it (the encode site is chosen per Opus turn)."""
+    from engine.settings import EngineSettings, SettingError
+    from gateway.settings import GatewaySettings
+
+    try:
+        EngineSettings.from_env()
+        GatewaySettings.from_env()
+    except SettingError as e:
+        raise CliError(str(e)) from None
+
+
 def _server_config(gateway: GatewayConfig, metrics_key: str | None) -> ServerConfig:
     """The running server's config from the serve options (`metrics_key`: read from --metrics-key-file)."""
     from gateway.protocol import Limits
@@ -177,6 +190,7 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
     from gateway.server import create_app, start_server
     from gateway.store import open_store
 
+    _check_switches()
     keys_from_store = gateway.api_keys_from_store
     try:
         auth = Auth.from_file(gateway.api_keys_file, keys_from_store=keys_from_store) \

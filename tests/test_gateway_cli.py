@@ -180,3 +180,16 @@ def test_version_prints_the_installed_version(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"voxgate {version('voxgate')}"
+
+
+async def test_serve_refuses_a_bad_switch_before_starting(tmp_path):
+    """A VOXGATE_* switch that holds a value it does not take stops `voxgate serve` at once, naming it (not the
+    first Opus turn, where the encode site reads it)."""
+    env = {**ENV, "VOXGATE_ENCODE_PROCS": "lots"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.cli", "serve", "--port", "0",
+                                                "--data-dir", str(tmp_path), env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2, out.decode()
+    assert "VOXGATE_ENCODE_PROCS='lots'" in out.decode() and "auto" in out.decode()
+    assert "Traceback" not in out.decode()
