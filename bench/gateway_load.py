@@ -589,11 +589,11 @@ async def _run(args: argparse.Namespace) -> list[dict]:
 
 
 async def _spy(pid: int, level: Level, args: argparse.Namespace) -> dict:
-    """--py-spy: the gateway process sampled for that many seconds (GIL holder, then every thread) from 2 s after
-    the level's turns begin (after the ramp in closed loop)."""
+    """--py-spy: the gateway process sampled for that many seconds (GIL holder, then every thread): in closed loop
+    from 2 s after the ramp (the steady state), else from just before the turns begin (the burst)."""
     from py_spy import record
 
-    await asyncio.sleep(args.start_delay + 2.0 + (args.ramp if level.closed else 0.0))
+    await asyncio.sleep(args.start_delay + (2.0 + args.ramp if level.closed else -0.2))
     return await record(pid, args.py_spy, Path(args.py_spy_dir), level.name.replace(":", "_"))
 
 
