@@ -77,12 +77,16 @@ class TurnText:
     def _text_op(self, turn: Turn, op: TextOp) -> None:
         if op.kind == "push":
             self._push_text(turn, op.arg or "")
-        elif op.kind == "flush":
-            self._release(turn, turn.segmenter.flush())
-            turn.segments.put_nowait(_FlushMark(op.arg))
-        else:
-            self._release(turn, turn.segmenter.end())
-            turn.segments.put_nowait(_EndMark())
+            return
+        self._release(turn, self._cut(turn, op))
+        turn.segments.put_nowait(_FlushMark(op.arg) if op.kind == "flush" else _EndMark())
+
+    def _cut(self, turn: Turn, op: TextOp) -> list[Segment]:
+        """`op` done to the turn's segmenter alone: the segments it releases (nothing is held back)."""
+        if op.kind == "push":
+            turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
+            return turn.segmenter.push(op.arg or "")
+        return turn.segmenter.flush() if op.kind == "flush" else turn.segmenter.end()
 
     def _settle(self, turn: Turn) -> None:
         """A stopped turn's text work still held back, done to its segmenter alone (no segment released, no request
@@ -91,11 +95,5 @@ class TurnText:
         if ops is None:
             return
         turn.segmenter.release()
-        for op in ops:
-            if op.kind == "push":
-                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
-                turn.segmenter.push(op.arg or "")
-            elif op.kind == "flush":
-                turn.segmenter.flush()
-            else:
-                turn.segmenter.end()
+        for op in ops:  # none is a turn's first push (that one held these back), so none would hold cuts back
+            self._cut(turn, op)
