@@ -1,0 +1,1 @@
+"""The front's end of the link: `connect` and `FrontLink`."""
