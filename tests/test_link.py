@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from engine.errors import EngineOverloaded, InvalidParameter, TenantOverloaded, UnknownLoRA, UnknownVoice
 from gateway.link import EngineHost, HostLost, connect
@@ -25,7 +26,8 @@ async def served(tiny_v2_dir, tmp_path_factory):
     """(engine, host, front 1, front 2): an engine with small limits, so overload is reachable."""
     from engine import Engine
 
-    eng = Engine(str(tiny_v2_dir), max_num_seqs=4, max_waiting=2, max_queued_per_tenant=2, inference_timesteps=4)
+    eng = Engine(str(tiny_v2_dir), max_num_seqs=4, max_waiting=2, max_queued_per_tenant=2, inference_timesteps=4,
+                 max_loras=1)
     await eng.wait_for_ready()
     path = tmp_path_factory.mktemp("link") / "host.sock"
     host = EngineHost(eng, LocalStore(), path)
@@ -152,6 +154,39 @@ async def test_voices_across_fronts_and_idempotent_adds(served):
     await one.engine.remove_voice("v1")
     with pytest.raises(UnknownVoice):
         two.engine.generate("Gone.", voice="v1")  # the removal reached front 2 before front 1's call returned
+    await settled(eng)
+
+
+def adapter(config) -> dict[str, torch.Tensor]:
+    from engine.lora import lora_layout
+
+    path = "base_lm.layers.0.self_attn.q_proj"
+    fan_in, fan_out = lora_layout(config)[path]
+    g = torch.Generator().manual_seed(0)
+    return {f"{path}.lora_A": torch.randn(4, fan_in, generator=g), f"{path}.lora_B": torch.randn(fan_out, 4, generator=g)}
+
+
+async def test_adapters_across_fronts_idempotent_and_freed_with_a_front(served):
+    eng, host, one, two = served
+    tensors, config = adapter(eng.config), {"r": 4, "alpha": 8}
+    infos = await asyncio.gather(one.engine.register_lora("ad", tensors, config),
+                                 two.engine.register_lora("ad", tensors, config))
+    assert infos[0] == infos[1] and [i.name for i in eng.list_loras()] == ["ad"]
+    assert [i.name for i in two.engine.list_loras()] == ["ad"]
+    third = await connect(host.path, 3)
+    stream = third.engine.generate("With an adapter.", lora="ad", seed=3, min_length=400, max_length=500)
+    await anext(stream)
+    assert eng.list_loras()[0].in_flight == 1
+    await third.close()
+    await settled(eng)
+    assert eng.list_loras()[0].in_flight == 0
+    await eng.unregister_lora("ad")  # at the host: a front may still think it is there
+    with pytest.raises(UnknownLoRA):
+        await anext(two.engine.generate("Too late.", lora="ad"))
+    two.engine._lora_names.add("ad")  # the race for certain: the front's check passes, the host's refuses
+    raced = two.engine.generate("Raced.", lora="ad")
+    with pytest.raises(UnknownLoRA):
+        await anext(raced)
     await settled(eng)
 
 
