@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -130,8 +131,8 @@ class EngineHost:
         self._calls: set[asyncio.Task] = set()
         self._revision = -1
         self._pushed: dict[str, Voice] = {}  # the stored voices every front mirrors now
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._added: dict[tuple[str, str], tuple[bytes, Any]] = {}  # what a voice id / adapter name was added with
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}  # the lock, its users
+        self._registered: dict[str, bytes] = {}  # adapter name -> the digest of what it was registered with here
 
     async def start(self) -> None:
         """Listen on the socket (mode 0600; its directory should be private to the service too)."""
@@ -229,40 +230,47 @@ class EngineHost:
 
     async def _engine_call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         if op == "add_voice" and kwargs.get("voice_id") is not None:
-            return await self._once(("voice", kwargs["voice_id"]), kwargs, self.engine.add_voice(**kwargs))
+            return await self._add_voice(kwargs)
         if op == "register_lora":
-            return await self._once(("lora", args[0]), (args, kwargs), self.engine.register_lora(*args, **kwargs))
-        if op in ("remove_voice", "unregister_lora"):
-            key = ("voice" if op == "remove_voice" else "lora", args[0])
-            self._added.pop(key, None)
-            lock = self._locks.get(key)
-            if lock is not None and not lock.locked():
-                del self._locks[key]
+            return await self._register_lora(*args, **kwargs)
+        if op == "unregister_lora":
+            self._registered.pop(args[0], None)
         return await getattr(self.engine, op)(*args, **kwargs)
 
-    async def _once(self, key: tuple[str, str], content: Any, change: Any) -> Any:
-        """Run `change` (adding voice id / adapter name `key`) unless the same content is already there under it."""
-        digest = await asyncio.to_thread(_digest, content)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            current = self._current(key)
-            known = self._added.get(key)
-            if known is not None and current is not None and known == (digest, current[0]):
-                change.close()
-                return current[1]
-            value = await change
-            current = self._current(key)
-            if current is not None:
-                self._added[key] = (digest, current[0])
-            return value
+    async def _add_voice(self, kwargs: dict[str, Any]) -> str:
+        """`Engine.add_voice`, one at a time per voice id; a no-op when the engine already has that voice with the
+        same patches, text and adapter (two fronts loading one stored voice at once)."""
+        voice_id = kwargs["voice_id"]
+        async with self._lock(("voice", voice_id)):
+            v = self.engine.stored_voices().get(voice_id)
+            if v is not None and kwargs.get("audio") is None and _same_voice(v, kwargs):
+                return voice_id
+            return await self.engine.add_voice(**kwargs)
 
-    def _current(self, key: tuple[str, str]) -> tuple[Any, Any] | None:
-        """(what identifies the engine's item now, what adding it returned) for a voice id or an adapter name."""
-        kind, name = key
-        if kind == "voice":
-            v = self.engine.stored_voices().get(name)
-            return None if v is None else (id(v), name)
-        info = next((i for i in self.engine.list_loras() if i.name == name), None)
-        return None if info is None else (name, info)
+    async def _register_lora(self, name: str, source: Any, config: dict[str, Any] | None = None) -> Any:
+        """`Engine.register_lora`, one at a time per name; a no-op when the host registered that name with the same
+        weights and config (two fronts loading one stored adapter at once)."""
+        digest = await asyncio.to_thread(_digest, (source, config))
+        async with self._lock(("lora", name)):
+            info = next((i for i in self.engine.list_loras() if i.name == name), None)
+            if info is not None and self._registered.get(name) == digest:
+                return info
+            info = await self.engine.register_lora(name, source, config)
+            self._registered[name] = digest
+            return info
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, key: tuple[str, str]) -> AsyncIterator[None]:
+        """One change at a time per voice id or adapter name (the lock goes when nobody holds or waits for it)."""
+        entry = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:
+                del self._locks[key]
 
     # ---- pushed state --------------------------------------------------------------------------------------
     def _status(self) -> wire.Status:
@@ -300,6 +308,16 @@ class EngineHost:
 
 def _mirror(v: Voice) -> wire.MirrorVoice:
     return wire.MirrorVoice(v.info, v.latents, v.text, v.shared_prefix)
+
+
+def _same_voice(v: Voice, kwargs: dict[str, Any]) -> bool:
+    """Whether `add_voice(**kwargs)` (no audio) would store what `v` already is."""
+    latents = kwargs.get("latents")
+    if (latents is None) != (v.latents is None):
+        return False
+    if latents is not None and not np.array_equal(np.asarray(latents, dtype=np.float32), v.latents):
+        return False
+    return v.text == kwargs.get("text") and v.info.lora == kwargs.get("lora")
 
 
 def _digest(content: Any) -> bytes:
