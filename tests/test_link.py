@@ -203,6 +203,9 @@ async def test_store_ops_are_one_store_across_fronts(served):
                                  for i, s in enumerate([one.store, two.store] * 3)))
     assert sorted(won) == [False] * 5 + [True]
     assert await two.store.delete("voice", "x1") and await one.store.get("voice", "x1") is None
+    with pytest.raises(InvalidParameter, match="cannot send put"):  # fails alone; the link carries on
+        await one.store.put(Item("voice", "x2", "", meta={"bad": lambda: 0}), {})
+    assert await one.store.get("voice", "x2") is None
 
 
 async def test_link_latency_per_request_and_first_chunk(served):

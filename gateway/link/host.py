@@ -93,16 +93,18 @@ class _FrontConnection(asyncio.Protocol):
 
     def flush(self) -> None:
         out, self.out, self.chunks = self.out, [], None
-        if out and self.transport is not None and not self.transport.is_closing():
-            try:
-                self.transport.write(wire.frame(out, time.monotonic()))
-            except wire.FrameTooLarge as e:  # a reply too large to send: the front's call fails, the link lives
-                log.error("link %d: %s", self.number, e)
-                self.transport.write(wire.frame([self._failed_copy(m, e) for m in out], time.monotonic()))
-
-    @staticmethod
-    def _failed_copy(msg: Any, error: EngineError) -> Any:
-        return wire.Reply(msg.call, False, error) if type(msg) is wire.Reply else msg
+        if not out or self.transport is None or self.transport.is_closing():
+            return
+        try:
+            data = wire.frame(out, time.monotonic())
+        except Exception:  # a reply that cannot travel (too large, not picklable): its call fails, the rest goes
+            out, bad = wire.sendable(out)
+            for msg, error in bad:
+                log.error("link %d: cannot send %s: %s", self.number, type(msg).__name__, error)
+                if type(msg) is wire.Reply:
+                    out.append(wire.Reply(msg.call, False, EngineError(f"the answer cannot be sent: {error}")))
+            data = wire.frame(out, time.monotonic())
+        self.transport.write(data)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)

@@ -147,7 +147,7 @@ class RemoteEngine:
                  instruction: str | None = None) -> RemoteGeneration:
         """`Engine.generate` over the link: input errors raise here; the host's refusals at the first read."""
         if self._lost is not None:
-            raise self._lost
+            raise wire.HostLost(str(self._lost))
         checked = check_request(
             self.config, ranges=self.sampling_ranges, default_timesteps=self.default_timesteps,
             in_flight=self._streams, voice_of=self._voice, text=text, voice=voice, prompt_audio=prompt_audio,
