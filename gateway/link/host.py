@@ -109,6 +109,7 @@ class _FrontConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.host._links[self.number] = self
 
     def data_received(self, data: bytes) -> None:
         got_at = time.monotonic()
@@ -126,7 +127,7 @@ class EngineHost:
     def __init__(self, engine: Engine, store: Store, path: str | os.PathLike):
         self.engine, self.store, self.path = engine, store, os.fspath(path)
         self.loop = asyncio.get_running_loop()
-        self._links: dict[int, _FrontConnection] = {}
+        self._links: dict[int, _FrontConnection] = {}  # every connection; a front's once it said hello
         self._numbers = itertools.count(1)
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task | None = None
@@ -146,7 +147,7 @@ class EngineHost:
 
     def fronts(self) -> int:
         """Fronts connected now (that said hello)."""
-        return sum(1 for c in self._links.values() if c.front is not None)
+        return len(self._fronts())
 
     async def close(self) -> None:
         """Cancel every request the fronts hold, close their links, stop listening and remove the socket."""
@@ -185,9 +186,8 @@ class EngineHost:
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
         elif t is wire.Hello:
+            self._sync()  # pushed to the other fronts; this one gets the whole state with its welcome
             conn.front = msg.front
-            self._links[conn.number] = conn
-            self._sync()
             conn.post(wire.Welcome(conn.number, str(self.engine.path), str(self.engine.name),
                                    self.engine.default_timesteps, self.engine.sampling_ranges,
                                    self.store.description, self._status(),
@@ -235,9 +235,10 @@ class EngineHost:
             return await self._add_voice(kwargs)
         if op == "register_lora":
             return await self._register_lora(*args, **kwargs)
+        value = await getattr(self.engine, op)(*args, **kwargs)
         if op == "unregister_lora":
             self._registered.pop(args[0], None)
-        return await getattr(self.engine, op)(*args, **kwargs)
+        return value
 
     async def _add_voice(self, kwargs: dict[str, Any]) -> str:
         """`Engine.add_voice`, one at a time per voice id; a no-op when the engine already has that voice with the
@@ -289,9 +290,12 @@ class EngineHost:
         gone = [vid for vid in self._pushed if vid not in now]
         self._pushed = now
         status = self._status()
-        for conn in self._links.values():
+        for conn in self._fronts():
             conn.post(wire.Voices(put, gone))
             conn.post(status)
+
+    def _fronts(self) -> list[_FrontConnection]:
+        return [c for c in self._links.values() if c.front is not None]
 
     async def _tick(self) -> None:
         while True:
@@ -304,7 +308,7 @@ class EngineHost:
             except Exception:  # a stopped engine: the fronts keep the last status
                 log.debug("engine status unavailable", exc_info=True)
                 continue
-            for conn in self._links.values():
+            for conn in self._fronts():
                 conn.post(status)
 
 
