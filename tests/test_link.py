@@ -76,6 +76,17 @@ async def test_same_seed_same_audio_as_the_engine_and_the_asked_ids(served):
     await settled(eng)
 
 
+async def test_prompt_audio_is_encoded_by_the_host_and_speaks_the_same(served):
+    eng, _, one, _ = served
+    t = np.arange(8000) / 16000
+    audio = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    kwargs = dict(prompt_audio=audio, prompt_sample_rate=16000, prompt_text="A prompt.", seed=4, max_length=4)
+    direct = await audio_of(eng.generate("Continue from the prompt.", **kwargs))
+    remote = await audio_of(one.engine.generate("Continue from the prompt.", **kwargs))
+    np.testing.assert_array_equal(remote, direct)
+    await settled(eng)
+
+
 async def test_input_errors_raise_at_the_call_like_the_engine(served):
     eng, _, one, _ = served
     for kwargs, error in [(dict(cfg_value=float("nan")), InvalidParameter), (dict(voice="nope"), UnknownVoice),

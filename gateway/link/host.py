@@ -115,7 +115,13 @@ class _FrontConnection(asyncio.Protocol):
         got_at = time.monotonic()
         for _sent_at, messages in self.reader.feed(data):
             for msg in messages:
-                self.host._on_message(self, msg, got_at)
+                try:
+                    self.host._on_message(self, msg, got_at)
+                except Exception:  # a bug must cost one message, not every turn of the front
+                    log.exception("link %d: %s failed", self.number, type(msg).__name__)
+                    if type(msg) is wire.Submit:
+                        self.post(wire.Failed(msg.spec.request_id.removeprefix(self.prefix),
+                                              EngineError("the engine host could not take the request")))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.host._drop(self)
