@@ -117,8 +117,20 @@ async def test_cancel_and_close_free_the_request_at_the_host(served):
     await settled(eng)
     stream = two.engine.generate("Another long one.", seed=2, min_length=400, max_length=500, request_id="c")
     await anext(stream)
+    reports: list[tuple[str, float]] = []
+    real = eng.update_buffered
+    eng.update_buffered = lambda rid, ms: (reports.append((rid, ms)), real(rid, ms))  # the host's call, recorded
+    try:
+        two.engine.update_buffered("c", 1500.0)  # the listener's playout reaches the pool's scheduler hint
+        two.engine.update_buffered("not-mine", 10.0)  # not in flight: dropped, as by the engine
+        while not reports:
+            await asyncio.sleep(0.01)
+    finally:
+        del eng.update_buffered
+    assert len(reports) == 1 and reports[0][0].endswith("/c") and reports[0][1] == 1500.0
     await two.engine.cancel("c")
-    assert [c async for c in stream] == []
+    rest = [c async for c in stream]  # what had arrived before the cancel, then the end (as with the engine)
+    assert not any(c.is_last for c in rest)
     await settled(eng)
 
 
