@@ -151,15 +151,19 @@ async def test_a_dropped_front_frees_everything_it_held(served):
 
 async def test_overload_and_tenant_limits_come_back_typed(served):
     eng, _, one, two = served
+    # the tenant's limit of prompts waiting for audio, and one more: one front's frame, so they reach the host in
+    # this order before any of them can have audio
     held = [one.engine.generate("Queued prompt.", seed=i, min_length=400, max_length=500, tenant="key")
-            for i in range(2)]  # the tenant's limit of prompts waiting for audio
-    over = two.engine.generate("One too many.", tenant="key")
+            for i in range(2)]
+    over = one.engine.generate("One too many.", tenant="key")
     with pytest.raises(TenantOverloaded):
         await anext(over)
     for s in held:
         await s.aclose()
     await settled(eng)
     held = [one.engine.generate("Filling the engine.", seed=i, min_length=400, max_length=500) for i in range(6)]
+    while eng.stats().in_flight < 6:  # admitted at the host (they speak for a while)
+        await asyncio.sleep(0.01)
     over = two.engine.generate("No room.")
     with pytest.raises(EngineOverloaded):
         await anext(over)
