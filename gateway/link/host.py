@@ -1,0 +1,379 @@
+"""`EngineHost`: one started `Engine` and one `Store` served to gateway front processes over a unix socket.
+
+A front sends `RequestSpec`s it built itself (`gateway.link.remote_engine`); the host admits each into the pool
+(`Engine.submit_spec`: the pool still picks the worker and counts tenants' queued prompts and adapter users) with a
+relay as its chunk sink. There is no task per request: the pool hands the relay each chunk of a worker step in one
+callback, the relay appends it to its front's pending `Chunks` (a dict lookup, done by the pool, and an append), and
+each front's pending messages leave as one frame at the end of that pass of the loop. The host stamps when it got
+each request and each first chunk, so a front can tell the link's share of its time to first audio.
+
+Stored voices and adapters are changed here for every front: adding a voice id (or registering an adapter name)
+again with the same content is a no-op, serialised per id, so fronts that load the same stored item at once do not
+fail or store it twice. Every change is pushed to every front before the call that made it returns, and the
+engine's stats every `STATUS_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.api import AudioChunk
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.generation import Stream
+from engine.registries import Voice
+from gateway.link import wire
+from gateway.store.base import Store
+
+log = logging.getLogger("voxgate.link")
+
+STATUS_S = 0.1  # how often every front gets the engine's stats (its /readyz and /metrics read them)
+# a front that reads nothing of what is queued for it this long is wedged: its link is cut (its requests freed) so
+# the host does not queue its audio without bound (a healthy front takes even a 1 GiB blob in a second or two)
+STALL_S = 30.0
+
+
+class _Relay:
+    """The chunk sink of one front's request: chunks to its front's pending `Chunks`, an error as `Failed`."""
+
+    __slots__ = ("front", "request_id", "got_at")
+
+    def __init__(self, front: _FrontConnection, request_id: str, got_at: float):
+        self.front, self.request_id, self.got_at = front, request_id, got_at
+
+    def put_nowait(self, item: AudioChunk | BaseException | None) -> None:
+        front = self.front
+        if type(item) is AudioChunk:
+            batch = front.chunks if front.chunks is not None else front.new_chunks()
+            first = None
+            if self.got_at:  # the request's first chunk: when the host got it, and when it got the request
+                first, self.got_at = (self.got_at, time.monotonic()), 0.0
+            batch.append((self.request_id, item.audio, item.index, item.latents, item.is_last, item.stop_reason,
+                          item.step, first))
+            if item.is_last:
+                front.requests.pop(self.request_id, None)
+        elif item is None:  # cancelled (by the front, or by the host's close)
+            front.requests.pop(self.request_id, None)
+        else:
+            front.requests.pop(self.request_id, None)
+            front.post(wire.Failed(self.request_id, wire.portable(item)))
+
+
+class _FrontConnection(asyncio.Protocol):
+    """One front's socket at the host, and the requests it holds."""
+
+    def __init__(self, host: EngineHost, number: int):
+        self.host, self.number = host, number
+        self.prefix = f"{number}/"  # request ids are the front's own; the pool's are namespaced per link
+        self.front: int | None = None  # the number the front gave in its hello
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.Reader()
+        self.out: list[Any] = []
+        self.chunks: list[wire.ChunkRow] | None = None  # this pass's chunks, in `out` (packed when it leaves)
+        self.requests: dict[str, Stream] = {}  # the front's request id -> its stream in the pool
+        self.paused_at: float | None = None  # since when the socket's buffer is over its high-water mark
+
+    def post(self, msg: Any) -> None:
+        if not self.out:
+            self.host.loop.call_soon(self.flush)
+        self.out.append(msg)
+
+    def new_chunks(self) -> list[wire.ChunkRow]:
+        self.chunks = []
+        self.post(self.chunks)
+        return self.chunks
+
+    def flush(self) -> None:
+        out, self.out, chunks, self.chunks = self.out, [], self.chunks, None
+        if not out or self.transport is None or self.transport.is_closing():
+            return
+        if chunks is not None:
+            out = [wire.pack_chunks(chunks) if m is chunks else m for m in out]
+        try:
+            data = wire.frame(out, time.monotonic())
+        except Exception:  # a reply that cannot travel (too large, not picklable): its call fails, the rest goes
+            out, bad = wire.sendable(out)
+            for msg, error in bad:
+                log.error("link %d: cannot send %s: %s", self.number, type(msg).__name__, error)
+                if type(msg) is wire.Reply:
+                    out.append(wire.Reply(msg.call, False, EngineError(f"the answer cannot be sent: {error}")))
+            data = wire.frame(out, time.monotonic())
+        self.transport.write(data)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.host._links[self.number] = self
+
+    def data_received(self, data: bytes) -> None:
+        got_at = time.monotonic()
+        for _sent_at, messages in self.reader.feed(data):
+            for msg in messages:
+                try:
+                    self.host._on_message(self, msg, got_at)
+                except Exception:  # a bug must cost one message, not every turn of the front
+                    log.exception("link %d: %s failed", self.number, type(msg).__name__)
+                    if type(msg) is wire.Submit:
+                        self.post(wire.Failed(msg.spec.request_id.removeprefix(self.prefix),
+                                              EngineError("the engine host could not take the request")))
+
+    def pause_writing(self) -> None:
+        self.paused_at = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self.paused_at = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.host._drop(self)
+
+
+class EngineHost:
+    """In the host process: serves one started `Engine` and one `Store` to front processes over a unix socket."""
+
+    def __init__(self, engine: Engine, store: Store, path: str | os.PathLike):
+        self.engine, self.store, self.path = engine, store, os.fspath(path)
+        self.loop = asyncio.get_running_loop()
+        self._links: dict[int, _FrontConnection] = {}  # every connection; a front's once it said hello
+        self._numbers = itertools.count(1)
+        self._server: asyncio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
+        self._revision = -1
+        self._pushed: dict[str, Voice] = {}  # the stored voices every front mirrors now
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}  # the lock, its users
+        self._registered: dict[str, bytes] = {}  # adapter name -> the digest of what it was registered with here
+
+    async def start(self) -> None:
+        """Listen on the socket (mode 0600; its directory should be private to the service too)."""
+        self._sync()
+        self._server = await self.loop.create_unix_server(lambda: _FrontConnection(self, next(self._numbers)),
+                                                          self.path)
+        os.chmod(self.path, 0o600)
+        self._ticker = asyncio.create_task(self._tick())
+
+    def fronts(self) -> int:
+        """Fronts connected now (that said hello)."""
+        return len(self._fronts())
+
+    async def close(self) -> None:
+        """Cancel every request the fronts hold, close their links, stop listening and remove the socket."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._links.values()):
+            self._drop(conn)
+            if conn.transport is not None:
+                conn.flush()
+                conn.transport.close()
+        for task in list(self._calls):
+            task.cancel()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # ---- messages ------------------------------------------------------------------------------------------
+    def _on_message(self, conn: _FrontConnection, msg: Any, got_at: float) -> None:
+        t = type(msg)
+        if t is wire.Submit:
+            self._submit(conn, msg.spec, got_at)
+        elif t is wire.Buffered:
+            stream = conn.requests.get(msg.request_id)
+            if stream is not None:
+                self.engine.update_buffered(stream.request_id, msg.audio_ms)
+        elif t is wire.Cancel:
+            stream = conn.requests.pop(msg.request_id, None)
+            if stream is not None:
+                self.engine.release(stream)
+        elif t is wire.Call:
+            task = asyncio.create_task(self._call(conn, msg))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        elif t is wire.Hello:
+            self._sync()  # pushed to the other fronts; this one gets the whole state with its welcome
+            conn.front = msg.front
+            conn.post(wire.Welcome(conn.number, str(self.engine.path), str(self.engine.name),
+                                   self.engine.default_timesteps, self.engine.sampling_ranges,
+                                   self.store.description, self._status(),
+                                   [_mirror(v) for v in self._pushed.values()]))
+            log.info("front %d linked (pid %d)", msg.front, msg.pid)
+        else:
+            log.warning("link %d: ignoring an unknown message %s", conn.number, t.__name__)
+
+    def _submit(self, conn: _FrontConnection, spec: Any, got_at: float) -> None:
+        request_id = spec.request_id
+        spec.request_id = conn.prefix + request_id
+        try:
+            stream = self.engine.submit_spec(spec, _Relay(conn, request_id, got_at))
+        except EngineError as e:
+            conn.post(wire.Failed(request_id, wire.portable(e)))
+            return
+        conn.requests[request_id] = stream
+
+    def _drop(self, conn: _FrontConnection) -> None:
+        """The front went away (or the host closes): free everything it held in the pool."""
+        if self._links.pop(conn.number, None) is not None and conn.front is not None:
+            log.info("front %d unlinked", conn.front)
+        requests, conn.requests = conn.requests, {}
+        for stream in requests.values():
+            self.engine.release(stream)
+
+    # ---- calls ---------------------------------------------------------------------------------------------
+    async def _call(self, conn: _FrontConnection, msg: wire.Call) -> None:
+        try:
+            if msg.target == "engine" and msg.op in wire.ENGINE_CALLS:
+                value = await self._engine_call(msg.op, msg.args, msg.kwargs)
+            elif msg.target == "store" and msg.op in wire.STORE_CALLS:
+                value = await getattr(self.store, msg.op)(*msg.args, **msg.kwargs)
+            else:
+                raise EngineError(f"no link call {msg.target}.{msg.op}")
+            ok = True
+        except Exception as e:
+            ok, value = False, wire.portable(e)
+        if msg.target == "engine":
+            self._sync()  # every front sees the change before the caller's call returns
+        conn.post(wire.Reply(msg.call, ok, value))
+
+    async def _engine_call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if op == "add_voice" and kwargs.get("voice_id") is not None:
+            return await self._add_voice(kwargs)
+        if op == "register_lora":
+            return await self._register_lora(*args, **kwargs)
+        value = await getattr(self.engine, op)(*args, **kwargs)
+        if op == "unregister_lora":
+            self._registered.pop(args[0], None)
+        return value
+
+    async def _add_voice(self, kwargs: dict[str, Any]) -> str:
+        """`Engine.add_voice`, one at a time per voice id; a no-op when the engine already has that voice with the
+        same patches, text and adapter (two fronts loading one stored voice at once)."""
+        voice_id = kwargs["voice_id"]
+        async with self._lock(("voice", voice_id)):
+            v = self.engine.stored_voices().get(voice_id)
+            if v is not None and kwargs.get("audio") is None and _same_voice(v, kwargs):
+                return voice_id
+            return await self.engine.add_voice(**kwargs)
+
+    async def _register_lora(self, name: str, source: Any, config: dict[str, Any] | None = None) -> Any:
+        """`Engine.register_lora`, one at a time per name; a no-op when the host registered that name with the same
+        weights and config (two fronts loading one stored adapter at once)."""
+        digest = await asyncio.to_thread(_digest, (source, config))
+        async with self._lock(("lora", name)):
+            info = next((i for i in self.engine.list_loras() if i.name == name), None)
+            if info is not None and self._registered.get(name) == digest:
+                return info
+            info = await self.engine.register_lora(name, source, config)
+            self._registered[name] = digest
+            return info
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, key: tuple[str, str]) -> AsyncIterator[None]:
+        """One change at a time per voice id or adapter name (the lock goes when nobody holds or waits for it)."""
+        entry = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:
+                del self._locks[key]
+
+    # ---- pushed state --------------------------------------------------------------------------------------
+    def _status(self) -> wire.Status:
+        e = self.engine
+        return wire.Status(e.model_info(), e.stats(), e.health(), e.list_loras(), e.kv_positions())
+
+    def _sync(self) -> None:
+        """Push what changed in the stored voices and adapters since the last push to every front."""
+        if self.engine.revision == self._revision:
+            return
+        self._revision = self.engine.revision
+        now = self.engine.stored_voices()
+        put = [_mirror(v) for vid, v in now.items() if self._pushed.get(vid) is not v]
+        gone = [vid for vid in self._pushed if vid not in now]
+        self._pushed = now
+        status = self._status()
+        for conn in self._fronts():
+            conn.post(wire.Voices(put, gone))
+            conn.post(status)
+
+    def _fronts(self) -> list[_FrontConnection]:
+        return [c for c in self._links.values() if c.front is not None]
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_S)
+            if not self._links:
+                continue
+            now = time.monotonic()
+            for conn in list(self._links.values()):
+                if conn.paused_at is not None and now - conn.paused_at > STALL_S and conn.transport is not None:
+                    log.error("link %d (front %s) read nothing for %.0f s: cutting it", conn.number, conn.front,
+                              now - conn.paused_at)
+                    conn.transport.abort()
+            try:
+                self._sync()  # voices or adapters changed in this process directly (the start-up restore)
+                status = self._status()
+            except Exception:  # a stopped engine: the fronts keep the last status
+                log.debug("engine status unavailable", exc_info=True)
+                continue
+            for conn in self._fronts():
+                conn.post(status)
+
+
+def _mirror(v: Voice) -> wire.MirrorVoice:
+    return wire.MirrorVoice(v.info, v.latents, v.text, v.shared_prefix)
+
+
+def _same_voice(v: Voice, kwargs: dict[str, Any]) -> bool:
+    """Whether `add_voice(**kwargs)` (no audio) would store what `v` already is."""
+    latents = kwargs.get("latents")
+    if (latents is None) != (v.latents is None):
+        return False
+    if latents is not None and not np.array_equal(np.asarray(latents, dtype=np.float32), v.latents):
+        return False
+    return v.text == kwargs.get("text") and v.info.lora == kwargs.get("lora")
+
+
+def _digest(content: Any) -> bytes:
+    """A digest of a voice's or an adapter's content (arrays and tensors by their bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[%d" % len(x))
+            for item in x:
+                feed(item)
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, (bytes, bytearray, memoryview)):
+            h.update(bytes(x))
+        else:
+            h.update(pickle.dumps(x, protocol=5))
+
+    feed(content)
+    return h.digest()
