@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,8 +291,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """Liveness: the process answers."""
-    return web.json_response({"status": "ok"})
+    """Liveness: the process answers (with its pid: the gateway fronts of one node each answer for themselves)."""
+    return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def prometheus(request: web.Request) -> web.Response:
