@@ -38,12 +38,13 @@ from engine.errors import (
     InvalidParameter,
     WorkerCrashed,
 )
-from engine.generation import Generation, Stream
+from engine.generation import ChunkSink, Generation, Stream
 from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
-from engine.registries import LoRARegistry, VoiceRegistry, lora_info
+from engine.registries import LoRAEntry, LoRARegistry, Voice, VoiceRegistry, lora_info
 from engine.request import RequestSpec, SamplingParams
+from engine.request_check import check_request
 from engine.routing import device_groups, pick_worker
 from engine.specs import request_spec, voice_prefix_spec
 from engine.sync import SyncEngine
@@ -94,6 +95,7 @@ class Engine:
         self._voices = VoiceRegistry(self.config)
         self._loras = LoRARegistry(self.config, config.max_loras, config.max_lora_rank)
         self._restarts = 0
+        self.revision = 0  # counts changes of the stored voices and adapters (a front host pushes them on a change)
         self._crashes = CrashWindow()
         # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
         self._outgoing: list[tuple[WorkerHandle, ipc.Command]] = []
@@ -210,7 +212,7 @@ class Engine:
         if self._fatal is not None:
             raise EngineStopped(f"the worker cannot start: {self._fatal}")
 
-    def _kv_positions(self) -> int:
+    def kv_positions(self) -> int:
         """Positions one request may take in the smallest worker's KV cache."""
         cfg = self._worker_configs[0]
         blocks = min((w.info.get("num_blocks", math.inf) for w in self._workers), default=math.inf)
@@ -234,56 +236,67 @@ class Engine:
         caller's API key; None or "": the shared tenant) shares prefill fairly with other tenants and holds at most
         `max_queued_per_tenant` requests without audio yet (`TenantOverloaded` beyond). `instruction`: a
         style instruction (VoxCPM2 voice design), spoken as `(instruction)text`; never with a prompt."""
-        params = guards.sampling_params(
-            text=text, cfg_value=cfg_value, temperature=temperature,
-            timesteps=self.default_timesteps if timesteps is None else timesteps, min_length=min_length,
-            max_length=max_length, priority=priority, seed=seed, ranges=self.sampling_ranges)
-        request_id = guards.request_id_or_new(request_id, self._streams)
-        v = None if voice is None else self._voices.get(voice)
-        guards.check_prompt_sources(self.config, voice=v is not None, prompt_audio=prompt_audio,
-                                    prompt_latents=prompt_latents, prompt_text=prompt_text,
-                                    reference_audio=reference_audio, reference_latents=reference_latents)
-        prompt_patches = guards.check_latents(self.config, prompt_latents, "prompt_latents") \
-            if prompt_latents is not None else None
-        ref_patches = guards.check_latents(self.config, reference_latents, "reference_latents") \
-            if reference_latents is not None else None
-        if v is not None:
-            ref_patches = v.latents if v.info.mode == "reference" else None
-            given_prompt = prompt_patches is not None or prompt_audio is not None
-            if v.info.mode == "prompt" and given_prompt:
-                raise InvalidParameter(f"stored voice {voice!r} is a prompt voice ({self.config.architecture}): it is "
-                                       "the request's prompt and takes no other (continuation) prompt")
-            # a given prompt (a continuation) replaces a voice's own; so does an instruction a reference voice's
-            # (the two never come together, and the reference alone still carries the voice)
-            styled = v.info.mode == "reference" and bool(instruction and instruction.strip())
-            if v.text is not None and not given_prompt and not styled:
-                prompt_text, prompt_patches = v.text, v.latents
-            lora = v.info.lora if lora is None else lora
-        adapter = self._loras.get(lora)
-        tenant = self.queued_prompts.check(tenant)
+        checked = check_request(
+            self.config, ranges=self.sampling_ranges, default_timesteps=self.default_timesteps,
+            in_flight=self._streams, voice_of=self._voices.get, text=text, voice=voice, prompt_audio=prompt_audio,
+            prompt_sample_rate=prompt_sample_rate, prompt_latents=prompt_latents, prompt_text=prompt_text,
+            reference_audio=reference_audio, reference_latents=reference_latents, cfg_value=cfg_value,
+            temperature=temperature, seed=seed, max_length=max_length, min_length=min_length, timesteps=timesteps,
+            priority=priority, request_id=request_id, lora=lora, tenant=tenant, instruction=instruction)
+        args = checked.args
+        adapter = self._loras.get(checked.lora)
+        args["tenant"] = self.queued_prompts.check(tenant)
         worker = self._pick_worker()
-        # the voice's shared prefix KV was computed under the voice's adapter: another adapter recomputes it
-        shared = v is not None and v.prefix is not None and lora == v.info.lora
-        args = dict(text=text, prompt_text=prompt_text, prompt_patches=prompt_patches, ref_patches=ref_patches,
-                    params=params, request_id=request_id, voice_id=voice if shared else None, lora=lora,
-                    tenant=tenant, instruction=instruction)
-        spec = None
-        if prompt_audio is None and reference_audio is None:
-            spec = self._spec(**args)  # all checks done before the caller iterates
-        stream = Stream(request_id, worker, lora=adapter, tenant=tenant)
+        spec = None if checked.needs_encoding else self._spec(**args)  # all checks done before the caller iterates
+        stream = self._admit(args["request_id"], worker, adapter, args["tenant"], asyncio.Queue())
+        if spec is not None and worker.ready.is_set():  # what `_wait_ready` waits for (a fatal error raised above)
+            # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
+            # turn's) runs only after every callback ready before it
+            self._post(worker, ipc.Add(spec=spec))
+            return Generation(self, stream, spec, None, (None, None, None), submitted=True)
+        return Generation(self, stream, spec, args if spec is None else None, checked.audio)
+
+    def submit_spec(self, spec: RequestSpec, sink: ChunkSink) -> Stream:
+        """Admit a request checked and built elsewhere (`check_request` + `request_spec` in a gateway front) as
+        `generate` admits its own: its adapter, tenant and worker are checked here (`UnknownLoRA`, `UnknownVoice`
+        after a race, `TenantOverloaded`, `EngineOverloaded`, `EngineStopped` raise at the call). Its chunks, then
+        None (cancelled) or an `EngineError`, go to `sink.put_nowait`; `release(stream)` cancels it."""
+        adapter = self._loras.get(spec.lora)
+        if spec.voice_id is not None:
+            self._voices.get(spec.voice_id)  # removed since the caller checked it: its prefix KV is gone
+        if spec.request_id in self._streams:
+            raise InvalidParameter(f"request_id {spec.request_id!r} is already in flight")
+        tenant = self.queued_prompts.check(spec.tenant)
+        worker = self._pick_worker()
+        stream = self._admit(spec.request_id, worker, adapter, tenant, sink)
+        if worker.ready.is_set():
+            self._post(worker, ipc.Add(spec=spec))
+        else:  # a restarted worker still loading: sent once it is up (rare, so a task is fine here)
+            asyncio.ensure_future(self._submit_when_ready(stream, spec))
+        return stream
+
+    async def _submit_when_ready(self, stream: Stream, spec: RequestSpec) -> None:
+        try:
+            await self._submit(stream, spec, None, (None, None, None))
+        except EngineError as e:
+            if not stream.done:
+                stream.queue.put_nowait(e)
+                self._forget(stream)
+
+    def release(self, stream: Stream) -> None:
+        """Cancel a request of `submit_spec` unless it has ended (its sink gets None)."""
+        self._cancel_nowait(stream.request_id, stream)
+
+    def _admit(self, request_id: str, worker: WorkerHandle, adapter: LoRAEntry | None, tenant: str | None,
+               sink: ChunkSink) -> Stream:
+        stream = Stream(request_id, worker, queue=sink, lora=adapter, tenant=tenant)
         self.queued_prompts.add(tenant)
         if adapter is not None:
             adapter.users.add(request_id)
             adapter.drained.clear()
         self._streams[request_id] = stream
         worker.in_flight.add(request_id)
-        if spec is not None and worker.ready.is_set():  # what `_wait_ready` waits for (a fatal error raised above)
-            # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
-            # turn's) runs only after every callback ready before it
-            self._post(worker, ipc.Add(spec=spec))
-            return Generation(self, stream, spec, None, (None, None, None), submitted=True)
-        audio = (prompt_audio, reference_audio, prompt_sample_rate)
-        return Generation(self, stream, spec, args if spec is None else None, audio)
+        return stream
 
     async def _submit(self, stream: Stream, spec: RequestSpec | None, args: dict | None,
                       audio: tuple[Any, Any, int | None]) -> None:
@@ -303,7 +316,7 @@ class Engine:
         self._post(stream.worker, ipc.Add(spec=spec))
 
     def _spec(self, **args: Any) -> RequestSpec:
-        return request_spec(self.config, self.tokenizer, self._kv_positions(), **args)
+        return request_spec(self.config, self.tokenizer, self.kv_positions(), **args)
 
     async def cancel(self, request_id: str) -> None:
         """Stop a request; its iterator ends with a chunk-less `is_last`-free stop (it just returns)."""
@@ -354,18 +367,21 @@ class Engine:
         self._loras.get(lora)
 
         def prefix_spec(voice_id: str, patches: np.ndarray, lora: str | None) -> RequestSpec:
-            return voice_prefix_spec(self.config, self.tokenizer, self._kv_positions(), voice_id, patches, lora)
+            return voice_prefix_spec(self.config, self.tokenizer, self.kv_positions(), voice_id, patches, lora)
 
         async def add_to_workers(prefix: RequestSpec) -> None:
             await asyncio.gather(*(self._call(w, ipc.StoreVoice, prefix) for w in self._workers))
 
-        return await self._voices.add(voice_id, audio=audio, sample_rate=sample_rate, latents=latents, text=text,
-                                      lora=lora, encode=self._encode, prefix_spec=prefix_spec,
-                                      add_to_workers=add_to_workers, remove=self.remove_voice)
+        voice_id = await self._voices.add(voice_id, audio=audio, sample_rate=sample_rate, latents=latents,
+                                          text=text, lora=lora, encode=self._encode, prefix_spec=prefix_spec,
+                                          add_to_workers=add_to_workers, remove=self.remove_voice)
+        self.revision += 1
+        return voice_id
 
     async def remove_voice(self, voice_id: str) -> None:
         """Forget a stored voice (and free its prefix KV on every worker)."""
         self._voices.pop(voice_id)
+        self.revision += 1
         for w in self._workers:
             if w.alive:
                 self._post(w, ipc.RemoveVoice(voice_id=voice_id))
@@ -373,6 +389,10 @@ class Engine:
     def list_voices(self) -> list[VoiceInfo]:
         """The stored voices, in the order they were added."""
         return self._voices.infos()
+
+    def stored_voices(self) -> dict[str, Voice]:
+        """The stored voices by id, in the order they were added (a replaced voice is a new object)."""
+        return dict(self._voices.entries)
 
     def voice_latents(self, voice_id: str) -> np.ndarray | None:
         """A stored voice's patches [T, P, D] float32 (None for an adapter-only voice): with its text and adapter,
@@ -392,7 +412,9 @@ class Engine:
         def add_to_workers(adapter: Any) -> asyncio.Future:
             return asyncio.gather(*(self._call(w, ipc.AddLoRA, adapter) for w in self._workers))
 
-        return await self._loras.register(name, source, config, first_worker_dtype, add_to_workers)
+        info = await self._loras.register(name, source, config, first_worker_dtype, add_to_workers)
+        self.revision += 1
+        return info
 
     async def unregister_lora(self, name: str) -> None:
         """Refuse new requests for the adapter at once, wait for those in flight to finish, then free it."""
@@ -401,6 +423,7 @@ class Engine:
         if users:
             raise InvalidParameter(f"LoRA adapter {name!r} is used by stored voice(s) {users}: remove them first")
         del self._loras.entries[name]
+        self.revision += 1
         await entry.drained.wait()
         await asyncio.gather(*(self._call(w, ipc.RemoveLoRA, name) for w in self._workers if w.alive))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from engine.api import AudioChunk
 from engine.request import RequestSpec
@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from engine.worker_handle import WorkerHandle
 
 
+class ChunkSink(Protocol):
+    """Where a request's chunks go: an `asyncio.Queue`, or a gateway front's relay (`gateway.link`)."""
+
+    def put_nowait(self, item: AudioChunk | BaseException | None) -> None:
+        """A chunk, the request's error, or None (cancelled)."""
+        ...
+
+
 @dataclass
 class Stream:
     """The pool's side of a request: its worker, its adapter and the queue its chunks (or its error) go to;
@@ -23,7 +31,7 @@ class Stream:
 
     request_id: str
     worker: WorkerHandle
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: ChunkSink = field(default_factory=asyncio.Queue)
     done: bool = False
     lora: LoRAEntry | None = None
     tenant: str | None = None  # the tenant whose queued prompt it counts as until its first audio (then None)
@@ -53,7 +61,7 @@ class Generation(AsyncIterator[AudioChunk]):
             if not self._submitted:
                 self._submitted = True
                 await self._engine._submit(self._stream, self._spec, self._args, self._audio)
-            item = await self._stream.queue.get()
+            item = await cast(asyncio.Queue, self._stream.queue).get()
         except BaseException:
             self._close()
             raise

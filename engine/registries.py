@@ -37,6 +37,11 @@ class Voice:
     text: str | None
     prefix: RequestSpec | None  # v2: the reference prefix whose KV every worker keeps
 
+    @property
+    def shared_prefix(self) -> bool:
+        """Every worker keeps the voice's prefix KV."""
+        return self.prefix is not None
+
 
 def lora_info(entry: LoRAEntry) -> LoRAInfo:
     """The public description of a registered adapter."""

@@ -115,6 +115,8 @@ class TurnSender:
                    "text_queued_ms": _round(turn.text_queued_ms), "segments": len(turn.audio),
                    "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None,
                    "segment_log": [t.to_dict() for t in turn.segment_log]}
+        if turn.link_ms is not None:  # a front process's turn: the engine is in the host (`gateway.link`)
+            metrics["link_ms"] = _round(turn.link_ms, 2)
         self._retire(turn)
         self.metrics.turns_done.labels(outcome="done").inc()
         await self._send(p.ContextDone(turn.id, round(figures.audio_ms, 1), metrics))

@@ -131,6 +131,7 @@ class Turn:
     t_first_text: float | None = None  # when the turn's first text reached the gateway (`Session.receive`)
     text_queued_ms: float | None = None  # how long that text waited between the socket's read and its handler
     engine_ttfb_ms: float | None = None
+    link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
@@ -247,6 +248,7 @@ class TurnPipeline:
                     timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
                         turn.engine_ttfb_ms = wait_ms
+                        turn.link_ms = getattr(stream, "link_ms", None)
                         self.metrics.engine_ttfb.observe(wait_ms / 1000.0)
                     else:  # continuation prompts make these longer: measured to keep that cost visible
                         turn.later_ttfb_ms.append(wait_ms)

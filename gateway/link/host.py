@@ -1,0 +1,331 @@
+"""`EngineHost`: one started `Engine` and one `Store` served to gateway front processes over a unix socket.
+
+A front sends `RequestSpec`s it built itself (`gateway.link.remote_engine`); the host admits each into the pool
+(`Engine.submit_spec`: the pool still picks the worker and counts tenants' queued prompts and adapter users) with a
+relay as its chunk sink. There is no task per request: the pool hands the relay each chunk of a worker step in one
+callback, the relay appends it to its front's pending `Chunks` (a dict lookup, done by the pool, and an append), and
+each front's pending messages leave as one frame at the end of that pass of the loop. The host stamps when it got
+each request and each first chunk, so a front can tell the link's share of its time to first audio.
+
+Stored voices and adapters are changed here for every front: adding a voice id (or registering an adapter name)
+again with the same content is a no-op, serialised per id, so fronts that load the same stored item at once do not
+fail or store it twice. Every change is pushed to every front before the call that made it returns, and the
+engine's stats every `STATUS_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.api import AudioChunk
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.generation import Stream
+from engine.registries import Voice
+from gateway.link import wire
+from gateway.store.base import Store
+
+log = logging.getLogger("voxgate.link")
+
+STATUS_S = 0.1  # how often every front gets the engine's stats (its /readyz and /metrics read them)
+
+
+class _Relay:
+    """The chunk sink of one front's request: chunks to its front's pending `Chunks`, an error as `Failed`."""
+
+    __slots__ = ("front", "request_id", "got_at")
+
+    def __init__(self, front: _FrontConnection, request_id: str, got_at: float):
+        self.front, self.request_id, self.got_at = front, request_id, got_at
+
+    def put_nowait(self, item: AudioChunk | BaseException | None) -> None:
+        front = self.front
+        if type(item) is AudioChunk:
+            batch = front.chunks if front.chunks is not None else front.new_chunks()
+            first = None
+            if self.got_at:  # the request's first chunk: when the host got it, and when it got the request
+                first, self.got_at = (self.got_at, time.monotonic()), 0.0
+            batch.append((self.request_id, item.audio, item.index, item.latents, item.is_last, item.stop_reason,
+                          item.step, first))
+            if item.is_last:
+                front.requests.pop(self.request_id, None)
+        elif item is None:  # cancelled (by the front, or by the host's close)
+            front.requests.pop(self.request_id, None)
+        else:
+            front.requests.pop(self.request_id, None)
+            front.post(wire.Failed(self.request_id, wire.portable(item)))
+
+
+class _FrontConnection(asyncio.Protocol):
+    """One front's socket at the host, and the requests it holds."""
+
+    def __init__(self, host: EngineHost, number: int):
+        self.host, self.number = host, number
+        self.prefix = f"{number}/"  # request ids are the front's own; the pool's are namespaced per link
+        self.front: int | None = None  # the number the front gave in its hello
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.Reader()
+        self.out: list[Any] = []
+        self.chunks: list[tuple] | None = None  # this pass's `Chunks`, already in `out`
+        self.requests: dict[str, Stream] = {}  # the front's request id -> its stream in the pool
+
+    def post(self, msg: Any) -> None:
+        if not self.out:
+            self.host.loop.call_soon(self.flush)
+        self.out.append(msg)
+
+    def new_chunks(self) -> list[tuple]:
+        self.chunks = []
+        self.post(wire.Chunks(self.chunks))
+        return self.chunks
+
+    def flush(self) -> None:
+        out, self.out, self.chunks = self.out, [], None
+        if out and self.transport is not None and not self.transport.is_closing():
+            try:
+                self.transport.write(wire.frame(out, time.monotonic()))
+            except wire.FrameTooLarge as e:  # a reply too large to send: the front's call fails, the link lives
+                log.error("link %d: %s", self.number, e)
+                self.transport.write(wire.frame([self._failed_copy(m, e) for m in out], time.monotonic()))
+
+    @staticmethod
+    def _failed_copy(msg: Any, error: EngineError) -> Any:
+        return wire.Reply(msg.call, False, error) if type(msg) is wire.Reply else msg
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        got_at = time.monotonic()
+        for _sent_at, messages in self.reader.feed(data):
+            for msg in messages:
+                self.host._on_message(self, msg, got_at)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.host._drop(self)
+
+
+class EngineHost:
+    """In the host process: serves one started `Engine` and one `Store` to front processes over a unix socket."""
+
+    def __init__(self, engine: Engine, store: Store, path: str | os.PathLike):
+        self.engine, self.store, self.path = engine, store, os.fspath(path)
+        self.loop = asyncio.get_running_loop()
+        self._links: dict[int, _FrontConnection] = {}
+        self._numbers = itertools.count(1)
+        self._server: asyncio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
+        self._revision = -1
+        self._pushed: dict[str, Voice] = {}  # the stored voices every front mirrors now
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._added: dict[tuple[str, str], tuple[bytes, Any]] = {}  # what a voice id / adapter name was added with
+
+    async def start(self) -> None:
+        """Listen on the socket (mode 0600; its directory should be private to the service too)."""
+        self._sync()
+        self._server = await self.loop.create_unix_server(lambda: _FrontConnection(self, next(self._numbers)),
+                                                          self.path)
+        os.chmod(self.path, 0o600)
+        self._ticker = asyncio.create_task(self._tick())
+
+    def fronts(self) -> int:
+        """Fronts connected now (that said hello)."""
+        return sum(1 for c in self._links.values() if c.front is not None)
+
+    async def close(self) -> None:
+        """Cancel every request the fronts hold, close their links, stop listening and remove the socket."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._links.values()):
+            self._drop(conn)
+            if conn.transport is not None:
+                conn.flush()
+                conn.transport.close()
+        for task in list(self._calls):
+            task.cancel()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # ---- messages ------------------------------------------------------------------------------------------
+    def _on_message(self, conn: _FrontConnection, msg: Any, got_at: float) -> None:
+        t = type(msg)
+        if t is wire.Submit:
+            self._submit(conn, msg.spec, got_at)
+        elif t is wire.Buffered:
+            stream = conn.requests.get(msg.request_id)
+            if stream is not None:
+                self.engine.update_buffered(stream.request_id, msg.audio_ms)
+        elif t is wire.Cancel:
+            stream = conn.requests.pop(msg.request_id, None)
+            if stream is not None:
+                self.engine.release(stream)
+        elif t is wire.Call:
+            task = asyncio.create_task(self._call(conn, msg))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        elif t is wire.Hello:
+            conn.front = msg.front
+            self._links[conn.number] = conn
+            self._sync()
+            conn.post(wire.Welcome(conn.number, str(self.engine.path), str(self.engine.name),
+                                   self.engine.default_timesteps, self.engine.sampling_ranges,
+                                   self.store.description, self._status(),
+                                   [_mirror(v) for v in self._pushed.values()]))
+            log.info("front %d linked (pid %d)", msg.front, msg.pid)
+        else:
+            log.warning("link %d: ignoring an unknown message %s", conn.number, t.__name__)
+
+    def _submit(self, conn: _FrontConnection, spec: Any, got_at: float) -> None:
+        request_id = spec.request_id
+        spec.request_id = conn.prefix + request_id
+        try:
+            stream = self.engine.submit_spec(spec, _Relay(conn, request_id, got_at))
+        except EngineError as e:
+            conn.post(wire.Failed(request_id, wire.portable(e)))
+            return
+        conn.requests[request_id] = stream
+
+    def _drop(self, conn: _FrontConnection) -> None:
+        """The front went away (or the host closes): free everything it held in the pool."""
+        if self._links.pop(conn.number, None) is not None and conn.front is not None:
+            log.info("front %d unlinked", conn.front)
+        requests, conn.requests = conn.requests, {}
+        for stream in requests.values():
+            self.engine.release(stream)
+
+    # ---- calls ---------------------------------------------------------------------------------------------
+    async def _call(self, conn: _FrontConnection, msg: wire.Call) -> None:
+        try:
+            if msg.target == "engine" and msg.op in wire.ENGINE_CALLS:
+                value = await self._engine_call(msg.op, msg.args, msg.kwargs)
+            elif msg.target == "store" and msg.op in wire.STORE_CALLS:
+                value = await getattr(self.store, msg.op)(*msg.args, **msg.kwargs)
+            else:
+                raise EngineError(f"no link call {msg.target}.{msg.op}")
+            ok = True
+        except Exception as e:
+            ok, value = False, wire.portable(e)
+        if msg.target == "engine":
+            self._sync()  # every front sees the change before the caller's call returns
+        conn.post(wire.Reply(msg.call, ok, value))
+
+    async def _engine_call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if op == "add_voice" and kwargs.get("voice_id") is not None:
+            return await self._once(("voice", kwargs["voice_id"]), kwargs, self.engine.add_voice(**kwargs))
+        if op == "register_lora":
+            return await self._once(("lora", args[0]), (args, kwargs), self.engine.register_lora(*args, **kwargs))
+        if op in ("remove_voice", "unregister_lora"):
+            key = ("voice" if op == "remove_voice" else "lora", args[0])
+            self._added.pop(key, None)
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():
+                del self._locks[key]
+        return await getattr(self.engine, op)(*args, **kwargs)
+
+    async def _once(self, key: tuple[str, str], content: Any, change: Any) -> Any:
+        """Run `change` (adding voice id / adapter name `key`) unless the same content is already there under it."""
+        digest = await asyncio.to_thread(_digest, content)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            current = self._current(key)
+            known = self._added.get(key)
+            if known is not None and current is not None and known == (digest, current[0]):
+                change.close()
+                return current[1]
+            value = await change
+            current = self._current(key)
+            if current is not None:
+                self._added[key] = (digest, current[0])
+            return value
+
+    def _current(self, key: tuple[str, str]) -> tuple[Any, Any] | None:
+        """(what identifies the engine's item now, what adding it returned) for a voice id or an adapter name."""
+        kind, name = key
+        if kind == "voice":
+            v = self.engine.stored_voices().get(name)
+            return None if v is None else (id(v), name)
+        info = next((i for i in self.engine.list_loras() if i.name == name), None)
+        return None if info is None else (name, info)
+
+    # ---- pushed state --------------------------------------------------------------------------------------
+    def _status(self) -> wire.Status:
+        e = self.engine
+        return wire.Status(e.model_info(), e.stats(), e.health(), e.list_loras(), e.kv_positions())
+
+    def _sync(self) -> None:
+        """Push what changed in the stored voices and adapters since the last push to every front."""
+        if self.engine.revision == self._revision:
+            return
+        self._revision = self.engine.revision
+        now = self.engine.stored_voices()
+        put = [_mirror(v) for vid, v in now.items() if self._pushed.get(vid) is not v]
+        gone = [vid for vid in self._pushed if vid not in now]
+        self._pushed = now
+        status = self._status()
+        for conn in self._links.values():
+            conn.post(wire.Voices(put, gone))
+            conn.post(status)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_S)
+            if not self._links:
+                continue
+            try:
+                self._sync()  # voices or adapters changed in this process directly (the start-up restore)
+                status = self._status()
+            except Exception:  # a stopped engine: the fronts keep the last status
+                log.debug("engine status unavailable", exc_info=True)
+                continue
+            for conn in self._links.values():
+                conn.post(status)
+
+
+def _mirror(v: Voice) -> wire.MirrorVoice:
+    return wire.MirrorVoice(v.info, v.latents, v.text, v.shared_prefix)
+
+
+def _digest(content: Any) -> bytes:
+    """A digest of a voice's or an adapter's content (arrays and tensors by their bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[%d" % len(x))
+            for item in x:
+                feed(item)
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, (bytes, bytearray, memoryview)):
+            h.update(bytes(x))
+        else:
+            h.update(pickle.dumps(x, protocol=5))
+
+    feed(content)
+    return h.digest()
