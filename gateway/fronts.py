@@ -279,8 +279,14 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
     from gateway.server import create_app, start_server
 
     share_cores(fronts)
+    stop, host_lost = asyncio.Event(), asyncio.Event()
+
+    def lost() -> None:
+        host_lost.set()
+        stop.set()
+
     try:
-        link = await connect(link_path, index)
+        link = await connect(link_path, index, on_lost=lost)
     except Exception as e:  # the host is gone or refused us: say why, the host logs it
         control.send(("error", f"cannot connect to the engine host: {e}"))
         return 1
@@ -301,15 +307,13 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
     gc.collect()
     gc.freeze()
     control.send(("ready", os.getpid()))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host_gone = asyncio.create_task(_receive(control))  # the host sends nothing: this ends when its end closes
-    host_gone.add_done_callback(lambda _: stop.set())
+    host_gone.add_done_callback(lambda task: task.cancelled() or lost())
     await stop.wait()
-    orphaned = host_gone.done()
-    if orphaned:  # no engine to drain towards: close what closes quickly, then go
+    if host_lost.is_set():  # no engine to drain towards: close what closes quickly, then go
         log.error("front %d: the engine host went away; exiting", index)
         loop.call_later(ORPHAN_EXIT_S, os._exit, 1)
     else:
@@ -317,7 +321,7 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
         await drain(app)  # still listening: the other fronts serve on, refused handshakes are retried
     await runner.cleanup()
     await link.close()
-    return 1 if orphaned else 0
+    return 1 if host_lost.is_set() else 0
 
 
 def _tag(index: int) -> Callable[[web.Request, web.StreamResponse], Any]:
