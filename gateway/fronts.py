@@ -126,14 +126,20 @@ class Fronts:
         from gateway.link import EngineHost
         from gateway.voices import Catalog
 
-        self._reserved = _reserve_port(self.host, self.port)
-        self.port = self._reserved.getsockname()[1]
-        if not self.store.shared:  # a shared store's items are loaded on first use (once, by the link's mirror)
-            await Catalog(self.engine, self.store).restore(progress)
-        self._link_host = EngineHost(self.engine, self.store, self._dir / "link.sock")
-        await self._link_host.start()
         try:
-            await asyncio.gather(*(self._spawn(i) for i in range(self.count)))
+            self._reserved = _reserve_port(self.host, self.port)
+            self.port = self._reserved.getsockname()[1]
+            if not self.store.shared:  # a shared store's items are loaded on first use (once, by the link's mirror)
+                await Catalog(self.engine, self.store).restore(progress)
+            self._link_host = EngineHost(self.engine, self.store, self._dir / "link.sock")
+            await self._link_host.start()
+            spawns = [asyncio.create_task(self._spawn(i)) for i in range(self.count)]
+            try:
+                await asyncio.gather(*spawns)
+            finally:  # one could not start: the others stop waiting (close stops their processes)
+                for task in spawns:
+                    task.cancel()
+                await asyncio.gather(*spawns, return_exceptions=True)
         except BaseException:
             await self.close()
             raise
@@ -212,6 +218,8 @@ class Fronts:
                 log.error("front %d (pid %d) did not exit in time: killed", front.index, front.pid)
                 _kill(front.process)
             front.process.join()
+            if front.process.exitcode:
+                log.warning("front %d (pid %d) exited with code %s", front.index, front.pid, front.process.exitcode)
         for front in self._fronts:
             if front is not None:
                 front.control.close()

@@ -246,6 +246,20 @@ async def test_sigterm_drains_a_turn_in_progress_and_leaves_no_process(node):
     assert not await _gone(processes, 10)
 
 
+async def test_a_port_in_use_is_a_clear_error(tiny_v2_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_v2_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--fronts", "2", "--data-dir", str(tmp_path), env=ENV,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in err.decode() and "Traceback" not in err.decode()
+
+
 async def test_fronts_exit_when_their_host_is_killed(tiny_v2_dir, tmp_path):
     other = await _start(tiny_v2_dir, tmp_path)
     try:
