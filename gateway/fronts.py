@@ -307,7 +307,7 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
         runner, _ = await start_server(app, host, port, shutdown_timeout_s=args.config.shutdown_timeout_s + 5,
                                        reuse_port=True)
     except Exception as e:
-        control.send(("error", f"cannot serve on {host}:{port}: {e}"))
+        control.send(("error", f"cannot start: {e}"))
         await link.close()
         return 1
     # what is loaded by now is kept out of the garbage collector's reach, as `voxgate serve` does (a full collection

@@ -111,12 +111,12 @@ async def _session(node: Node, key: str) -> tuple[VoxgateClient, int]:
     return client, int(client.ws.response.headers[FRONT_HEADER])
 
 
-async def _session_on(node: Node, key: str, front: int, tries: int = 32) -> VoxgateClient:
+async def _session_on(node: Node, key: str, front: int, tries: int = 32, fmt: str = "pcm_s16le") -> VoxgateClient:
     """A started session of `key` on `front` (new connections until one lands there; the others are closed)."""
     for _ in range(tries):
         client, landed = await _session(node, key)
         if landed == front:
-            await client.start(output={"format": "pcm_s16le"})
+            await client.start(output={"format": fmt})
             return client
         await client.close()
         await asyncio.sleep(0.2)  # its place is given back in the background
@@ -130,7 +130,7 @@ async def _refusal(node: Node, key: str) -> dict:
 
 async def test_sessions_land_on_both_fronts_and_each_speaks_a_whole_turn(node):
     assert sorted(await _fronts_by_pid(node.port)) == [0, 1]
-    clients = [await _session_on(node, "alpha", front) for front in (0, 1)]
+    clients = [await _session_on(node, "alpha", front, fmt="opus") for front in (0, 1)]  # each front's encoders
     try:
         turns = await asyncio.gather(*(c.speak(f"Spoken on front {i}.", f"t{i}") for i, c in enumerate(clients)))
         for utt in turns:
@@ -265,8 +265,10 @@ async def test_fronts_exit_when_their_host_is_killed(tiny_v2_dir, tmp_path):
     try:
         fronts = set((await _fronts_by_pid(other.port)).values())
         assert len(fronts) == 2
+        processes = _descendants(other.proc.pid)  # the fronts, the engine's worker, encoder processes
+        assert fronts <= processes
         other.proc.kill()
         await other.proc.wait()
-        assert not await _gone(fronts, 10)
+        assert not await _gone(processes, 10)
     finally:
         await _stop(other)
