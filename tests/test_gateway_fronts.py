@@ -1,12 +1,14 @@
 """`voxgate serve --fronts 2`: two gateway processes on one port over one engine, as a real subprocess on the tiny
 model. Sessions land on both fronts and speak whole turns; the per-key and the node's session limits hold across
-fronts; /metrics counts the whole node; a killed front comes back; SIGTERM drains a turn in progress and leaves no
-process; a SIGKILLed host takes its fronts with it."""
+fronts; /metrics counts the whole node; a voice stored through one front speaks on the other; a killed front comes
+back; SIGTERM drains a turn in progress and leaves no process; the host restores stored voices once at start, and a
+SIGKILLed host takes every process below it along."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import re
 import signal
@@ -18,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 import pytest_asyncio
+import soundfile
 
 from gateway.client import VoxgateClient
 from gateway.fronts import FRONT_HEADER
@@ -35,6 +39,8 @@ PER_KEY, NODE_LIMIT = 2, 3
 class Node:
     proc: asyncio.subprocess.Process
     port: int
+    data_dir: Path
+    banner: str
 
     @property
     def url(self) -> str:
@@ -63,7 +69,7 @@ async def _start(model: Path, tmp: Path, *extra: str) -> Node:
         banner += line
     assert b"2 gateway processes" in banner
     asyncio.get_running_loop().create_task(_drain_stderr(proc))  # a full pipe must not block the server's logs
-    return Node(proc, port)
+    return Node(proc, port, tmp, banner.decode())
 
 
 async def _drain_stderr(proc: asyncio.subprocess.Process) -> None:
@@ -111,12 +117,13 @@ async def _session(node: Node, key: str) -> tuple[VoxgateClient, int]:
     return client, int(client.ws.response.headers[FRONT_HEADER])
 
 
-async def _session_on(node: Node, key: str, front: int, tries: int = 32, fmt: str = "pcm_s16le") -> VoxgateClient:
+async def _session_on(node: Node, key: str, front: int, tries: int = 32, fmt: str = "pcm_s16le",
+                      voice: str | None = None) -> VoxgateClient:
     """A started session of `key` on `front` (new connections until one lands there; the others are closed)."""
     for _ in range(tries):
         client, landed = await _session(node, key)
         if landed == front:
-            await client.start(output={"format": fmt})
+            await client.start(output={"format": fmt}, voice=voice)
             return client
         await client.close()
         await asyncio.sleep(0.2)  # its place is given back in the background
@@ -177,6 +184,24 @@ async def test_the_per_key_and_the_node_session_limits_hold_across_fronts(node):
     async with client:
         await client.start(output={"format": "pcm_s16le"})
         assert (await client.speak("Room again.", "r")).done["audio_ms"] > 0
+
+
+def _wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
+async def test_a_voice_stored_through_one_front_speaks_on_the_other(node):
+    headers = {"Authorization": "Bearer alpha"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), headers=headers) as http, \
+            http.post(f"http://127.0.0.1:{node.port}/v1/voices", data=_wav(), params={"text": "A voice."}) as r:
+        assert r.status == 201, await r.text()
+        voice, stored_on = (await r.json())["voice_id"], int(r.headers[FRONT_HEADER])
+    client = await _session_on(node, "alpha", 1 - stored_on, voice=voice)
+    async with client:
+        assert (await client.speak("In the stored voice.", "v")).done["audio_ms"] > 0
 
 
 async def test_a_killed_front_comes_back_and_serves(node):
@@ -260,9 +285,11 @@ async def test_a_port_in_use_is_a_clear_error(tiny_v2_dir, tmp_path):
     assert f"cannot serve on 127.0.0.1:{port}" in err.decode() and "Traceback" not in err.decode()
 
 
-async def test_fronts_exit_when_their_host_is_killed(tiny_v2_dir, tmp_path):
-    other = await _start(tiny_v2_dir, tmp_path)
+async def test_the_host_restores_stored_voices_and_its_fronts_exit_when_it_is_killed(node, tiny_v2_dir):
+    assert node.proc.returncode is not None  # the module's node has stopped: its data directory is free
+    other = await _start(tiny_v2_dir, node.data_dir)
     try:
+        assert "restoring 1 voice(s)" in other.banner  # once, by the host, before any front serves
         fronts = set((await _fronts_by_pid(other.port)).values())
         assert len(fronts) == 2
         processes = _descendants(other.proc.pid)  # the fronts, the engine's worker, encoder processes
