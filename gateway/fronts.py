@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, CrashWindow
+from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow
 from gateway.offload import usable_cores
 from gateway.settings import GatewaySettings, fronts_count
 
@@ -115,11 +115,6 @@ class Fronts:
         self._stopping = False
         self.failure: str | None = None  # set when a front kept dying: the node stops
 
-    @property
-    def pids(self) -> list[int]:
-        """The fronts' process ids (those running now)."""
-        return [f.pid for f in self._fronts if f is not None and f.process.is_alive()]
-
     async def start(self, progress: Callable[[str], None] = log.info) -> int:
         """Restore stored items into the engine, serve the link, start every front and wait until each serves;
         returns the port. FrontsError (everything started is stopped) when one cannot start."""
@@ -129,7 +124,7 @@ class Fronts:
         try:
             self._reserved = _reserve_port(self.host, self.port)
             self.port = self._reserved.getsockname()[1]
-            if not self.store.shared:  # a shared store's items are loaded on first use (once, by the link's mirror)
+            if not self.store.shared:  # a shared store's items are loaded on first use
                 await Catalog(self.engine, self.store).restore(progress)
             self._link_host = EngineHost(self.engine, self.store, self._dir / "link.sock")
             await self._link_host.start()
@@ -189,12 +184,13 @@ class Fronts:
             front.process.join()
             if self._stopping:
                 return
+            front.control.close()
             _forget_metrics(front.pid, self._metrics_dir)
             crashes = self._crashes.add()
             log.error("front %d (pid %d) exited with code %s; restarting it", index, front.pid,
                       front.process.exitcode)
             if crashes > MAX_RESTARTS_PER_WINDOW:
-                self.failure = f"fronts died {crashes} times within a minute"
+                self.failure = f"fronts died {crashes} times within {RESTART_WINDOW_S:g} s"
                 stop.set()
                 return
             try:
