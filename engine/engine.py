@@ -1,7 +1,9 @@
 """`Engine`: the public async API over one worker process per device, routing, stored voices and LoRA adapters.
 
-The caller's process holds the model config and tokenizer (no weights): every request is checked (`engine.guards`)
-and turned into a prompt (`engine.specs`) here, so bad input is a typed `InvalidRequest` before anything is queued.
+The caller's process holds the model config and tokenizer (no weights): every request is checked
+(`engine.request_check`) and turned into a prompt (`engine.specs`) here, so bad input is a typed `InvalidRequest`
+before anything is queued. A gateway front process does the same with its own copy of the config and tokenizer
+(`gateway.link`) and hands the built spec to `submit_spec`, which admits it as `generate` admits its own.
 Each new turn goes to the worker with the most headroom (`headroom`: free sequence room and free KV blocks from the
 stats every worker reports each step, avoiding a worker that is late on a listener's deadline); each worker's reader
 thread (`engine.worker_handle`) turns its step messages into `AudioChunk`s for the request's `Generation`.
@@ -95,6 +97,7 @@ class Engine:
         self._voices = VoiceRegistry(self.config)
         self._loras = LoRARegistry(self.config, config.max_loras, config.max_lora_rank)
         self._restarts = 0
+        self._waiting_submits: set[asyncio.Future] = set()
         self.revision = 0  # counts changes of the stored voices and adapters (a front host pushes them on a change)
         self._crashes = CrashWindow()
         # Messages to the workers, sent in order at the end of the event loop's current pass (`_post`).
@@ -272,7 +275,9 @@ class Engine:
         if worker.ready.is_set():
             self._post(worker, ipc.Add(spec=spec))
         else:  # a restarted worker still loading: sent once it is up (rare, so a task is fine here)
-            asyncio.ensure_future(self._submit_when_ready(stream, spec))
+            task = asyncio.ensure_future(self._submit_when_ready(stream, spec))
+            self._waiting_submits.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(self._waiting_submits.discard)
         return stream
 
     async def _submit_when_ready(self, stream: Stream, spec: RequestSpec) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.errors import EngineOverloaded, InvalidParameter, TenantOverloaded, UnknownLoRA
+from engine.errors import EngineError, EngineOverloaded, InvalidParameter, TenantOverloaded, UnknownLoRA
 from engine.request import RequestSpec
 from engine.sampling import SamplingParams
 from gateway.link import wire
@@ -56,10 +56,16 @@ def test_an_error_that_cannot_travel_becomes_an_engine_error():
         pass
 
     out = wire.portable(Local("boom"))
-    assert type(out) is wire.EngineError and "Local: boom" in str(out)
+    assert type(out) is EngineError and "Local: boom" in str(out)
 
 
 def test_frame_too_large_is_typed(monkeypatch):
     monkeypatch.setattr(wire, "MAX_FRAME", 100)
     with pytest.raises(wire.FrameTooLarge):
         wire.frame([wire.Reply(1, True, b"x" * 200)], 0.0)
+
+
+def test_sendable_sets_apart_what_cannot_be_pickled():
+    good, bad = wire.Cancel("a"), wire.Reply(1, True, lambda: 0)
+    ok, failed = wire.sendable([good, bad, good])
+    assert ok == [good, good] and [m for m, _ in failed] == [bad]

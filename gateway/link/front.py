@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
+from engine.errors import InvalidParameter
 from engine.text import Tokenizer
 from gateway.link import wire
 from gateway.link.host_store import HostStore
@@ -60,10 +61,21 @@ class _HostConnection(asyncio.Protocol):
         if not out or self.transport is None or self.transport.is_closing():
             return
         now = time.monotonic()
+        try:
+            data = wire.frame(out, now)
+        except Exception:  # a call whose arguments cannot travel fails; the rest goes
+            out, bad = wire.sendable(out)
+            for msg, error in bad:
+                fut = self.calls.get(msg.call) if type(msg) is wire.Call else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(InvalidParameter(f"cannot send {msg.op} to the engine host: {error}"))
+                else:
+                    log.error("cannot send %s to the engine host: %s", type(msg).__name__, error)
+            data = wire.frame(out, now)
         for stream in self.stamps:
             stream.sent_at = now
         self.stamps.clear()
-        self.transport.write(wire.frame(out, now))
+        self.transport.write(data)
 
     async def call(self, target: str, op: str, *args: Any, **kwargs: Any) -> Any:
         """Run `target.op(*args, **kwargs)` at the host; its value, or its error raised here."""

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -92,20 +93,23 @@ class _FrontConnection(asyncio.Protocol):
 
     def flush(self) -> None:
         out, self.out, self.chunks = self.out, [], None
-        if out and self.transport is not None and not self.transport.is_closing():
-            try:
-                self.transport.write(wire.frame(out, time.monotonic()))
-            except wire.FrameTooLarge as e:  # a reply too large to send: the front's call fails, the link lives
-                log.error("link %d: %s", self.number, e)
-                self.transport.write(wire.frame([self._failed_copy(m, e) for m in out], time.monotonic()))
-
-    @staticmethod
-    def _failed_copy(msg: Any, error: EngineError) -> Any:
-        return wire.Reply(msg.call, False, error) if type(msg) is wire.Reply else msg
+        if not out or self.transport is None or self.transport.is_closing():
+            return
+        try:
+            data = wire.frame(out, time.monotonic())
+        except Exception:  # a reply that cannot travel (too large, not picklable): its call fails, the rest goes
+            out, bad = wire.sendable(out)
+            for msg, error in bad:
+                log.error("link %d: cannot send %s: %s", self.number, type(msg).__name__, error)
+                if type(msg) is wire.Reply:
+                    out.append(wire.Reply(msg.call, False, EngineError(f"the answer cannot be sent: {error}")))
+            data = wire.frame(out, time.monotonic())
+        self.transport.write(data)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.host._links[self.number] = self
 
     def data_received(self, data: bytes) -> None:
         got_at = time.monotonic()
@@ -123,15 +127,15 @@ class EngineHost:
     def __init__(self, engine: Engine, store: Store, path: str | os.PathLike):
         self.engine, self.store, self.path = engine, store, os.fspath(path)
         self.loop = asyncio.get_running_loop()
-        self._links: dict[int, _FrontConnection] = {}
+        self._links: dict[int, _FrontConnection] = {}  # every connection; a front's once it said hello
         self._numbers = itertools.count(1)
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()
         self._revision = -1
         self._pushed: dict[str, Voice] = {}  # the stored voices every front mirrors now
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._added: dict[tuple[str, str], tuple[bytes, Any]] = {}  # what a voice id / adapter name was added with
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}  # the lock, its users
+        self._registered: dict[str, bytes] = {}  # adapter name -> the digest of what it was registered with here
 
     async def start(self) -> None:
         """Listen on the socket (mode 0600; its directory should be private to the service too)."""
@@ -143,7 +147,7 @@ class EngineHost:
 
     def fronts(self) -> int:
         """Fronts connected now (that said hello)."""
-        return sum(1 for c in self._links.values() if c.front is not None)
+        return len(self._fronts())
 
     async def close(self) -> None:
         """Cancel every request the fronts hold, close their links, stop listening and remove the socket."""
@@ -182,9 +186,8 @@ class EngineHost:
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
         elif t is wire.Hello:
+            self._sync()  # pushed to the other fronts; this one gets the whole state with its welcome
             conn.front = msg.front
-            self._links[conn.number] = conn
-            self._sync()
             conn.post(wire.Welcome(conn.number, str(self.engine.path), str(self.engine.name),
                                    self.engine.default_timesteps, self.engine.sampling_ranges,
                                    self.store.description, self._status(),
@@ -229,40 +232,48 @@ class EngineHost:
 
     async def _engine_call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         if op == "add_voice" and kwargs.get("voice_id") is not None:
-            return await self._once(("voice", kwargs["voice_id"]), kwargs, self.engine.add_voice(**kwargs))
+            return await self._add_voice(kwargs)
         if op == "register_lora":
-            return await self._once(("lora", args[0]), (args, kwargs), self.engine.register_lora(*args, **kwargs))
-        if op in ("remove_voice", "unregister_lora"):
-            key = ("voice" if op == "remove_voice" else "lora", args[0])
-            self._added.pop(key, None)
-            lock = self._locks.get(key)
-            if lock is not None and not lock.locked():
+            return await self._register_lora(*args, **kwargs)
+        value = await getattr(self.engine, op)(*args, **kwargs)
+        if op == "unregister_lora":
+            self._registered.pop(args[0], None)
+        return value
+
+    async def _add_voice(self, kwargs: dict[str, Any]) -> str:
+        """`Engine.add_voice`, one at a time per voice id; a no-op when the engine already has that voice with the
+        same patches, text and adapter (two fronts loading one stored voice at once)."""
+        voice_id = kwargs["voice_id"]
+        async with self._lock(("voice", voice_id)):
+            v = self.engine.stored_voices().get(voice_id)
+            if v is not None and kwargs.get("audio") is None and _same_voice(v, kwargs):
+                return voice_id
+            return await self.engine.add_voice(**kwargs)
+
+    async def _register_lora(self, name: str, source: Any, config: dict[str, Any] | None = None) -> Any:
+        """`Engine.register_lora`, one at a time per name; a no-op when the host registered that name with the same
+        weights and config (two fronts loading one stored adapter at once)."""
+        digest = await asyncio.to_thread(_digest, (source, config))
+        async with self._lock(("lora", name)):
+            info = next((i for i in self.engine.list_loras() if i.name == name), None)
+            if info is not None and self._registered.get(name) == digest:
+                return info
+            info = await self.engine.register_lora(name, source, config)
+            self._registered[name] = digest
+            return info
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, key: tuple[str, str]) -> AsyncIterator[None]:
+        """One change at a time per voice id or adapter name (the lock goes when nobody holds or waits for it)."""
+        entry = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:
                 del self._locks[key]
-        return await getattr(self.engine, op)(*args, **kwargs)
-
-    async def _once(self, key: tuple[str, str], content: Any, change: Any) -> Any:
-        """Run `change` (adding voice id / adapter name `key`) unless the same content is already there under it."""
-        digest = await asyncio.to_thread(_digest, content)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            current = self._current(key)
-            known = self._added.get(key)
-            if known is not None and current is not None and known == (digest, current[0]):
-                change.close()
-                return current[1]
-            value = await change
-            current = self._current(key)
-            if current is not None:
-                self._added[key] = (digest, current[0])
-            return value
-
-    def _current(self, key: tuple[str, str]) -> tuple[Any, Any] | None:
-        """(what identifies the engine's item now, what adding it returned) for a voice id or an adapter name."""
-        kind, name = key
-        if kind == "voice":
-            v = self.engine.stored_voices().get(name)
-            return None if v is None else (id(v), name)
-        info = next((i for i in self.engine.list_loras() if i.name == name), None)
-        return None if info is None else (name, info)
 
     # ---- pushed state --------------------------------------------------------------------------------------
     def _status(self) -> wire.Status:
@@ -279,9 +290,12 @@ class EngineHost:
         gone = [vid for vid in self._pushed if vid not in now]
         self._pushed = now
         status = self._status()
-        for conn in self._links.values():
+        for conn in self._fronts():
             conn.post(wire.Voices(put, gone))
             conn.post(status)
+
+    def _fronts(self) -> list[_FrontConnection]:
+        return [c for c in self._links.values() if c.front is not None]
 
     async def _tick(self) -> None:
         while True:
@@ -294,12 +308,22 @@ class EngineHost:
             except Exception:  # a stopped engine: the fronts keep the last status
                 log.debug("engine status unavailable", exc_info=True)
                 continue
-            for conn in self._links.values():
+            for conn in self._fronts():
                 conn.post(status)
 
 
 def _mirror(v: Voice) -> wire.MirrorVoice:
     return wire.MirrorVoice(v.info, v.latents, v.text, v.shared_prefix)
+
+
+def _same_voice(v: Voice, kwargs: dict[str, Any]) -> bool:
+    """Whether `add_voice(**kwargs)` (no audio) would store what `v` already is."""
+    latents = kwargs.get("latents")
+    if (latents is None) != (v.latents is None):
+        return False
+    if latents is not None and not np.array_equal(np.asarray(latents, dtype=np.float32), v.latents):
+        return False
+    return v.text == kwargs.get("text") and v.info.lora == kwargs.get("lora")
 
 
 def _digest(content: Any) -> bytes:

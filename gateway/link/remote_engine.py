@@ -39,13 +39,21 @@ CallHost = Callable[..., Awaitable[Any]]
 class RemoteStream:
     """The front's side of one request: the queue its chunks (or its error, or None when cancelled) go to."""
 
-    __slots__ = ("request_id", "queue", "sent_at", "link_ms")
+    __slots__ = ("request_id", "queue", "sent_at", "request_ms", "chunk_ms")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue()
         self.sent_at: float | None = None  # when its request left for the host (time.monotonic)
-        self.link_ms: float | None = None  # request front -> host + first chunk host -> front
+        self.request_ms: float | None = None  # the request's way front -> host
+        self.chunk_ms: float | None = None  # its first chunk's way host -> front
+
+    @property
+    def link_ms(self) -> float | None:
+        """The link's share of the time to first audio: request there + first chunk back."""
+        if self.request_ms is None or self.chunk_ms is None:
+            return None
+        return self.request_ms + self.chunk_ms
 
 
 class RemoteGeneration(AsyncIterator[AudioChunk]):
@@ -63,6 +71,11 @@ class RemoteGeneration(AsyncIterator[AudioChunk]):
     @property
     def link_ms(self) -> float | None:
         return self._stream.link_ms
+
+    @property
+    def link_parts_ms(self) -> tuple[float | None, float | None]:
+        """(request front -> host, first chunk host -> front)."""
+        return self._stream.request_ms, self._stream.chunk_ms
 
     def __aiter__(self) -> RemoteGeneration:
         return self
@@ -134,7 +147,7 @@ class RemoteEngine:
                  instruction: str | None = None) -> RemoteGeneration:
         """`Engine.generate` over the link: input errors raise here; the host's refusals at the first read."""
         if self._lost is not None:
-            raise self._lost
+            raise wire.HostLost(str(self._lost))
         checked = check_request(
             self.config, ranges=self.sampling_ranges, default_timesteps=self.default_timesteps,
             in_flight=self._streams, voice_of=self._voice, text=text, voice=voice, prompt_audio=prompt_audio,
@@ -207,7 +220,8 @@ class RemoteEngine:
             if stream is None:  # cancelled here while the chunk travelled
                 continue
             if first is not None and stream.sent_at is not None:
-                stream.link_ms = ((first[0] - stream.sent_at) + (now - first[1])) * 1000.0
+                stream.request_ms = (first[0] - stream.sent_at) * 1000.0
+                stream.chunk_ms = (now - first[1]) * 1000.0
             if is_last:
                 del streams[rid]
             stream.queue.put_nowait(AudioChunk(audio, rate, index, latents, is_last, stop_reason, rid, step))

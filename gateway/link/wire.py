@@ -40,6 +40,19 @@ def frame(messages: list[Any], sent_at: float) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+def sendable(messages: list[Any]) -> tuple[list[Any], list[tuple[Any, Exception]]]:
+    """`messages` split into those that pickle and those that do not (with why), for a frame that failed."""
+    ok, bad = [], []
+    for msg in messages:
+        try:
+            pickle.dumps(msg, protocol=5)
+        except Exception as e:
+            bad.append((msg, e))
+        else:
+            ok.append(msg)
+    return ok, bad
+
+
 class Reader:
     """Bytes in as they arrive, whole frames out."""
 
