@@ -237,6 +237,9 @@ async def serve_fronts(engine: Any, store: Store, *, fronts: int, host: str, por
     the exit status: 0, or 1 when a front kept dying. FrontsError when they cannot start."""
     node = Fronts(engine, store, fronts=fronts, host=host, port=port, front_args=front_args, app_hook=app_hook)
     bound = await node.start(progress)
+    # this loop relays every front's audio: what is loaded by now stays out of the collector's reach, as in a front
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
