@@ -147,7 +147,8 @@ async def test_sessions_land_on_both_fronts_and_each_speaks_a_whole_turn(node):
             await c.close()
 
 
-async def test_metrics_count_the_whole_node_from_either_front(node):
+async def _metrics_of_both(node: Node) -> dict[int, str]:
+    """front -> its GET /metrics text, for both fronts."""
     texts: dict[int, str] = {}
     for _ in range(64):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
@@ -157,6 +158,11 @@ async def test_metrics_count_the_whole_node_from_either_front(node):
         if len(texts) == 2:
             break
     assert sorted(texts) == [0, 1]
+    return texts
+
+
+async def test_metrics_count_the_whole_node_from_either_front(node):
+    texts = await _metrics_of_both(node)
     turns = {front: float(re.search(r"^voxgate_turns_total (\S+)$", text, re.M).group(1))
              for front, text in texts.items()}
     assert turns[0] == turns[1] >= 2  # the turn each front spoke, counted once, whichever front answers
@@ -176,6 +182,8 @@ async def test_the_per_key_and_the_node_session_limits_hold_across_fronts(node):
         for _ in range(4):  # each front holds at most two: only the node's count refuses these
             error = await _refusal(node, "beta")
             assert error["code"] == "overloaded" and error["fatal"] is True
+        for text in (await _metrics_of_both(node)).values():  # the node's open sessions, whichever front answers
+            assert re.search(r"^voxgate_sessions (\S+)$", text, re.M).group(1) == f"{NODE_LIMIT:.1f}"
     finally:
         for c in opened:
             await c.close()
