@@ -210,10 +210,11 @@ class Fronts:
         for front in running:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_readable(front.process.sentinel), max(0.0, deadline - time.monotonic()))
+            # its sentinel closes as the process ends, a moment before the process can be reaped
+            await asyncio.to_thread(front.process.join, 2.0)
             if front.process.is_alive():
                 log.error("front %d (pid %d) did not exit in time: killed", front.index, front.pid)
                 _kill(front.process)
-            front.process.join()
             if front.process.exitcode:
                 log.warning("front %d (pid %d) exited with code %s", front.index, front.pid, front.process.exitcode)
         for front in self._fronts:
