@@ -41,6 +41,7 @@ class Node:
     port: int
     data_dir: Path
     banner: str
+    log: list[str]  # its stderr after the banner
 
     @property
     def url(self) -> str:
@@ -68,13 +69,14 @@ async def _start(model: Path, tmp: Path, *extra: str) -> Node:
         assert line, f"the server exited before serving: {banner.decode()}"
         banner += line
     assert b"2 gateway processes" in banner
-    asyncio.get_running_loop().create_task(_drain_stderr(proc))  # a full pipe must not block the server's logs
-    return Node(proc, port, tmp, banner.decode())
+    node = Node(proc, port, tmp, banner.decode(), [])
+    asyncio.get_running_loop().create_task(_read_log(node))  # a full pipe must not block the server's logs
+    return node
 
 
-async def _drain_stderr(proc: asyncio.subprocess.Process) -> None:
-    while await proc.stderr.readline():
-        pass
+async def _read_log(node: Node) -> None:
+    while line := await node.proc.stderr.readline():
+        node.log.append(line.decode())
 
 
 async def _stop(node: Node) -> None:
@@ -223,6 +225,7 @@ async def test_a_killed_front_comes_back_and_serves(node):
             break
         assert time.monotonic() < deadline, "front 1 did not come back"
     assert now[0] == before[0]  # the other front served on
+    assert any(f"front 1 (pid {before[1]}) exited with code -9; restarting it" in line for line in node.log)
     client = await _session_on(node, "alpha", 1)
     async with client:
         assert (await client.speak("Back again.", "b")).done["audio_ms"] > 0
@@ -277,6 +280,8 @@ async def test_sigterm_drains_a_turn_in_progress_and_leaves_no_process(node):
         assert error["code"] == "server_shutdown"
     assert await asyncio.wait_for(node.proc.wait(), 60) == 0
     assert not await _gone(processes, 10)
+    await asyncio.sleep(0.1)  # the last log lines read
+    assert not [line for line in node.log if "did not exit in time" in line or "Traceback" in line]
 
 
 async def test_a_port_in_use_is_a_clear_error(tiny_v2_dir, tmp_path):
