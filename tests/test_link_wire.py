@@ -35,13 +35,18 @@ def test_frames_round_trip_whole_split_and_joined():
     assert reader.feed(b"") == []
 
 
-def test_chunks_carry_audio_and_first_chunk_stamps():
-    audio = np.random.default_rng(0).standard_normal(640).astype(np.float32)
-    chunk = ("r1", audio, 0, np.ones((4, 3), np.float32), False, None, 5, (1.0, 2.0))
-    [(_, [msg])] = wire.Reader().feed(wire.frame([wire.Chunks([chunk])], 3.0))
-    rid, a, index, latents, is_last, reason, step, first = msg.chunks[0]
-    np.testing.assert_array_equal(a, audio)
-    assert (rid, index, is_last, reason, step, first) == ("r1", 0, False, None, 5, (1.0, 2.0))
+def test_chunks_pack_and_unpack_with_their_audio_latents_and_stamps():
+    rng = np.random.default_rng(0)
+    rows = [(f"r{i}", rng.standard_normal(640 + i).astype(np.float32), i, rng.standard_normal((4, 3)), i == 2,
+             "stop" if i == 2 else None, 5, (1.0, 2.0) if i == 0 else None) for i in range(3)]
+    [(_, [msg])] = wire.Reader().feed(wire.frame([wire.pack_chunks(rows)], 3.0))
+    back = list(wire.unpack_chunks(msg))
+    assert len(back) == 3
+    for got, want in zip(back, rows, strict=True):
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[3], want[3])
+        assert got[:1] + got[2:3] + got[4:] == want[:1] + want[2:3] + want[4:]
+    assert list(wire.unpack_chunks(wire.pack_chunks([]))) == []
 
 
 @pytest.mark.parametrize("error", [EngineOverloaded("full"), TenantOverloaded("key full"), UnknownLoRA("x"),

@@ -97,7 +97,10 @@ class _HostConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for _sent_at, messages in self.reader.feed(data):
             for msg in messages:
-                self.dispatch(msg)
+                try:
+                    self.dispatch(msg)
+                except Exception:  # a bug must cost one message, not the link
+                    log.exception("handling %s from the engine host failed", type(msg).__name__)
 
     def dispatch(self, msg: Any) -> None:
         engine = self.engine

@@ -78,7 +78,7 @@ class _FrontConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.Reader()
         self.out: list[Any] = []
-        self.chunks: list[tuple] | None = None  # this pass's `Chunks`, already in `out`
+        self.chunks: list[wire.ChunkRow] | None = None  # this pass's chunks, in `out` (packed when it leaves)
         self.requests: dict[str, Stream] = {}  # the front's request id -> its stream in the pool
 
     def post(self, msg: Any) -> None:
@@ -86,15 +86,17 @@ class _FrontConnection(asyncio.Protocol):
             self.host.loop.call_soon(self.flush)
         self.out.append(msg)
 
-    def new_chunks(self) -> list[tuple]:
+    def new_chunks(self) -> list[wire.ChunkRow]:
         self.chunks = []
-        self.post(wire.Chunks(self.chunks))
+        self.post(self.chunks)
         return self.chunks
 
     def flush(self) -> None:
-        out, self.out, self.chunks = self.out, [], None
+        out, self.out, chunks, self.chunks = self.out, [], self.chunks, None
         if not out or self.transport is None or self.transport.is_closing():
             return
+        if chunks is not None:
+            out = [wire.pack_chunks(chunks) if m is chunks else m for m in out]
         try:
             data = wire.frame(out, time.monotonic())
         except Exception:  # a reply that cannot travel (too large, not picklable): its call fails, the rest goes
@@ -115,7 +117,13 @@ class _FrontConnection(asyncio.Protocol):
         got_at = time.monotonic()
         for _sent_at, messages in self.reader.feed(data):
             for msg in messages:
-                self.host._on_message(self, msg, got_at)
+                try:
+                    self.host._on_message(self, msg, got_at)
+                except Exception:  # a bug must cost one message, not every turn of the front
+                    log.exception("link %d: %s failed", self.number, type(msg).__name__)
+                    if type(msg) is wire.Submit:
+                        self.post(wire.Failed(msg.spec.request_id.removeprefix(self.prefix),
+                                              EngineError("the engine host could not take the request")))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.host._drop(self)

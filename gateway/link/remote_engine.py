@@ -215,7 +215,7 @@ class RemoteEngine:
         now = time.monotonic()
         streams = self._streams
         rate = self.config.sample_rate
-        for rid, audio, index, latents, is_last, stop_reason, step, first in msg.chunks:
+        for rid, audio, index, latents, is_last, stop_reason, step, first in wire.unpack_chunks(msg):
             stream = streams.get(rid)
             if stream is None:  # cancelled here while the chunk travelled
                 continue
