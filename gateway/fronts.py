@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow
+from gateway.gateway_config import GatewayConfig
 from gateway.offload import usable_cores
 from gateway.settings import GatewaySettings, fronts_count
 
@@ -67,10 +68,11 @@ class FrontArgs:
     """What every front builds its application from (pickled into the front processes)."""
 
     config: ServerConfig
-    api_keys_file: str | None = None
-    api_keys_from_store: bool = False
-    log_level: str = "warning"
-    log_json: bool = False
+    # the rest as `voxgate serve` takes them (defaults: GatewayConfig's)
+    api_keys_file: str | None = GatewayConfig.api_keys_file
+    api_keys_from_store: bool = GatewayConfig.api_keys_from_store
+    log_level: str = GatewayConfig.log_level
+    log_json: bool = GatewayConfig.log_json
 
 
 def auth_from(api_keys_file: str | None, keys_from_store: bool) -> Auth:
@@ -83,7 +85,7 @@ def auth_from(api_keys_file: str | None, keys_from_store: bool) -> Auth:
 
 
 class FrontsError(Exception):
-    """The fronts could not start, or one kept dying (the message says why)."""
+    """A front could not start (the message says which and why)."""
 
 
 @dataclass
