@@ -27,12 +27,19 @@ from torch import Tensor, nn
 
 from engine import guards
 from engine.config import ModelConfig
-from engine.errors import EmptyText, InvalidAudio, InvalidRequest
-from engine.text import Tokenizer, normalize_text
-
-AUDIO_START, AUDIO_END, REF_AUDIO_START, REF_AUDIO_END = 101, 102, 103, 104
-# Last prompt patches the streaming VAE is primed with in continuation (the official streaming_prefix_len - 1).
-CONTEXT_PATCHES = {"voxcpm": 2, "voxcpm2": 3}
+from engine.errors import InvalidAudio
+from engine.prompt_layout import (  # re-exported: the layout is the part a caller without torch builds
+    AUDIO_END,
+    AUDIO_START,
+    CONTEXT_PATCHES,
+    REF_AUDIO_END,
+    REF_AUDIO_START,
+    PromptLayout,
+    build_final_text,
+    length_cap,
+    prompt_layout,
+)
+from engine.text import Tokenizer
 
 
 @dataclass
@@ -46,17 +53,6 @@ class Prompt:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-
-def length_cap(n_target_tokens: int, max_len: int) -> int:
-    """The official cap on generated patches: 6 per target token plus 10, at most `max_len`."""
-    return min(int(6 * n_target_tokens + 10), max_len)
-
-
-def build_final_text(text: str, instruction: str | None) -> str:
-    """`(instruction)text`, exactly as the official CLI builds it (a blank instruction leaves the text as it is)."""
-    instruction = (instruction or "").strip()
-    return f"({instruction}){text}" if instruction else text
 
 
 def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
@@ -187,72 +183,6 @@ def _as_patches(vae: nn.Module, feat: Tensor, patch_size: int) -> Tensor:
     return feat.float().cpu().view(vae.latent_dim, -1, patch_size).permute(1, 2, 0).contiguous()
 
 
-@dataclass
-class PromptLayout:
-    """A prompt before any tensor is built: what `build_prompt` and the engine's request builder share."""
-
-    token_ids: list[int]  # 0 at audio positions
-    audio_mask: list[int]  # 1 at audio positions
-    audio: list[tuple[int, np.ndarray]]  # (first position, float32 patches [T, P, D]) of each audio run, in order
-    n_target_tokens: int
-    n_context: int  # last prompt patches that prime the VAE stream (continuation), else 0
-
-
-def prompt_layout(config: ModelConfig, tokenizer: Tokenizer, text: str, *, prompt_text: str | None = None,
-                  prompt_patches: np.ndarray | None = None, reference_patches: np.ndarray | None = None,
-                  instruction: str | None = None) -> PromptLayout:
-    """The positions of one request's prefill (see the module docstring for the four layouts), checked; plain
-    lists and the given float32 arrays, so it makes no tensor (it runs on the engine caller's thread)."""
-    if not isinstance(text, str):
-        raise InvalidRequest(f"text must be a string (got {type(text).__name__})")
-    target = normalize_text(text)
-    if not target.strip():
-        raise EmptyText("text is empty")
-    if instruction is not None and not isinstance(instruction, str):
-        raise InvalidRequest(f"instruction must be a string (got {type(instruction).__name__})")
-    if instruction and instruction.strip():
-        if prompt_text is not None:
-            raise InvalidRequest("an instruction cannot come with a prompt (continuation), as in the official CLI")
-        target = normalize_text(build_final_text(text, instruction))  # the official normalises the final text
-    if (prompt_patches is None) != (prompt_text is None):
-        raise InvalidRequest("prompt audio and prompt text must be given together")
-    if reference_patches is not None and not config.is_v2:
-        raise InvalidRequest("reference audio needs a VoxCPM2 model")
-    shape = (config.patch_size, config.feat_dim)
-    for name, p in (("prompt", prompt_patches), ("reference", reference_patches)):
-        if p is not None and (p.ndim != 3 or tuple(p.shape[1:]) != shape or len(p) == 0):
-            raise InvalidAudio(f"{name} patches must be [T > 0, {shape[0]}, {shape[1]}] (got {tuple(p.shape)})")
-
-    text_ids = tokenizer.encode(target)
-    n_target = len(text_ids)
-    if prompt_text is not None:
-        # tokenized together with the target, as the official code does (the ids at the seam may differ from
-        # the two parts'): only then is the text tokenized twice, the target alone for its length
-        text_ids = tokenizer.encode(prompt_text + target)
-    text_ids.append(AUDIO_START)
-    ids: list[int] = []
-    mask: list[int] = []
-    audio: list[tuple[int, np.ndarray]] = []
-
-    def add_audio(patches: np.ndarray) -> None:
-        audio.append((len(ids), patches))
-        ids.extend([0] * len(patches))
-        mask.extend([1] * len(patches))
-
-    if reference_patches is not None:
-        ids.append(REF_AUDIO_START)
-        mask.append(0)
-        add_audio(reference_patches)
-        ids.append(REF_AUDIO_END)
-        mask.append(0)
-    ids.extend(text_ids)
-    mask.extend([0] * len(text_ids))
-    if prompt_patches is not None:
-        add_audio(prompt_patches)
-    n_context = min(CONTEXT_PATCHES[config.architecture], len(prompt_patches)) if prompt_patches is not None else 0
-    return PromptLayout(ids, mask, audio, n_target, n_context)
-
-
 # A text-only prompt's patches are an expanded view of this one zero: nothing allocated (a burst of 64 fresh zero
 # tensors cost a worker 8-60 ms of page faults on a 2-core machine before the burst's first step), and in-place
 # writes to it raise instead of corrupting it.
@@ -302,5 +232,6 @@ def positions_left(config: ModelConfig, prompt_len: int) -> int:
     return max(0, config.max_length - prompt_len)
 
 
-__all__ = ["Prompt", "PromptLayout", "build_final_text", "build_prompt", "encode_in_slices", "encode_prompt_audio",
+__all__ = ["AUDIO_END", "AUDIO_START", "CONTEXT_PATCHES", "REF_AUDIO_END", "REF_AUDIO_START", "Prompt",
+           "PromptLayout", "build_final_text", "build_prompt", "encode_in_slices", "encode_prompt_audio",
            "length_cap", "positions_left", "prompt_layout", "prompt_samples", "prompt_tensors", "read_audio"]

@@ -14,38 +14,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.prompt import prompt_tensors
-from engine.sampling import SamplingParams
-
-
-@dataclass
-class RequestSpec:
-    """Everything the worker needs, built and checked in the caller's process.
-
-    The caller (a gateway's event loop) builds it without a torch op, each of which would drop the GIL and wait to
-    take it back behind the loop's other threads, and without copying patches: the prompt's audio travels as the
-    runs the caller gave (numpy, pickled by value), and the worker's `Request` lays them out as tensors
-    (`engine.prompt.prompt_tensors`). A text-only prompt (most requests) sends no patches at all."""
-
-    request_id: str
-    token_ids: list[int]
-    audio_mask: list[int]  # [N] 1 at audio positions
-    patch_shape: tuple[int, int]  # (P, D) of one patch
-    params: SamplingParams
-    # (first position, float32 patches [T, P, D]) of each audio run, in order; zeros at the other positions
-    audio: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    n_context: int = 0  # last prompt patches that prime the VAE stream (continuation)
-    voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
-    prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
-    lora: str | None = None  # a registered LoRA adapter applied to this request
-    tenant: str | None = None  # who asked (the API key): prefill is shared fairly between tenants; None: shared
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.token_ids)
+from engine.sampling import SamplingParams  # noqa: F401  (re-exported, as before)
+from engine.specs import RequestSpec  # defined where a caller without torch builds it; re-exported here
 
 
 class Status(enum.Enum):

@@ -2,21 +2,48 @@
 
 This runs on the event loop once per request, so it builds no per-position Python objects, makes no torch op (each
 drops the GIL and waits to take it back behind the loop's other threads) and copies no patches: the prompt layout
-comes as plain lists and the caller's numpy patch runs (`engine.prompt.prompt_layout`); the worker makes the tensors.
+comes as plain lists and the caller's numpy patch runs (`engine.prompt_layout`); the worker makes the tensors.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.config import ModelConfig
 from engine.errors import EngineError, InvalidRequest, TextTooLong
-from engine.prompt import length_cap, prompt_layout
-from engine.request import RequestSpec
+from engine.prompt_layout import length_cap, prompt_layout
 from engine.sampling import SamplingParams
 from engine.text import Tokenizer
+
+
+@dataclass
+class RequestSpec:
+    """Everything the worker needs, built and checked in the caller's process.
+
+    The caller (a gateway's event loop) builds it without a torch op, each of which would drop the GIL and wait to
+    take it back behind the loop's other threads, and without copying patches: the prompt's audio travels as the
+    runs the caller gave (numpy, pickled by value), and the worker's `Request` lays them out as tensors
+    (`engine.prompt.prompt_tensors`). A text-only prompt (most requests) sends no patches at all."""
+
+    request_id: str
+    token_ids: list[int]
+    audio_mask: list[int]  # [N] 1 at audio positions
+    patch_shape: tuple[int, int]  # (P, D) of one patch
+    params: SamplingParams
+    # (first position, float32 patches [T, P, D]) of each audio run, in order; zeros at the other positions
+    audio: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    n_context: int = 0  # last prompt patches that prime the VAE stream (continuation)
+    voice_id: str | None = None  # a stored voice whose prefix KV this prompt starts with
+    prefix_only: bool = False  # compute the prompt's KV and keep it as a stored voice; sample nothing
+    lora: str | None = None  # a registered LoRA adapter applied to this request
+    tenant: str | None = None  # who asked (the API key): prefill is shared fairly between tenants; None: shared
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids)
 
 
 def request_spec(config: ModelConfig, tokenizer: Tokenizer, kv_positions: int, *, text: str,

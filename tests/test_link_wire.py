@@ -74,3 +74,14 @@ def test_sendable_sets_apart_what_cannot_be_pickled():
     good, bad = wire.Cancel("a"), wire.Reply(1, True, lambda: 0)
     ok, failed = wire.sendable([good, bad, good])
     assert ok == [good, good] and [m for m, _ in failed] == [bad]
+
+
+def test_a_front_process_never_imports_torch():
+    """The front side (the app, the link, building requests) loads no torch: N fronts do not pay for it N times."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.server, gateway.link, gateway.link.front, engine.specs, engine.request_check; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

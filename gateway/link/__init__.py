@@ -10,10 +10,25 @@ only forwards specs to its pool and relays chunks, one message per front per wor
 every open stream of the front fails with `HostLost` (an `EngineStopped`) and `FrontLink.on_lost` is called.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from gateway.link.front import FrontLink, connect
-from gateway.link.host import EngineHost
 from gateway.link.host_store import HostStore
 from gateway.link.remote_engine import RemoteEngine
 from gateway.link.wire import HostLost
 
+if TYPE_CHECKING:
+    from gateway.link.host import EngineHost
+
 __all__ = ["EngineHost", "FrontLink", "HostLost", "HostStore", "RemoteEngine", "connect"]
+
+
+def __getattr__(name: str) -> Any:
+    # the host side imports the engine (and torch) when first named: a front process never loads them
+    if name == "EngineHost":
+        from gateway.link.host import EngineHost
+
+        return EngineHost
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

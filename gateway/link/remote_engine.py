@@ -22,10 +22,9 @@ import numpy as np
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.config import ModelConfig
 from engine.errors import InvalidParameter, UnknownLoRA, UnknownVoice
-from engine.request import RequestSpec
 from engine.request_check import CheckedRequest, check_request
 from engine.sampling import SamplingParams
-from engine.specs import request_spec
+from engine.specs import RequestSpec, request_spec
 from engine.tenants import QueuedPrompts
 from engine.text import Tokenizer
 from gateway.link import wire

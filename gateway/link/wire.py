@@ -21,7 +21,7 @@ import numpy as np
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import EngineError, EngineStopped
 from engine.guards import SamplingRanges
-from engine.request import RequestSpec
+from engine.specs import RequestSpec
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = (1 << 32) - 1  # a LoRA upload of up to 1 GiB (`ServerConfig.max_lora_bytes`) fits
