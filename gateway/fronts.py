@@ -32,7 +32,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow
 from gateway.gateway_config import GatewayConfig
 from gateway.offload import usable_cores
 from gateway.settings import GatewaySettings, fronts_count
@@ -113,7 +112,7 @@ class Fronts:
         self._fronts: list[_Front | None] = [None] * fronts
         self._reserved: socket.socket | None = None
         self._link_host: Any = None
-        self._crashes = CrashWindow()
+        self._crashes, self._max_crashes, self._crash_window_s = _crash_window()
         self._stopping = False
         self.failure: str | None = None  # set when a front kept dying: the node stops
 
@@ -191,8 +190,8 @@ class Fronts:
             crashes = self._crashes.add()
             log.error("front %d (pid %d) exited with code %s; restarting it", index, front.pid,
                       front.process.exitcode)
-            if crashes > MAX_RESTARTS_PER_WINDOW:
-                self.failure = f"fronts died {crashes} times within {RESTART_WINDOW_S:g} s"
+            if crashes > self._max_crashes:
+                self.failure = f"fronts died {crashes} times within {self._crash_window_s:g} s"
                 stop.set()
                 return
             try:
@@ -352,6 +351,14 @@ def _hook(spec: str) -> Callable[[web.Application], Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _crash_window() -> tuple[Any, int, float]:
+    """The engine workers' crash window, its limit and length, for the fronts (imported here, in the host alone: a
+    front imports this module and loads no torch)."""
+    from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow
+
+    return CrashWindow(), MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S
 
 
 async def _readable(fd: int) -> None:

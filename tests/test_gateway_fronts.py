@@ -138,7 +138,10 @@ async def _refusal(node: Node, key: str) -> dict:
 
 
 async def test_sessions_land_on_both_fronts_and_each_speaks_a_whole_turn(node):
-    assert sorted(await _fronts_by_pid(node.port)) == [0, 1]
+    fronts = await _fronts_by_pid(node.port)
+    assert sorted(fronts) == [0, 1]
+    for pid in fronts.values():  # a front holds no model: no torch either
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
     clients = [await _session_on(node, "alpha", front, fmt="opus") for front in (0, 1)]  # each front's encoders
     try:
         turns = await asyncio.gather(*(c.speak(f"Spoken on front {i}.", f"t{i}") for i, c in enumerate(clients)))
