@@ -227,6 +227,30 @@ async def test_store_ops_are_one_store_across_fronts(served):
     assert await one.store.get("voice", "x2") is None
 
 
+async def test_a_front_that_reads_nothing_is_cut(served, monkeypatch):
+    from gateway.link import host as host_module
+    from gateway.link import wire
+
+    _, host, one, _ = served
+    monkeypatch.setattr(host_module, "STALL_S", 0.3)
+    await one.store.put(Item("voice", "big", ""), {"blob": bytes(8 << 20)})
+    reader, writer = await asyncio.open_unix_connection(host.path)  # a "front" that never reads what it asked for
+    writer.write(wire.frame([wire.Hello(7, 0), wire.Call(1, "store", "blobs", ("voice", "big"), {})],
+                            time.monotonic()))
+    await writer.drain()
+
+    async def fronts_become(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while host.fronts() != n:
+            assert time.monotonic() < deadline, host.fronts()
+            await asyncio.sleep(0.05)
+
+    await fronts_become(3)
+    await fronts_become(2)  # cut; the healthy fronts carry on
+    writer.close()
+    assert await one.store.delete("voice", "big")
+
+
 async def test_link_latency_per_request_and_first_chunk(served):
     """The link's share of the time to first audio (front -> host request, host -> front first chunk), on requests
     one at a time and in bursts over both fronts; printed for the report, bounded loosely (a 2-core shared machine)."""

@@ -40,6 +40,9 @@ from gateway.store.base import Store
 log = logging.getLogger("voxgate.link")
 
 STATUS_S = 0.1  # how often every front gets the engine's stats (its /readyz and /metrics read them)
+# a front that reads nothing of what is queued for it this long is wedged: its link is cut (its requests freed) so
+# the host does not queue its audio without bound (a healthy front takes even a 1 GiB blob in a second or two)
+STALL_S = 30.0
 
 
 class _Relay:
@@ -80,6 +83,7 @@ class _FrontConnection(asyncio.Protocol):
         self.out: list[Any] = []
         self.chunks: list[wire.ChunkRow] | None = None  # this pass's chunks, in `out` (packed when it leaves)
         self.requests: dict[str, Stream] = {}  # the front's request id -> its stream in the pool
+        self.paused_at: float | None = None  # since when the socket's buffer is over its high-water mark
 
     def post(self, msg: Any) -> None:
         if not self.out:
@@ -124,6 +128,12 @@ class _FrontConnection(asyncio.Protocol):
                     if type(msg) is wire.Submit:
                         self.post(wire.Failed(msg.spec.request_id.removeprefix(self.prefix),
                                               EngineError("the engine host could not take the request")))
+
+    def pause_writing(self) -> None:
+        self.paused_at = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self.paused_at = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.host._drop(self)
@@ -310,6 +320,12 @@ class EngineHost:
             await asyncio.sleep(STATUS_S)
             if not self._links:
                 continue
+            now = time.monotonic()
+            for conn in list(self._links.values()):
+                if conn.paused_at is not None and now - conn.paused_at > STALL_S and conn.transport is not None:
+                    log.error("link %d (front %s) read nothing for %.0f s: cutting it", conn.number, conn.front,
+                              now - conn.paused_at)
+                    conn.transport.abort()
             try:
                 self._sync()  # voices or adapters changed in this process directly (the start-up restore)
                 status = self._status()
