@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from gateway.server import ServerConfig
+    from gateway.store import Store
 
 log = logging.getLogger("voxgate")
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FlagError, ValueError) as e:
         print(f"voxgate: error: {e}", file=sys.stderr)
         return 2
-    _setup_logging(gateway.log_level, gateway.log_json)
+    setup_logging(gateway.log_level, gateway.log_json)
     try:
         return asyncio.run(args.run(args, gateway))
     except KeyboardInterrupt:
@@ -127,7 +128,8 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def _setup_logging(level: str, as_json: bool) -> None:
+def setup_logging(level: str, as_json: bool) -> None:
+    """Log lines to stderr at `level`, as text or one JSON object each (a gateway front sets up the same)."""
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter() if as_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -185,16 +187,14 @@ def _server_config(gateway: GatewayConfig, metrics_key: str | None) -> ServerCon
 
 
 async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
-    from gateway.auth import Auth
+    from gateway.fronts import auth_from, front_count
     from gateway.http.readiness import drain
     from gateway.server import create_app, start_server
     from gateway.store import open_store
 
     _check_switches()
-    keys_from_store = gateway.api_keys_from_store
     try:
-        auth = Auth.from_file(gateway.api_keys_file, keys_from_store=keys_from_store) \
-            if gateway.api_keys_file else Auth(keys_from_store=keys_from_store)
+        auth = auth_from(gateway.api_keys_file, gateway.api_keys_from_store)
     except (OSError, ValueError) as e:
         raise CliError(f"--api-keys-file: {e}") from None
     try:
@@ -207,7 +207,10 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
         log.warning("no --api-keys-file: every client may connect (fine on localhost or a trusted network)")
     metrics_key = _first_line(gateway.metrics_key_file, "--metrics-key-file") if gateway.metrics_key_file else None
     config = _server_config(gateway, metrics_key)
+    fronts = front_count(gateway.fronts)
     engine = await _start_engine(args)
+    if fronts > 1:
+        return await _serve_fronts(engine, store, gateway, config, fronts)
     try:
         app = create_app(engine, config, auth=auth, compat=True, store=store,
                          restore_progress=lambda line: print(f"voxgate: {line}", file=sys.stderr))
@@ -234,6 +237,29 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
     await runner.cleanup()  # then stop listening and close what is left
     await engine.stop()
     return 0
+
+
+async def _serve_fronts(engine: Any, store: Store, gateway: GatewayConfig, config: ServerConfig, fronts: int) -> int:
+    """`voxgate serve --fronts N` (N > 1): this process runs the engine, N gateway processes serve the port."""
+    from gateway.fronts import FrontArgs, FrontsError, serve_fronts
+
+    info = engine.model_info()
+    args = FrontArgs(config=config, api_keys_file=gateway.api_keys_file,
+                     api_keys_from_store=gateway.api_keys_from_store, log_level=gateway.log_level,
+                     log_json=gateway.log_json)
+
+    def announce(port: int) -> None:
+        print(f"voxgate: serving {info.name} ({info.sample_rate} Hz) on http://{gateway.host}:{port} "
+              f"(WebSocket /v1/stream) with {fronts} gateway processes (fronts)", file=sys.stderr)
+
+    try:
+        return await serve_fronts(engine, store, fronts=fronts, host=gateway.host, port=gateway.port, front_args=args,
+                                  announce=announce, progress=lambda line: print(f"voxgate: {line}", file=sys.stderr))
+    except (FrontsError, OSError) as e:
+        raise CliError(f"cannot serve on {gateway.host}:{gateway.port}: {e}") from None
+    finally:
+        await engine.stop()
+        await store.close()
 
 
 def _first_line(path: str, flag: str) -> str:

@@ -18,12 +18,21 @@ from engine.errors import InvalidParameter
 from engine.options import check_options, float_in, int_in, option
 from gateway.leases import DEFAULT_LEASE_TTL_S
 from gateway.protocol import Limits
+from gateway.settings import fronts_count
 from gateway.store.local import DEFAULT_DATA_DIR
 
 
 def home_relative(path: Path) -> str:
     """`path` as ~/... when it is under the home directory (help texts and the README read the same everywhere)."""
     return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
+
+
+def check_fronts(name: str, value: Any) -> None:
+    """auto, or an integer of at least 1 (as text or a number: a config file may give either)."""
+    try:
+        fronts_count(str(value))
+    except ValueError as e:
+        raise InvalidParameter(f"{name}: {value!r} {e}") from None
 
 
 def check_log_level(name: str, value: Any) -> None:
@@ -78,6 +87,11 @@ class GatewayConfig:
         Limits.idle_timeout_s, flag="--idle-timeout", check=float_in(0.001), help="seconds without a message")
     shutdown_timeout_s: float = option(
         10.0, flag="--shutdown-timeout", check=float_in(0), help="seconds turns may take to finish on SIGTERM")
+    fronts: str | None = option(
+        None, flag="--fronts", metavar="N|auto", check=check_fronts, default_text="VOXGATE_FRONTS, else auto",
+        help="gateway processes (fronts) serving this port over the one engine, each with its own event loop: raise "
+             "it when one gateway process's loop is the bottleneck (hundreds of sessions); 1: one process; auto: 1 "
+             "below 8 cores, else cores // 4, at most 8")
     web_client_dir: str | None = option(
         None, flag="--web-client", default_text="the demo page, gateway/web_client/",
         help="folder of the browser client to serve at /")

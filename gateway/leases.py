@@ -57,6 +57,16 @@ class Leases:
         self._held[lease] = tenant
         return lease
 
+    def unreserve(self, tenant: str) -> None:
+        """Give back the newest unclaimed place of `tenant` (its session was refused for another reason)."""
+        reserved = self._reserved.get(tenant)
+        if not reserved:
+            return
+        lease, _ = reserved.pop()
+        if not reserved:
+            del self._reserved[tenant]
+        self._background(self._give_back(tenant, lease))
+
     def release(self, lease: str | None) -> None:
         """The session ended: its place is given back (in the background)."""
         tenant = self._held.pop(lease, None) if lease is not None else None

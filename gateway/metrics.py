@@ -1,5 +1,6 @@
 """Prometheus metrics of the gateway (served at /metrics). One registry per application, so several servers (tests)
-can live in one process."""
+can live in one process. The gateway fronts of one node (`gateway.fronts`) count in prometheus_client's multiprocess
+mode: each front's /metrics then reports the whole node (every front's counts, the engine's gauges once)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # latency buckets (seconds) around what voice agents care about: tens to hundreds of milliseconds
 _LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -14,10 +16,15 @@ _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    """`node_dir`: the multiprocess directory the node's fronts count in (its PROMETHEUS_MULTIPROC_DIR, set before
+    the front started); None: this process alone."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, node_dir: str | None = None):
         self.registry = registry or CollectorRegistry()
+        self.node_dir = node_dir
+        self._engine: _EngineCollector | None = None
         r = self.registry
-        self.sessions = Gauge("voxgate_sessions", "Open WebSocket sessions", registry=r)
+        self.sessions = Gauge("voxgate_sessions", "Open WebSocket sessions", registry=r, multiprocess_mode="livesum")
         self.turns = Counter("voxgate_turns", "Turns (contexts) opened", registry=r)
         self.turns_done = Counter("voxgate_turns_finished", "Turns finished, by outcome", ["outcome"], registry=r)
         self.ttfb = Histogram("voxgate_ttfb_seconds", "First text of a turn -> first audio frame sent",
@@ -32,10 +39,18 @@ class GatewayMetrics:
 
     def watch_engine(self, engine: Any) -> None:
         """Export the engine's own numbers (queue depth, KV use, ...) as gauges, read at scrape time."""
-        self.registry.register(_EngineCollector(engine))
+        self._engine = _EngineCollector(engine)
+        self.registry.register(self._engine)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: this process's metrics, or with `node_dir` every front's (and the engine's once)."""
+        if self.node_dir is None:
+            return generate_latest(self.registry)
+        node = CollectorRegistry()
+        MultiProcessCollector(node, path=self.node_dir)
+        if self._engine is not None:
+            node.register(self._engine)
+        return generate_latest(node)
 
 
 class _EngineCollector:

@@ -48,13 +48,29 @@ def default_threads() -> int:
     return three_quarters_of_cores() if configured is None else configured
 
 
-def three_quarters_of_cores() -> int:
-    """Three workers per four cores this process may run on, up to 12 (encode threads, or encoder processes)."""
+_processes_sharing_cores = 1  # gateway front processes on this machine (`share_cores`)
+
+
+def share_cores(processes: int) -> None:
+    """This process is one of `processes` gateway fronts on the machine (`gateway.fronts`): the sizes chosen from
+    the cores (encode threads, encoder processes) become its share, so N fronts start as many as one process would."""
+    global _processes_sharing_cores
+    _processes_sharing_cores = max(1, processes)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(12, cores - cores // 4))
+        return os.cpu_count() or 1
+
+
+def three_quarters_of_cores() -> int:
+    """Three workers per four cores this process may run on, up to 12 (encode threads, or encoder processes), divided
+    among the gateway fronts sharing the machine (at least 1 each)."""
+    cores = usable_cores()
+    return max(1, min(12, cores - cores // 4) // _processes_sharing_cores)
 
 
 def lower_thread_priority(increment: int) -> None:

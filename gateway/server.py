@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,9 @@ class ServerConfig:
     # it within this; until then it counts against max_sessions
     handshake_timeout_s: float = 10.0
     metrics_key: str | None = None  # GET /metrics needs `Authorization: Bearer <this>` (None: open, like /healthz)
+    # the owner id under which this node's sessions also hold store leases, so max_sessions holds across the gateway
+    # fronts of one node (`gateway.fronts`); None: this process's own count is the node's
+    node_lease_owner: str | None = None
 
     @property
     def limits(self) -> Limits:
@@ -84,9 +88,12 @@ class Gateway:
         if self.draining:
             return ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down", fatal=True)
         if len(self.sessions) + self.pending - pending >= self.config.max_sessions:
-            return ProtocolError(ErrorCode.OVERLOADED, f"the server is at its limit of {self.config.max_sessions} "
-                                 "sessions; retry shortly or elsewhere", fatal=True)
+            return self._overloaded()
         return None
+
+    def _overloaded(self) -> ProtocolError:
+        return ProtocolError(ErrorCode.OVERLOADED, f"the server is at its limit of {self.config.max_sessions} "
+                             "sessions; retry shortly or elsewhere", fatal=True)
 
     async def refusal(self, key: str, *, pending: bool = False) -> ProtocolError | None:
         """Why a new session for this key is refused now (fatal error to send), or None: then a per-key place is
@@ -95,8 +102,13 @@ class Gateway:
         full = self.full(pending=pending)
         if full is not None:
             return full
+        node = self.config.node_lease_owner
+        if node is not None and not await self.leases.reserve(node, self.config.max_sessions):
+            return self._overloaded()
         if self.auth.enabled and not await self.leases.reserve(self.auth.caller(key).tenant,
                                                                self.config.max_sessions_per_key):
+            if node is not None:
+                self.leases.unreserve(node)
             return ProtocolError(ErrorCode.RATE_LIMITED, f"at most {self.config.max_sessions_per_key} concurrent "
                                  "sessions per API key", fatal=True)
         return None
@@ -116,11 +128,14 @@ class Gateway:
         """Count a session (limits, readiness, shutdown drain) while the block runs."""
         self.sessions.add(session)
         lease = self.leases.claim(self.auth.caller(key).tenant) if self.auth.enabled else None
+        node = self.config.node_lease_owner
+        node_lease = self.leases.claim(node) if node is not None else None
         try:
             yield
         finally:
             self.sessions.discard(session)
             self.leases.release(lease)
+            self.leases.release(node_lease)
 
     def session(self, sink: EventSink, key: str, config: SessionConfig | None = None,
                 session_id: str | None = None) -> Session:
@@ -214,14 +229,15 @@ async def _preload_normalizer(_: web.Application) -> None:
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
-                       shutdown_timeout_s: float = 15.0) -> tuple[web.AppRunner, int]:
+                       shutdown_timeout_s: float = 15.0, *, reuse_port: bool = False) -> tuple[web.AppRunner, int]:
     """Listen on host:port (0: a free port); returns the runner (`await runner.cleanup()` stops it) and the port.
+    `reuse_port`: other processes listen on the same port (SO_REUSEPORT: the kernel spreads connections).
     A connection must bring a whole request within handshake_timeout_s (and an idle keep-alive connection closes
     after as long): a socket that says nothing, or trickles its headers, does not hold a file descriptor."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
                            keepalive_timeout=app[GATEWAY].config.handshake_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     try:
         await site.start()
     except OSError:
@@ -275,8 +291,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """Liveness: the process answers."""
-    return web.json_response({"status": "ok"})
+    """Liveness: the process answers (with its pid: the gateway fronts of one node each answer for themselves)."""
+    return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def prometheus(request: web.Request) -> web.Response:

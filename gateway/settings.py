@@ -26,6 +26,16 @@ def procs_count(raw: str) -> int | None:
     return value
 
 
+def fronts_count(raw: str) -> int | None:
+    """auto: None (sized from the cores: `gateway.fronts.front_count`); else an integer, at least 1."""
+    if raw == "auto":
+        return None
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be auto or an integer >= 1")
+    return value
+
+
 def nice_increment(raw: str) -> int:
     """0 (off) to 19: how much lower than the rest of the process a thread's CPU priority is."""
     value = int(raw)
@@ -48,6 +58,9 @@ class GatewaySettings:
         "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' (or processes') CPU priority below the rest of "
         "the gateway (Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine "
         "worker's host thread get a core first", nice_increment)
+    fronts: int | None = switch(
+        "VOXGATE_FRONTS", "auto", "auto | integer >= 1", "gateway front processes sharing the port over one engine "
+        "(`voxgate serve --fronts` overrides it; auto: 1 below 8 cores, else cores // 4, at most 8)", fronts_count)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)
