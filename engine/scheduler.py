@@ -10,6 +10,10 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
    inside each tenant),
 3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
 
+With lean steps (`lean_steps`, `engine.lean_steps`) a step that feeds a prompt whose listener has little or nothing
+queued leaves out the decodes of listeners that reported plenty queued, and the other prompts, so a new turn's first
+audio waits behind short steps.
+
 A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
 the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
 patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
@@ -40,6 +44,7 @@ import torch
 from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
+from engine.lean_steps import queued_ms, split_needy, staying
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
 
@@ -80,8 +85,10 @@ def _admission_order(req: Request) -> tuple:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = EngineConfig.sit_out_ms, loras: AdapterSlots | None = None,
-                 max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None):
+                 max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None,
+                 lean_steps: bool = False):
         self.max_num_seqs = max_num_seqs
+        self.lean_steps = lean_steps
         self.split_decodes_above = split_decodes_above
         self.split = False  # the decodes take turns by half (`Request.decode_group`)
         self.turn = 0  # the half the last step decoded while split
@@ -155,7 +162,7 @@ class Scheduler:
         """The next step: urgent decodes, prompt chunks and admissions, then the other decodes (module docstring)."""
         now = time.monotonic()
         speaking = any(r.generated for r in self.running)
-        urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
+        urgency = {id(r): self._urgency(r, now) for r in self.running}
         order = self._deadline_order(self.running, urgency)
         step = _Step([], self.max_num_batched_tokens)
         ran: set[int] = set()
@@ -180,7 +187,8 @@ class Scheduler:
                                             [r for r in order if not r.is_prefilling])
         urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
         rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
-        self._fill(step, urgent, [r for r in order if r.is_prefilling], rest, speaking, decode, self._admit_waiting)
+        self._fill(step, urgent, [r for r in order if r.is_prefilling], rest, speaking, decode, self._admit_waiting,
+                   lambda r: urgency[id(r)] if id(r) in urgency else self._urgency(r, now))
         self._drop_admitted()
         return self._commit(turn, step.seqs)
 
@@ -210,24 +218,24 @@ class Scheduler:
             return reqs
 
         turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
-        if turn is None:
+        if turn is None and not self.lean_steps:
             decodes = [r for r in (s.request for s in seqs) if r.status is running]
             if len(decodes) != len(self.running):
                 return None  # a request `seqs` did not run
         else:
             if any(r.is_prefilling for r in self.running if id(r) not in after):
                 return None  # a prompt between chunks: the synchronous path schedules its next one
-            decodes = self.running
+            decodes = self.running  # with those that sat out `seqs` (the other half, or lean), from their patches
         decodes = staying(decodes)
         turn, decodes = self._decoding_half(turn, decodes)
         step = _Step([], self.max_num_batched_tokens)
         urgent, rest = decodes, []
         tight = bool(self.waiting) and step.budget - len(decodes) < self.max_prefill_while_speaking
-        if tight:
-            # prompts may leave the least urgent decodes part of the budget: which ones is `schedule`'s order (those
-            # in `seqs` have a patch more queued by then)
-            now = time.monotonic()
-            urgency = {id(r): r.buffered_ms(now, self.patch_ms, int(id(r) in after)) for r in decodes}
+        now = time.monotonic()
+        if tight or self.lean_steps:
+            # prompts may leave the least urgent decodes part of the budget, or (lean) out of the step: which ones is
+            # `schedule`'s order (those in `seqs` have a patch more queued by then)
+            urgency = {id(r): self._urgency(r, now, int(id(r) in after)) for r in decodes}
             decodes = self._deadline_order(decodes, urgency)
             urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
             rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
@@ -266,7 +274,8 @@ class Scheduler:
 
         fair, blocked = self.fair.snapshot(), self.blocked
         try:
-            self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead)
+            self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead,
+                       lambda r: self._urgency(r, now))
             if not step.seqs or (max_tokens and self.max_num_batched_tokens - step.budget > max_tokens):
                 raise _Unforeseen
         except _Unforeseen:
@@ -278,20 +287,38 @@ class Scheduler:
         return self._commit(turn, step.seqs)
 
     def _fill(self, step: _Step, urgent: list[Request], prefilling: list[Request], rest: list[Request],
-              speaking: bool, decode: Callable[[list[Request], bool], None],
-              admit: Callable[[Request], bool]) -> None:
+              speaking: bool, decode: Callable[[list[Request], bool], None], admit: Callable[[Request], bool],
+              urgency: Callable[[Request], float]) -> None:
         """The rules of a step, on either path: the `urgent` decodes (they may preempt), then prompt chunks of the
         `prefilling` requests still running and of waiting ones admitted (`admit`) in the fair order under the
-        prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt)."""
+        prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt). With lean
+        steps the needy prompts go first, and a step that feeds one leaves the other prompts and the reported
+        `rest` out (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
         decode(urgent, True)
-        queues = self._tenant_queues([r for r in prefilling if r.status is Status.RUNNING])
+        prompts = [r for r in prefilling if r.status is Status.RUNNING] + sorted(self.waiting, key=_admission_order)
+        later: list[Request] = []
+        if self.lean_steps:
+            prompts, later = split_needy(prompts, urgency, self.sit_out_ms)
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
         # listener, or another tenant's prompt)
-        room = min(step.budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else step.budget
-        admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        several = len({r.spec.tenant or None for r in prompts + later}) > 1
+        room = min(step.budget, self.max_prefill_while_speaking) if speaking or several else step.budget
         self.blocked = None
-        picks = self.fair.order(queues)
-        chunked = sum(len(q) for q in queues.values()) - len(self.waiting)  # admitted prompts not yet picked
+        room, admitting, fed = self._prefill(step, prompts, room, True, admit)
+        if fed and self.lean_steps:
+            rest = staying(rest)
+        elif later:
+            self._prefill(step, later, room, admitting, admit)
+        decode(rest, False)
+
+    def _prefill(self, step: _Step, prompts: list[Request], room: int, admitting: bool,
+                 admit: Callable[[Request], bool]) -> tuple[int, bool, bool]:
+        """Chunks of `prompts` (admitted ones between chunks, then waiting ones, admitted here while `admitting`) in
+        the fair order, under `room` positions; returns the room left, whether admitting goes on (a waiting request
+        that cannot be admitted holds those behind it) and whether a chunk went in."""
+        fed = False
+        picks = self.fair.order(self._tenant_queues(prompts))
+        chunked = sum(r.status is Status.RUNNING for r in prompts)  # admitted prompts not yet picked
         for tenant, req in picks:
             if room <= 0:
                 break
@@ -309,8 +336,15 @@ class Scheduler:
             step.seqs.append(self._chunk(req, n))
             step.budget -= n
             room -= n
+            fed = True
             self.fair.charge(tenant, n)
-        decode(rest, False)
+        return room, admitting, fed
+
+    def _urgency(self, req: Request, now: float, unseen: int = 0) -> float:
+        """Audio queued at `req`'s listener (its deadline); with lean steps a report before its first patch counts."""
+        if self.lean_steps:
+            return queued_ms(req, now, self.patch_ms, unseen)
+        return req.buffered_ms(now, self.patch_ms, unseen)
 
     @staticmethod
     def _deadline_order(reqs: list[Request], urgency: dict[int, float]) -> list[Request]:
@@ -368,11 +402,12 @@ class Scheduler:
         start = req.num_computed
         return ScheduledSeq(req, start, n, start + n == req.seq_len and not req.spec.prefix_only)
 
-    def _tenant_queues(self, prefilling: list[Request]) -> dict[str | None, list[Request]]:
-        """Each tenant's prefill candidates in its own order: its admitted prompts between chunks (`prefilling`,
-        already deadline-ordered), then its waiting ones (preempted first, then by priority, first come first)."""
+    @staticmethod
+    def _tenant_queues(prompts: list[Request]) -> dict[str | None, list[Request]]:
+        """Each tenant's prefill candidates in their order: admitted prompts between chunks (deadline-ordered), then
+        waiting ones (preempted first, then by priority, first come first)."""
         queues: dict[str | None, list[Request]] = {}
-        for req in prefilling + sorted(self.waiting, key=_admission_order):
+        for req in prompts:
             queues.setdefault(req.spec.tenant or None, []).append(req)
         return queues
 
