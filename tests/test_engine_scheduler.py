@@ -1,10 +1,13 @@
 """Scheduler and KV block manager, without a model: which positions run in each step and who owns which block."""
 
 import random
+import types
 
 import pytest
 import torch
 
+from engine import request as request_module
+from engine import scheduler as scheduler_module
 from engine.kv_cache import BlockManager
 from engine.request import RequestSpec, SamplingParams, Status
 from engine.scheduler import Scheduler
@@ -308,3 +311,67 @@ def test_the_request_that_cannot_be_admitted_is_named_not_the_first_one_waiting(
     assert s.blocked is not None and s.blocked.request_id == "huge" and s.waiting[0].request_id == "small"
     s.finish(s.blocked, "error")
     assert [q.request.request_id for q in s.schedule()] == ["small"]
+
+
+def lean_scheduler(lean: bool = True, sit_out_ms: float = 2000.0) -> Scheduler:
+    return Scheduler(max_num_seqs=16, max_num_batched_tokens=256, num_blocks=256, block_size=4, patch_ms=80.0,
+                     sit_out_ms=sit_out_ms, lean_steps=lean)
+
+
+def speaking(s: Scheduler, *rids: str) -> None:
+    for rid in rids:
+        s.add(spec(rid, 2, max_length=200))
+    step(s)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_lean_step_feeding_a_first_segment_leaves_out_listeners_with_plenty_queued(lean):
+    s = lean_scheduler(lean)
+    speaking(s, "full", "low", "silent")
+    s.update_buffered("full", 5000.0)  # seconds queued at this listener
+    s.update_buffered("low", 300.0)
+    # "silent" never reported: its queue is a guess, it never sits out
+    s.add(spec("first", 6))  # a new turn's first segment: nothing queued
+    s.add(spec("later", 9))
+    s.update_buffered("later", 4000.0)  # a later segment of a turn whose audio still plays
+    ran = {q.request.request_id: q.num_tokens for q in step(s)}
+    if lean:
+        assert ran == {"low": 1, "silent": 1, "first": 6}
+        # nothing needy waits now: the next step advances everyone and admits the later segment
+        assert {q.request.request_id: q.num_tokens for q in step(s)} == {
+            "full": 1, "low": 1, "silent": 1, "first": 1, "later": 9}
+    else:
+        assert ran == {"full": 1, "low": 1, "silent": 1, "first": 6, "later": 9}
+
+
+def test_a_later_segment_waits_for_lean_steps_only_until_its_listener_runs_low(monkeypatch):
+    now = [100.0]
+    fake = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(scheduler_module, "time", fake)
+    monkeypatch.setattr(request_module, "time", fake)
+    s = lean_scheduler(sit_out_ms=1000.0)
+    speaking(s, "talker")
+    s.add(spec("later", 5))
+    s.update_buffered("later", 1500.0)
+    waited = 0
+    for i in range(20):  # a new turn's first segment arrives before every step: every step is lean
+        s.add(spec(f"first{i}", 3, max_length=1))
+        ran = {q.request.request_id for q in step(s)}
+        if "later" in ran:
+            break
+        waited += 1
+        now[0] += 0.125
+    # prefilled in the first step with its listener's queue down to 1000 ms: 1,500 ms - 4 x 125 ms
+    assert waited == 4 and s.requests["later"].generated
+    assert s.requests["later"].buffered_ms(now[0], 80.0) == 1000.0 + 80.0  # and its first patch
+
+
+def test_lean_steps_never_leave_out_a_listener_below_the_sit_out_bound():
+    s = lean_scheduler(sit_out_ms=1000.0)
+    speaking(s, "a", "b")
+    for i in range(30):
+        s.update_buffered("a", 900.0)  # under the bound: decoded in every step, prompts or not
+        s.update_buffered("b", 5000.0)
+        s.add(spec(f"first{i}", 2, max_length=1))
+        ran = {q.request.request_id for q in step(s)}
+        assert "a" in ran and "b" not in ran
