@@ -305,7 +305,7 @@ class Scheduler:
         room = min(step.budget, self.max_prefill_while_speaking) if speaking or several else step.budget
         self.blocked = None
         room, admitting, fed = self._prefill(step, prompts, room, True, admit)
-        if fed and self.lean_steps:
+        if fed and self.lean_steps and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
             rest = staying(rest)
         elif later:
             self._prefill(step, later, room, admitting, admit)
