@@ -1,28 +1,29 @@
 """The engine's scheduler under the gateway's closed loop, on simulated time: a new turn's first audio and the later
-segments' deadlines, with and without lean steps (`VOXGATE_LEAN_STEPS`), in seconds on a CPU.
+segments' deadlines, with lean steps off and on (`VOXGATE_LEAN_STEPS`), in seconds on a CPU.
 
-    python bench/scheduler_sim.py                                  # 400 users, both policies, the fitted step model
-    python bench/scheduler_sim.py --users 256 --mixed-model flat:10 --json out.json
+    python bench/scheduler_sim.py                         # 400 users; lean steps off, at 750 and at 2000 ms
+    python bench/scheduler_sim.py --users 256 --mixed-full-rows 64 --lean 0,500 --json out.json
 
 The real `engine.scheduler.Scheduler` picks every step (`schedule`, and `schedule_ahead` for the step launched behind
-the one on the device, as `engine.worker.Worker.step` does); only the device is a model. A step's time is fitted to
-the H200's step histograms (`bench/results/2026-12-03-h200/`, random real-size VoxCPM2, 10 timesteps, fp32 VAE):
+the one on the device, as `engine.worker.Worker.step` does); only the device is a model, fitted to the H200's step
+times (`bench/results/`: random real-size VoxCPM2, 10 timesteps, fp32 VAE):
 
-- a decode step of S sampling rows: the graph step's time, interpolated over (1, 7.9), (64, 19.9), (197, 45),
-  (256, 60) ms (c=1, c=64, the closed-400 split half, c=256);
-- a mixed step (any prompt chunk) adds `--mixed-ms` (8: the gateway's closed 400 mixed steps took ~70 ms p50 at
-  ~250 rows and ~800 prefill positions) and 5.5 us per prefill position (c=64 and c=256 bursts: 59 ms for 7,104
-  positions beside 64 sampled rows, ~222 ms for 28,416 beside 256), and takes at least `--mixed-floor-ms`: the flat
-  path's launch is host-bound at times (s16b's bursts: 64 decode rows on it took 41 ms against the graph's 20), and
-  short lean steps would meet that floor; run it at 0, 25 and 40 to see how much the conclusion rests on it.
+- a decode step of S sampling rows: the graph step, interpolated over (1, 7.9), (64, 19.9), (197, 45), (256, 60) ms
+  (c=1, c=64, the closed-400 split half, c=256 in `2026-12-03-h200/`);
+- a mixed step (any prompt chunk) adds 5.5 us per prefill position (s16b's bursts: 59 ms for 7,104 positions beside
+  64 sampled rows; c=256: ~222 ms for 28,416 beside 256) and `--mixed-ms` (22: what the flat path costs over the
+  graph; s16b: 64 decode rows on it took 41.5 ms against the graph's 19.9; with 22 the gateway's closed 400 comes
+  out at mixed steps 72 / 115 ms p50 / p99 and first-segment TTFB 198 / 271 ms p50 / p90, measured 70 / 140 and
+  224 / 331); `--mixed-full-rows 64` makes that cost grow from none at 8 decode rows (s16b: 8 rows on the flat
+  path took a graph step's time) to all of it at 64, the other reading of the same data, and the one under which
+  lean steps gain most; `--mixed-floor-ms` bounds a mixed step below (a host-bound launch).
 
 The gateway as `bench/gateway_load.py closed:N:mix` drives it: N users start over `--ramp` s and speak turns back to
 back, each turn `--segments` segments of `--patches` patches (160 ms each); a turn's first segment is a text prompt
 of `--first-positions`, each later one a continuation (`--later-positions`: the previous segment's audio and text)
 sent when the previous one's last chunk arrives; the next turn starts when the last audio is sent (1.5 s ahead of
-the listener). The gateway reports each turn's queued audio every 160 ms (`Buffered`), and with `--hint-at-submit`
-(the gateway's `Session._start`) right when a later segment is sent. IPC 1 ms each way, 3 ms of host staging when
-no step was launched ahead.
+the listener). The gateway reports each turn's queued audio every 160 ms (`Buffered`; `--hint-at-submit`: also
+when it sends a later segment). IPC 1 ms each way, 3 ms of host staging when no step was launched ahead.
 
 Reported: first-segment TTFB (turn start -> first chunk at the gateway), later segments' TTFB, the server-caused gap
 (the longest silence a turn's listener heard: a chunk arriving after the queued audio ran out), underrun turns with
@@ -42,6 +43,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine import request as request_module
@@ -104,24 +106,25 @@ class Turn:
     underrun: bool = False
     later_ttfb: list[float] = field(default_factory=list)
     next_report: float = 0.0
+    last_patch: np.ndarray | None = None  # the latest patch: a later segment's prompt ends with it
     done: bool = False
 
 
 class Sim:
-    def __init__(self, args: argparse.Namespace, lean: bool):
+    def __init__(self, args: argparse.Namespace, lean_ms: float):
         self.args = args
         self.clock = Clock()
         c = EngineConfig()
         self.s = Scheduler(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                            num_blocks=200_000, block_size=c.block_size, patch_ms=PATCH_MS, sit_out_ms=args.sit_out_ms,
                            max_prefill_tokens_while_speaking=c.max_prefill_tokens_while_speaking,
-                           split_decodes_above=args.split_decodes_above or None, lean_steps=lean)
+                           split_decodes_above=args.split_decodes_above or None, lean_ms=lean_ms)
         self.events: list[tuple[float, int, str, object]] = []  # (ms, seq, kind, payload)
         self.seq = itertools.count()
         self.turns: dict[str, Turn] = {}  # request id -> its turn
         self.active: list[Turn] = []
         self.finished: list[Turn] = []
-        self.patch = torch.zeros(P, D)
+        self.patch_values = itertools.count(1)  # every patch differs, as a model's do
         self.steps: list[Step] = []
         self.running: list[int] = []
 
@@ -132,7 +135,11 @@ class Sim:
         ms = interpolate(GRAPH_MS, max(rows, 1))
         if not prefill:
             return ms, "graph"
-        ms += self.args.mixed_ms + PREFILL_US * prefill / 1000.0
+        mixed_ms = self.args.mixed_ms
+        if self.args.mixed_full_rows:  # the flat path's cost grows with its decode rows: none up to 8 (s16b)
+            decodes = sum(1 for s in seqs if s.num_tokens == 1 and s.start >= s.request.spec.prompt_len)
+            mixed_ms *= min(1.0, max(0, decodes - 8) / max(1, self.args.mixed_full_rows - 8))
+        ms += mixed_ms + PREFILL_US * prefill / 1000.0
         return max(ms, self.args.mixed_floor_ms), "mixed"
 
     def launch(self, seqs: list[ScheduledSeq], start: float) -> Step:
@@ -153,8 +160,9 @@ class Sim:
         turn.request_id = f"u{turn.user}t{turn.index}s{turn.segment}"
         turn.submitted, turn.patches = now, 0
         self.turns[turn.request_id] = turn
-        spec = RequestSpec(turn.request_id, list(range(n)), [0] * n, (P, D),
-                           SamplingParams(max_length=a.patches, min_length=0))
+        audio = [] if first else [(n - 1, turn.last_patch[None])]  # the previous segment's audio ends the prompt
+        spec = RequestSpec(turn.request_id, list(range(n)), [0] * (n - 1) + [int(not first)], (P, D),
+                           SamplingParams(max_length=a.patches, min_length=0), audio=audio, n_context=int(not first))
         self.at(now + IPC_MS, "add", spec)
         if not first and a.hint_at_submit:
             self.at(now + IPC_MS, "buffered", (turn.request_id, max(0.0, turn.play_end - now)))
@@ -164,12 +172,13 @@ class Sim:
         self.active.append(turn)
         self.submit(turn, now)
 
-    def chunk(self, rid: str, now: float) -> None:
-        """A patch of `rid` reaches the gateway at `now`."""
+    def chunk(self, rid: str, patch: np.ndarray, now: float) -> None:
+        """A `patch` of `rid` reaches the gateway at `now`."""
         turn = self.turns.get(rid)
         if turn is None:
             return
         turn.patches += 1
+        turn.last_patch = patch
         if turn.first_audio is None:
             turn.first_audio = now
             turn.play_end, turn.client_end = now, now + CUSHION_MS
@@ -217,8 +226,8 @@ class Sim:
             elif kind == "turn":
                 self.start_turn(*payload, ms)
             elif kind == "chunks":
-                for rid in payload:
-                    self.chunk(rid, ms)
+                for rid, patch in payload:
+                    self.chunk(rid, patch, ms)
 
     # ---- the worker's loop (engine.worker.Worker.step) -------------------------------------------------------
     def run(self) -> None:
@@ -258,8 +267,10 @@ class Sim:
             self.clock.now = t / 1000.0
             seqs = current.seqs
             live = [s.request.status is request_module.Status.RUNNING for s in seqs]
-            self.s.postprocess(seqs, [self.patch if s.emit else None for s in seqs], [False] * len(seqs))
-            out = [s.request.request_id for s, alive in zip(seqs, live, strict=True) if s.emit and alive]
+            patches = [torch.full((P, D), float(next(self.patch_values))) if s.emit else None for s in seqs]
+            self.s.postprocess(seqs, patches, [False] * len(seqs))
+            out = [(s.request.request_id, p.numpy()) for s, p, alive in zip(seqs, patches, live, strict=True)
+                   if p is not None and alive]
             if out:
                 self.at(t + IPC_MS, "chunks", out)
 
@@ -294,9 +305,9 @@ class Sim:
         }
 
 
-def simulate(args: argparse.Namespace, lean: bool) -> dict:
-    """One closed-loop run of the real scheduler on simulated time; its summary."""
-    sim = Sim(args, lean)
+def simulate(args: argparse.Namespace, lean_ms: float) -> dict:
+    """One closed-loop run of the real scheduler on simulated time, lean steps at `lean_ms` (0: off); its summary."""
+    sim = Sim(args, lean_ms)
     fake = types.SimpleNamespace(monotonic=sim.clock.monotonic)
     saved = scheduler_module.time, request_module.time
     scheduler_module.time = request_module.time = fake  # the scheduler's clock is the simulation's
@@ -322,15 +333,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sit-out-ms", type=float, default=EngineConfig.sit_out_ms)
     ap.add_argument("--split-decodes-above", type=int, default=EngineConfig.split_decodes_above, help="0: never")
     ap.add_argument("--mixed-ms", type=float, default=22.0, help="a mixed step's cost over a graph step of its rows "
-                    "and its prefill positions (the gateway's closed 400: ~70 ms at ~250 rows, ~800 positions)")
+                    "and its prefill positions")
+    ap.add_argument("--mixed-full-rows", type=int, default=0, help="the mixed cost grows linearly from 8 decode "
+                    "rows (none: s16b's 8-row flat step took a graph step's time) to this many (s16b: +21 ms at 64); "
+                    "0: the same for any mixed step")
     ap.add_argument("--mixed-floor-ms", type=float, default=0.0, help="the least a mixed step takes (its host-bound "
                     "launch: a step of 64 decode rows on the flat path took 41 ms in s16b's bursts)")
-    ap.add_argument("--policies", default="off,lean", help="comma-separated: off, lean, lean-nohint (lean steps "
-                    "without the gateway's report when a later segment is sent)")
+    ap.add_argument("--lean", default="0,750,2000", help="VOXGATE_LEAN_STEPS values to run, comma-separated (0: off)")
+    ap.add_argument("--hint-at-submit", action="store_true", help="the gateway also reports a later segment's queue "
+                    "when it sends the segment (not only with its next send)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     args.ramp_ms, args.end_ms = 1000.0 * args.ramp, 1000.0 * (args.ramp + args.duration)
-    args.hint_at_submit = True
     return args
 
 
@@ -339,12 +353,11 @@ def main() -> None:
     results = {}
     cols = ("ttfb_ms_p50", "ttfb_ms_p90", "ttfb_ms_p99", "later_ttfb_ms_mean", "server_gap_ms_p99",
             "server_gap_ms_max", "underrun_turns", "running_mean", "steps_per_s")
-    print(f"{'policy':>11} {'turns':>5} " + " ".join(f"{c:>18}" for c in cols) + f" {'mixed p50/p99':>14}")
-    for policy in args.policies.split(","):
-        args.hint_at_submit = policy != "lean-nohint"
-        r = simulate(args, policy != "off")
-        results[policy] = r
-        print(f"{policy:>11} {r['turns']:>5} " + " ".join(f"{r[c]!s:>18}" for c in cols)
+    print(f"{'lean ms':>8} {'turns':>5} " + " ".join(f"{c:>18}" for c in cols) + f" {'mixed p50/p99':>14}")
+    for lean_ms in map(float, args.lean.split(",")):
+        r = simulate(args, lean_ms)
+        results[f"lean_{lean_ms:g}"] = r
+        print(f"{lean_ms:>8g} {r['turns']:>5} " + " ".join(f"{r[c]!s:>18}" for c in cols)
               + f" {r['mixed']['ms_p50']!s:>6}/{r['mixed']['ms_p99']!s:<7}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "config": {

@@ -10,9 +10,9 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
    inside each tenant),
 3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
 
-With lean steps (`lean_steps`, `engine.lean_steps`) a step that feeds a prompt whose listener has little or nothing
-queued leaves out the decodes of listeners that reported plenty queued, and the other prompts, so a new turn's first
-audio waits behind short steps.
+With lean steps (`lean_ms`, `engine.lean_steps`) a step that feeds a prompt whose listener has little or nothing
+queued leaves out the decodes of listeners that reported more than `lean_ms` queued, so a new turn's first audio
+waits behind shorter steps.
 
 A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
 the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
@@ -44,7 +44,7 @@ import torch
 from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
-from engine.lean_steps import queued_ms, split_needy, staying
+from engine.lean_steps import Listeners, leave_out, queued_ms, split_needy
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
 
@@ -86,9 +86,10 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = EngineConfig.sit_out_ms, loras: AdapterSlots | None = None,
                  max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None,
-                 lean_steps: bool = False):
+                 lean_ms: float = 0.0):
         self.max_num_seqs = max_num_seqs
-        self.lean_steps = lean_steps
+        self.lean_ms = lean_ms  # lean steps (`engine.lean_steps`) above this much audio queued; 0: none
+        self.listeners = Listeners()  # (lean steps) what a continuation's listener has queued when it arrives
         self.split_decodes_above = split_decodes_above
         self.split = False  # the decodes take turns by half (`Request.decode_group`)
         self.turn = 0  # the half the last step decoded while split
@@ -113,6 +114,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------------------
     def add(self, spec: RequestSpec) -> Request:
         req = Request(spec)
+        if self.lean_ms:
+            self.listeners.adopt(req)
         self.requests[spec.request_id] = req
         self.waiting.append(req)
         return req
@@ -218,7 +221,7 @@ class Scheduler:
             return reqs
 
         turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
-        if turn is None and not self.lean_steps:
+        if turn is None and not self.lean_ms:
             decodes = [r for r in (s.request for s in seqs) if r.status is running]
             if len(decodes) != len(self.running):
                 return None  # a request `seqs` did not run
@@ -232,7 +235,8 @@ class Scheduler:
         urgent, rest = decodes, []
         tight = bool(self.waiting) and step.budget - len(decodes) < self.max_prefill_while_speaking
         now = time.monotonic()
-        if tight or self.lean_steps:
+        urgency: dict[int, float] = {}
+        if tight or self.lean_ms:
             # prompts may leave the least urgent decodes part of the budget, or (lean) out of the step: which ones is
             # `schedule`'s order (those in `seqs` have a patch more queued by then)
             urgency = {id(r): self._urgency(r, now, int(id(r) in after)) for r in decodes}
@@ -275,7 +279,7 @@ class Scheduler:
         fair, blocked = self.fair.snapshot(), self.blocked
         try:
             self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead,
-                       lambda r: self._urgency(r, now))
+                       lambda r: urgency[id(r)] if id(r) in urgency else self._urgency(r, now))
             if not step.seqs or (max_tokens and self.max_num_batched_tokens - step.budget > max_tokens):
                 raise _Unforeseen
         except _Unforeseen:
@@ -292,23 +296,28 @@ class Scheduler:
         """The rules of a step, on either path: the `urgent` decodes (they may preempt), then prompt chunks of the
         `prefilling` requests still running and of waiting ones admitted (`admit`) in the fair order under the
         prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt). With lean
-        steps the needy prompts go first, and a step that feeds one leaves the other prompts and the reported
-        `rest` out (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
-        decode(urgent, True)
+        steps the needy prompts go first, and a step that feeds one leaves out the decodes of listeners that reported
+        plenty queued (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
         prompts = [r for r in prefilling if r.status is Status.RUNNING] + sorted(self.waiting, key=_admission_order)
         later: list[Request] = []
-        if self.lean_steps:
-            prompts, later = split_needy(prompts, urgency, self.sit_out_ms)
+        held: list[Request] = []  # urgent decodes left out while a needy prompt is fed
+        if self.lean_ms:
+            prompts, later = split_needy(prompts, urgency, self.lean_ms)
+            if prompts:
+                urgent, held = leave_out(urgent, urgency, self.lean_ms)
+        decode(urgent, True)
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
         # listener, or another tenant's prompt)
         several = len({r.spec.tenant or None for r in prompts + later}) > 1
         room = min(step.budget, self.max_prefill_while_speaking) if speaking or several else step.budget
         self.blocked = None
         room, admitting, fed = self._prefill(step, prompts, room, True, admit)
-        if fed and self.lean_steps and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
-            rest = staying(rest)
-        elif later:
+        if later:
             self._prefill(step, later, room, admitting, admit)
+        if self.lean_ms and fed and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
+            rest = leave_out(rest, urgency, self.lean_ms)[0]
+        elif held:
+            decode(held, True)
         decode(rest, False)
 
     def _prefill(self, step: _Step, prompts: list[Request], room: int, admitting: bool,
@@ -342,7 +351,7 @@ class Scheduler:
 
     def _urgency(self, req: Request, now: float, unseen: int = 0) -> float:
         """Audio queued at `req`'s listener (its deadline); with lean steps a report before its first patch counts."""
-        if self.lean_steps:
+        if self.lean_ms:
             return queued_ms(req, now, self.patch_ms, unseen)
         return req.buffered_ms(now, self.patch_ms, unseen)
 
@@ -495,6 +504,9 @@ class Scheduler:
                 self.finish(req, "length")
             else:
                 continue
+            if self.lean_ms:
+                now = time.monotonic()
+                self.listeners.finished(req, self._urgency(req, now), now)
             finished.append(req)
         return finished
 

@@ -313,9 +313,9 @@ def test_the_request_that_cannot_be_admitted_is_named_not_the_first_one_waiting(
     assert [q.request.request_id for q in s.schedule()] == ["small"]
 
 
-def lean_scheduler(lean: bool = True, sit_out_ms: float = 2000.0) -> Scheduler:
+def lean_scheduler(lean_ms: float = 1000.0) -> Scheduler:
     return Scheduler(max_num_seqs=16, max_num_batched_tokens=256, num_blocks=256, block_size=4, patch_ms=80.0,
-                     sit_out_ms=sit_out_ms, lean_steps=lean)
+                     lean_ms=lean_ms)
 
 
 def speaking(s: Scheduler, *rids: str) -> None:
@@ -324,50 +324,47 @@ def speaking(s: Scheduler, *rids: str) -> None:
     step(s)
 
 
-@pytest.mark.parametrize("lean", [False, True])
-def test_a_lean_step_feeding_a_first_segment_leaves_out_listeners_with_plenty_queued(lean):
-    s = lean_scheduler(lean)
+@pytest.mark.parametrize("lean_ms", [0.0, 1000.0])
+def test_a_lean_step_feeding_a_first_segment_leaves_out_listeners_with_plenty_queued(lean_ms):
+    s = lean_scheduler(lean_ms)
     speaking(s, "full", "low", "silent")
-    s.update_buffered("full", 5000.0)  # seconds queued at this listener
+    s.update_buffered("full", 1500.0)  # more than lean_ms queued at this listener (less than sit_out_ms)
     s.update_buffered("low", 300.0)
     # "silent" never reported: its queue is a guess, it never sits out
-    s.add(spec("first", 6))  # a new turn's first segment: nothing queued
     s.add(spec("later", 9))
-    s.update_buffered("later", 4000.0)  # a later segment of a turn whose audio still plays
-    ran = {q.request.request_id: q.num_tokens for q in step(s)}
-    if lean:
-        assert ran == {"low": 1, "silent": 1, "first": 6}
-        # nothing needy waits now: the next step advances everyone and admits the later segment
-        assert {q.request.request_id: q.num_tokens for q in step(s)} == {
-            "full": 1, "low": 1, "silent": 1, "first": 1, "later": 9}
+    s.update_buffered("later", 4000.0)  # a later segment of a turn whose audio still plays: no prompt waits
+    s.add(spec("first", 6))  # a new turn's first segment: nothing queued
+    seqs = step(s)
+    ran = {q.request.request_id: q.num_tokens for q in seqs}
+    if lean_ms:
+        assert ran == {"low": 1, "silent": 1, "first": 6, "later": 9}
+        assert [q.request.request_id for q in seqs if q.num_tokens > 1] == ["first", "later"]  # the needy one first
+        # nothing needy waits now: the next step advances everyone
+        assert set(r.request_id for r in (q.request for q in step(s))) == {"full", "low", "silent", "first", "later"}
     else:
         assert ran == {"full": 1, "low": 1, "silent": 1, "first": 6, "later": 9}
 
 
-def test_a_later_segment_waits_for_lean_steps_only_until_its_listener_runs_low(monkeypatch):
+def test_a_later_segment_is_no_needy_prompt_until_its_listener_runs_low(monkeypatch):
     now = [100.0]
     fake = types.SimpleNamespace(monotonic=lambda: now[0])
     monkeypatch.setattr(scheduler_module, "time", fake)
     monkeypatch.setattr(request_module, "time", fake)
-    s = lean_scheduler(sit_out_ms=1000.0)
-    speaking(s, "talker")
-    s.add(spec("later", 5))
-    s.update_buffered("later", 1500.0)
-    waited = 0
-    for i in range(20):  # a new turn's first segment arrives before every step: every step is lean
-        s.add(spec(f"first{i}", 3, max_length=1))
+    s = lean_scheduler(lean_ms=1000.0)
+    speaking(s, "full")
+    s.update_buffered("full", 5000.0)
+    for i in range(8):  # a later segment arrives before every step, its listener 1,500 ms .. 625 ms from running dry
+        s.add(spec(f"later{i}", 3, max_length=1))
+        s.update_buffered(f"later{i}", 1500.0 - 125.0 * i)
         ran = {q.request.request_id for q in step(s)}
-        if "later" in ran:
-            break
-        waited += 1
+        # prefilled at once either way; the well-queued stream sits out only steps that feed a needy prompt
+        assert f"later{i}" in ran and ("full" in ran) == (i < 4), (i, ran)
         now[0] += 0.125
-    # prefilled in the first step with its listener's queue down to 1000 ms: 1,500 ms - 4 x 125 ms
-    assert waited == 4 and s.requests["later"].generated
-    assert s.requests["later"].buffered_ms(now[0], 80.0) == 1000.0 + 80.0  # and its first patch
+        s.update_buffered("full", 5000.0)
 
 
-def test_lean_steps_never_leave_out_a_listener_below_the_sit_out_bound():
-    s = lean_scheduler(sit_out_ms=1000.0)
+def test_lean_steps_never_leave_out_a_listener_below_the_bound():
+    s = lean_scheduler(lean_ms=1000.0)
     speaking(s, "a", "b")
     for i in range(30):
         s.update_buffered("a", 900.0)  # under the bound: decoded in every step, prompts or not
@@ -377,13 +374,56 @@ def test_lean_steps_never_leave_out_a_listener_below_the_sit_out_bound():
         assert "a" in ran and "b" not in ran
 
 
+def test_nobody_sits_out_while_a_prompt_waits_for_room():
+    """The streams hold the VAE slots a waiting prompt needs: they run, so they finish and free them."""
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=256, num_blocks=256, block_size=4, patch_ms=80.0,
+                  lean_ms=1000.0)
+    speaking(s, "full")
+    s.update_buffered("full", 5000.0)
+    s.add(spec("first", 3))
+    s.add(spec("blocked", 3))  # no slot left for it
+    ran = {q.request.request_id for q in step(s)}
+    assert ran == {"full", "first"} and s.blocked is s.requests["blocked"]
+
+
+def test_a_continuation_of_a_finished_request_starts_from_its_listeners_queue(monkeypatch):
+    """The caller's later segment carries the patches the engine made for the same listener: the listener's queue
+    goes over with them, so the later segment is no needy prompt and its step leaves out no stream."""
+    now = [100.0]
+    fake = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(scheduler_module, "time", fake)
+    monkeypatch.setattr(request_module, "time", fake)
+    s = lean_scheduler(lean_ms=1000.0)
+    speaking(s, "full")
+    s.add(spec("seg0", 3, max_length=2))
+    step(s)
+    s.update_buffered("seg0", 2500.0)
+    s.update_buffered("full", 5000.0)
+    last = next(q for q in step(s) if q.request.request_id == "seg0")  # its second and last patch
+    assert last.request.stop_reason == "length"
+    tail = last.request.generated[-1].numpy()[None]
+    now[0] += 0.5
+    s.update_buffered("full", 5000.0)
+    s.add(RequestSpec("seg1", list(range(4)), [0, 0, 0, 1], (P, D), SamplingParams(max_length=5, min_length=0),
+                      audio=[(3, tail)], n_context=1))
+    seg1 = s.requests["seg1"]
+    assert seg1.reported_ms == 2500.0 + 80.0  # the queue as estimated when seg0 ended
+    assert {q.request.request_id for q in step(s)} == {"full", "seg1"}  # not needy: nobody sat out
+    s.add(RequestSpec("other", list(range(4)), [0, 0, 0, 1], (P, D), SamplingParams(max_length=5, min_length=0),
+                      audio=[(3, tail + 1.0)], n_context=1))  # a prompt of audio the engine did not just make
+    assert s.requests["other"].reported_ms is None
+    # needy: the streams whose listeners have plenty queued sit out ("full", and "seg1" with ~2.2 s)
+    assert {q.request.request_id for q in step(s)} == {"other"}
+
+
 def test_without_listener_reports_lean_steps_change_nothing():
     """A caller that never reports (the engine benchmark, an HTTP stream) gets the same steps either way."""
     picks = []
     for lean in (False, True):
         rng = random.Random(3)
         s = Scheduler(max_num_seqs=6, max_num_batched_tokens=24, num_blocks=40, block_size=4, patch_ms=80.0,
-                      sit_out_ms=100.0, max_prefill_tokens_while_speaking=12, split_decodes_above=4, lean_steps=lean)
+                      sit_out_ms=100.0, max_prefill_tokens_while_speaking=12, split_decodes_above=4,
+                      lean_ms=100.0 if lean else 0.0)
         run = []
         for i in range(80):
             if rng.random() < 0.4:
@@ -399,7 +439,7 @@ def test_the_closed_loop_simulation_serves_every_turn_without_gaps():
     from bench.scheduler_sim import parse_args, simulate
 
     args = parse_args(["--users", "40", "--ramp", "1", "--duration", "6", "--segments", "2"])
-    for lean in (False, True):
-        r = simulate(args, lean)
+    for lean_ms in (0.0, 750.0):
+        r = simulate(args, lean_ms)
         assert r["turns"] >= 40 and r["server_gap_ms_max"] == 0.0 and r["underrun_turns"] == 0, r
         assert 0 < r["ttfb_ms_p50"] <= r["ttfb_ms_p90"] < 200, r

@@ -67,7 +67,8 @@ def scenario(seed: int, clock: Clock, lean: bool = False) -> tuple[int, int, int
                   num_blocks=rng.randint(12, 60), block_size=block_size, patch_ms=80.0,
                   sit_out_ms=rng.choice([100.0, 2000.0]),
                   max_prefill_tokens_while_speaking=rng.choice([None, 6, 16]),
-                  split_decodes_above=rng.choice([None, 2, 4]), lean_steps=lean)
+                  split_decodes_above=rng.choice([None, 2, 4]),
+                  lean_ms=rng.choice([100.0, 1000.0]) if lean else 0.0)
     tenants = [None, "a", "b"][:rng.randint(1, 3)]
     count = 0
 
