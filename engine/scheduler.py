@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decode_halves import DecodeHalves
 from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
@@ -90,10 +91,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.lean_ms = lean_ms  # lean steps (`engine.lean_steps`) above this much audio queued; 0: none
         self.listeners = Listeners()  # (lean steps) what a continuation's listener has queued when it arrives
-        self.split_decodes_above = split_decodes_above
-        self.split = False  # the decodes take turns by half (`Request.decode_group`)
-        self.turn = 0  # the half the last step decoded while split
-        self.num_split_steps = 0
+        self.halves = DecodeHalves(split_decodes_above)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_while_speaking = max_prefill_tokens_while_speaking or max_num_batched_tokens
         self.patch_ms = patch_ms
@@ -110,6 +108,11 @@ class Scheduler:
         self.blocked: Request | None = None  # the waiting request the last step could not admit (it holds the rest)
         self.num_steps = 0
         self.num_preemptions = 0
+
+    @property
+    def split(self) -> bool:
+        """Whether the decodes take turns by half (`engine.decode_halves`)."""
+        return self.halves.split
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add(self, spec: RequestSpec) -> Request:
@@ -186,7 +189,7 @@ class Scheduler:
                     ran.add(id(req))
                     step.budget -= 1
 
-        turn, decodes = self._decoding_half(self._next_turn(lambda: [r for r in self.running if r.generated]),
+        turn, decodes = self.halves.decoding(self.halves.next_turn(lambda: [r for r in self.running if r.generated]),
                                             [r for r in order if not r.is_prefilling])
         urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
         rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
@@ -220,7 +223,7 @@ class Scheduler:
                     reqs.remove(req)
             return reqs
 
-        turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
+        turn = self.halves.next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
         if turn is None and not self.lean_ms:
             decodes = [r for r in (s.request for s in seqs) if r.status is running]
             if len(decodes) != len(self.running):
@@ -230,7 +233,7 @@ class Scheduler:
                 return None  # a prompt between chunks: the synchronous path schedules its next one
             decodes = self.running  # with those that sat out `seqs` (the other half, or lean), from their patches
         decodes = staying(decodes)
-        turn, decodes = self._decoding_half(turn, decodes)
+        turn, decodes = self.halves.decoding(turn, decodes)
         step = _Step([], self.max_num_batched_tokens)
         urgent, rest = decodes, []
         tight = bool(self.waiting) and step.budget - len(decodes) < self.max_prefill_while_speaking
@@ -296,37 +299,25 @@ class Scheduler:
         """The rules of a step, on either path: the `urgent` decodes (they may preempt), then prompt chunks of the
         `prefilling` requests still running and of waiting ones admitted (`admit`) in the fair order under the
         prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt). With lean
-        steps the needy prompts go first, and a step that feeds one leaves out the decodes of listeners that reported
-        plenty queued (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
+        steps each tenant's needy prompts go first, and a step that feeds one leaves out the decodes of listeners
+        that reported plenty queued (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
         prompts = [r for r in prefilling if r.status is Status.RUNNING] + sorted(self.waiting, key=_admission_order)
-        later: list[Request] = []
+        needy: set[int] = set()
         held: list[Request] = []  # urgent decodes left out while a needy prompt is fed
         if self.lean_ms:
-            prompts, later = split_needy(prompts, urgency, self.lean_ms)
-            if prompts:
+            first, later = split_needy(prompts, urgency, self.lean_ms)
+            prompts, needy = first + later, {id(r) for r in first}
+            if needy:
                 urgent, held = leave_out(urgent, urgency, self.lean_ms)
         decode(urgent, True)
+        queues = self._tenant_queues(prompts)
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
         # listener, or another tenant's prompt)
-        several = len({r.spec.tenant or None for r in prompts + later}) > 1
-        room = min(step.budget, self.max_prefill_while_speaking) if speaking or several else step.budget
+        room = min(step.budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else step.budget
+        admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        fed = False  # a needy prompt's chunk is in the step
         self.blocked = None
-        room, admitting, fed = self._prefill(step, prompts, room, True, admit)
-        if later:
-            self._prefill(step, later, room, admitting, admit)
-        if self.lean_ms and fed and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
-            rest = leave_out(rest, urgency, self.lean_ms)[0]
-        elif held:
-            decode(held, True)
-        decode(rest, False)
-
-    def _prefill(self, step: _Step, prompts: list[Request], room: int, admitting: bool,
-                 admit: Callable[[Request], bool]) -> tuple[int, bool, bool]:
-        """Chunks of `prompts` (admitted ones between chunks, then waiting ones, admitted here while `admitting`) in
-        the fair order, under `room` positions; returns the room left, whether admitting goes on (a waiting request
-        that cannot be admitted holds those behind it) and whether a chunk went in."""
-        fed = False
-        picks = self.fair.order(self._tenant_queues(prompts))
+        picks = self.fair.order(queues)
         chunked = sum(r.status is Status.RUNNING for r in prompts)  # admitted prompts not yet picked
         for tenant, req in picks:
             if room <= 0:
@@ -345,9 +336,13 @@ class Scheduler:
             step.seqs.append(self._chunk(req, n))
             step.budget -= n
             room -= n
-            fed = True
+            fed = fed or id(req) in needy
             self.fair.charge(tenant, n)
-        return room, admitting, fed
+        if fed and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
+            rest = leave_out(rest, urgency, self.lean_ms)[0]
+        elif held:
+            decode(held, True)
+        decode(rest, False)
 
     def _urgency(self, req: Request, now: float, unseen: int = 0) -> float:
         """Audio queued at `req`'s listener (its deadline); with lean steps a report before its first patch counts."""
@@ -360,49 +355,11 @@ class Scheduler:
         """Higher priority first, then the listener with the least audio queued, then first come first served."""
         return sorted(reqs, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
 
-    def _next_turn(self, speaking: Callable[[], list[Request]]) -> int | None:
-        """The half whose decodes the next step runs, or None while all decode every step, given the requests that
-        will have spoken by then (asked only while splitting is on). Splitting starts above `split_decodes_above`
-        speaking streams (they alternate between the halves in arrival order) and ends below 3/4 of it. Nothing is
-        committed until `_commit`: a step that is not scheduled takes no turn."""
-        if self.split_decodes_above is None:
-            return None
-        speakers = speaking()
-        bound = self.split_decodes_above * (0.75 if self.split else 1.0)
-        if len(speakers) <= bound:
-            return None
-        if not self.split:
-            for i, req in enumerate(sorted(speakers, key=lambda r: r.arrival)):
-                req.decode_group = i % 2
-        return 1 - self.turn
-
-    @staticmethod
-    def _decoding_half(turn: int | None, decodes: list[Request]) -> tuple[int | None, list[Request]]:
-        """The turn and the `decodes` of its half (all of them while not split); the other half's turn again when
-        that one has nothing to decode (yet)."""
-        if turn is None:
-            return None, decodes
-        if not any(r.decode_group == turn for r in decodes):
-            turn = 1 - turn
-        return turn, [r for r in decodes if r.decode_group == turn]
-
     def _commit(self, turn: int | None, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """`seqs` as the next step, and its turn (none when empty); while split, its new streams (first patch) join
-        the smaller half."""
-        if not seqs:
-            return seqs
-        self.num_steps += 1
-        self.split = turn is not None
-        if turn is not None:
-            self.turn = turn
-            self.num_split_steps += 1
-            new = [s.request for s in seqs if s.emit and not s.request.generated]
-            sizes = [0, 0]
-            for r in self.running if new else ():  # the halves' sizes
-                sizes[r.decode_group] += bool(r.generated)
-            for req in new:
-                req.decode_group = int(sizes[1] < sizes[0])
-                sizes[req.decode_group] += 1
+        """`seqs` as the next step, and its turn (none when empty: a step not scheduled takes no turn)."""
+        if seqs:
+            self.num_steps += 1
+            self.halves.commit(turn, [s.request for s in seqs if s.emit and not s.request.generated], self.running)
         return seqs
 
     @staticmethod
@@ -537,7 +494,7 @@ class Scheduler:
             "running": len(self.running), "waiting": len(self.waiting),
             "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
             "voice_blocks": sum(len(v.blocks) for v in self.voices.values()),
-            "free_slots": len(self.free_slots), "steps": self.num_steps, "split_steps": self.num_split_steps,
+            "free_slots": len(self.free_slots), "steps": self.num_steps, "split_steps": self.halves.num_split_steps,
             "preemptions": self.num_preemptions,
             "min_slack_ms": self.min_slack_ms(),
         }
