@@ -12,11 +12,12 @@ times (`bench/results/`: random real-size VoxCPM2, 10 timesteps, fp32 VAE):
   (c=1, c=64, the closed-400 split half, c=256 in `2026-12-03-h200/`);
 - a mixed step (any prompt chunk) adds 5.5 us per prefill position (s16b's bursts: 59 ms for 7,104 positions beside
   64 sampled rows; c=256: ~222 ms for 28,416 beside 256) and `--mixed-ms` (22: what the flat path costs over the
-  graph; s16b: 64 decode rows on it took 41.5 ms against the graph's 19.9; with 22 the gateway's closed 400 comes
-  out at mixed steps 72 / 115 ms p50 / p99 and first-segment TTFB 198 / 271 ms p50 / p90, measured 70 / 140 and
-  224 / 331); `--mixed-full-rows 64` makes that cost grow from none at 8 decode rows (s16b: 8 rows on the flat
-  path took a graph step's time) to all of it at 64, the other reading of the same data, and the one under which
-  lean steps gain most; `--mixed-floor-ms` bounds a mixed step below (a host-bound launch).
+  graph; s16b: 64 decode rows on it took 41.5 ms against the graph's 19.9, padded to a 2,304-position LM graph;
+  with 22 the gateway's closed 400 comes out at mixed steps 72 / 115 ms p50 / p99 and first-segment TTFB 198 / 271
+  ms p50 / p90, measured 70 / 140 and 224 / 331); `--mixed-full-rows 64` makes that cost grow from none at 8 decode
+  rows (s16b: 8 rows on the flat path took a graph step's time; the small LM graphs hold up to 63 sequences) to all
+  of it at 64; `--mixed-ms 12` is a guess at what is left with the large LM graphs from 256 positions;
+  `--mixed-floor-ms` bounds a mixed step below (a host-bound launch).
 
 The gateway as `bench/gateway_load.py closed:N:mix` drives it: N users start over `--ramp` s and speak turns back to
 back, each turn `--segments` segments of `--patches` patches (160 ms each); a turn's first segment is a text prompt
