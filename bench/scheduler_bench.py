@@ -3,6 +3,7 @@ of running streams, without a model (the step's outputs are stand-in patches).
 
     python bench/scheduler_bench.py                      # 256 and 512 running, steady and with a waiting queue
     python bench/scheduler_bench.py --running 512 --steps 400
+    python bench/scheduler_bench.py --lean-ms 750     # lean steps, every listener reporting (half well queued)
 
 Scenarios: `steady` (every stream decoding, nothing waiting), `waiting` (every VAE slot taken and 64 prompts
 queued behind them, so every step tries an admission that fails), `admit` (a one-patch prompt arrives before every
@@ -38,13 +39,13 @@ def _collect(s: Scheduler, seqs: list[ScheduledSeq], patch: torch.Tensor) -> Non
     s.postprocess(seqs, [patch if q.emit else None for q in seqs], [False] * len(seqs))
 
 
-def _scheduler(running: int, scenario: str, steps: int) -> Scheduler:
+def _scheduler(running: int, scenario: str, steps: int, lean_ms: float = 0.0) -> Scheduler:
     slots = running if scenario == "waiting" else running + steps + 8
     c = EngineConfig()  # the served defaults: token budget, prefill cap, block size, split bound
     s = Scheduler(max_num_seqs=slots, max_num_batched_tokens=c.max_num_batched_tokens, num_blocks=(slots + 8) * 64,
                   block_size=c.block_size, patch_ms=80.0, sit_out_ms=c.sit_out_ms,
                   max_prefill_tokens_while_speaking=c.max_prefill_tokens_while_speaking,
-                  split_decodes_above=c.split_decodes_above)
+                  split_decodes_above=c.split_decodes_above, lean_ms=lean_ms)
     patch = torch.zeros(P, D)
     for _ in range(running):
         s.add(_spec(10 ** 6))
@@ -53,15 +54,18 @@ def _scheduler(running: int, scenario: str, steps: int) -> Scheduler:
     if scenario == "waiting":
         for _ in range(64):
             s.add(_spec(10 ** 6))
+    if lean_ms:  # every listener reports; half of them have plenty queued (they sit out steps that admit)
+        for i, req in enumerate(s.running):
+            s.update_buffered(req.request_id, 5000.0 if i % 2 else 100.0)
     return s
 
 
-def bench(running: int, scenario: str, steps: int) -> dict[str, float]:
+def bench(running: int, scenario: str, steps: int, lean_ms: float = 0.0) -> dict[str, float]:
     """Median and p90 microseconds of `schedule()` and of `schedule_ahead()` over `steps` steps each."""
     patch = torch.zeros(P, D)
     timings: dict[str, list[float]] = {"schedule": [], "schedule_ahead": []}
     picked = 0
-    s = _scheduler(running, scenario, steps)
+    s = _scheduler(running, scenario, steps, lean_ms)
     for _ in range(steps):
         if scenario == "admit":
             s.add(_spec(1))  # prefilled, sampled and finished in one step: the running count holds
@@ -69,7 +73,7 @@ def bench(running: int, scenario: str, steps: int) -> dict[str, float]:
         seqs = s.schedule()
         timings["schedule"].append(time.perf_counter() - t)
         _collect(s, seqs, patch)
-    s = _scheduler(running, scenario, steps)
+    s = _scheduler(running, scenario, steps, lean_ms)
     current = s.schedule()
     for _ in range(steps):
         if scenario == "admit":
@@ -93,11 +97,12 @@ def main() -> None:
     parser.add_argument("--running", default="256,512", help="running streams, comma-separated")
     parser.add_argument("--scenarios", default="steady,waiting,admit")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lean-ms", type=float, default=0.0, help="lean steps at this many ms (VOXGATE_LEAN_STEPS)")
     args = parser.parse_args()
     print(f"{'running':>8} {'scenario':>8} {'schedule us':>12} {'p90':>8} {'ahead us':>10} {'p90':>8} {'picked':>7}")
     for running in map(int, args.running.split(",")):
         for scenario in args.scenarios.split(","):
-            r = bench(running, scenario, args.steps)
+            r = bench(running, scenario, args.steps, args.lean_ms)
             print(f"{running:>8} {scenario:>8} {r['schedule_us']:>12.1f} {r['schedule_p90_us']:>8.1f} "
                   f"{r['schedule_ahead_us']:>10.1f} {r['schedule_ahead_p90_us']:>8.1f} "
               f"{r['ahead_picked']:>7.0%}", flush=True)

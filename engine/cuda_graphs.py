@@ -39,9 +39,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LM_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
 LM_GRAPH_SEQS = (2, 4, 8, 16, 32, 64)
 EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions (`eager_flat_key`)
-# Large LM graphs, past LM_GRAPH_TOKENS up to this many positions (a c=64 burst of ~111-position prompts is ~7,100).
-# Launched eagerly, such a step's ~500 launches take about as long on the host as its GPU work, or longer, so a
-# burst's first audio would wait on the host (with FP8 GEMMs every time); one replay takes that host time away.
+# Large LM graphs, for every sequence a flat batch holds, at each eager bucket up to this many positions (a c=64 burst
+# of ~111-position prompts is ~7,100). Launched eagerly, such a step's ~500 launches take about as long on the host as
+# its GPU work, or longer, so a burst's first audio would wait on the host (with FP8 GEMMs every time); one replay
+# takes that host time away. They start at the smallest eager bucket, not past LM_GRAPH_TOKENS: a mixed step of more
+# sequences than the small graphs hold (hundreds of decode rows beside a few prompts, every step of a busy gateway)
+# would otherwise pad to 2,304 positions (s16b: 64 decode rows on the flat path took 41.5 ms, the graph step 19.9).
 LARGE_LM_GRAPH_TOKENS = 8192
 # VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager); =text: only those
 # of prompts alone (LocEnc on no row). For A/B timing and as a fallback.
@@ -115,12 +118,13 @@ def lm_graph_key(tokens: int, seqs: int, keys: list[tuple[int, ...]]) -> tuple[i
 
 
 def large_lm_graph_keys(max_tokens: int, seqs: int, audio_rows: int) -> list[tuple[int, int, int]]:
-    """(tokens, sequences, audio rows) of every large LM graph, smallest first: tokens at the eager buckets past
-    LM_GRAPH_TOKENS up to `max_tokens` (at most LARGE_LM_GRAPH_TOKENS), `seqs` sequences (all a flat batch holds,
-    with the padding one), LocEnc on no rows or on `audio_rows` listed rows."""
+    """(tokens, sequences, audio rows) of every large LM graph, smallest first: tokens at the eager buckets up to
+    `max_tokens` (at most LARGE_LM_GRAPH_TOKENS), `seqs` sequences (all a flat batch holds, with the padding one),
+    LocEnc on no rows or on `audio_rows` listed rows. Up to LM_GRAPH_TOKENS they serve the steps of more sequences
+    than the small graphs hold."""
     if LARGE_LM_GRAPHS == "0":
         return []
-    tokens = [t for t in eager_flat_token_buckets(min(max_tokens, LARGE_LM_GRAPH_TOKENS)) if t > LM_GRAPH_TOKENS[-1]]
+    tokens = eager_flat_token_buckets(min(max_tokens, LARGE_LM_GRAPH_TOKENS))
     return [(t, seqs, a) for t in tokens for a in ((0,) if LARGE_LM_GRAPHS == "text" else (0, audio_rows))]
 
 

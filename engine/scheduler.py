@@ -10,6 +10,10 @@ that has not spoken yet is the most urgent. One step is a flat mix of single dec
    inside each tenant),
 3. decodes of well-buffered requests, with whatever budget is left (the rest sit out this step).
 
+With lean steps (`lean_ms`, `engine.lean_steps`) a step that feeds a prompt whose listener has little or nothing
+queued leaves out the decodes of listeners that reported more than `lean_ms` queued, so a new turn's first audio
+waits behind shorter steps.
+
 A step's positions are capped by `max_num_batched_tokens`; its prefill positions, while any stream is speaking, by
 the smaller `max_prefill_tokens_while_speaking`: a step's length is every running listener's wait for its next
 patch. With nobody speaking yet (a burst from idle) nobody waits, and one step can prefill the whole burst: every
@@ -37,9 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decode_halves import DecodeHalves
 from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
 from engine.kv_cache import BlockManager
+from engine.lean_steps import Listeners, leave_out, queued_ms, split_needy
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
 
@@ -80,12 +86,12 @@ def _admission_order(req: Request) -> tuple:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = EngineConfig.sit_out_ms, loras: AdapterSlots | None = None,
-                 max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None):
+                 max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None,
+                 lean_ms: float = 0.0):
         self.max_num_seqs = max_num_seqs
-        self.split_decodes_above = split_decodes_above
-        self.split = False  # the decodes take turns by half (`Request.decode_group`)
-        self.turn = 0  # the half the last step decoded while split
-        self.num_split_steps = 0
+        self.lean_ms = lean_ms  # lean steps (`engine.lean_steps`) above this much audio queued; 0: none
+        self.listeners = Listeners()  # (lean steps) what a continuation's listener has queued when it arrives
+        self.halves = DecodeHalves(split_decodes_above)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_while_speaking = max_prefill_tokens_while_speaking or max_num_batched_tokens
         self.patch_ms = patch_ms
@@ -103,9 +109,16 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
 
+    @property
+    def split(self) -> bool:
+        """Whether the decodes take turns by half (`engine.decode_halves`)."""
+        return self.halves.split
+
     # ---- requests in and out -------------------------------------------------------------------------------
     def add(self, spec: RequestSpec) -> Request:
         req = Request(spec)
+        if self.lean_ms:
+            self.listeners.adopt(req)
         self.requests[spec.request_id] = req
         self.waiting.append(req)
         return req
@@ -155,7 +168,7 @@ class Scheduler:
         """The next step: urgent decodes, prompt chunks and admissions, then the other decodes (module docstring)."""
         now = time.monotonic()
         speaking = any(r.generated for r in self.running)
-        urgency = {id(r): r.buffered_ms(now, self.patch_ms) for r in self.running}
+        urgency = {id(r): self._urgency(r, now) for r in self.running}
         order = self._deadline_order(self.running, urgency)
         step = _Step([], self.max_num_batched_tokens)
         ran: set[int] = set()
@@ -176,11 +189,12 @@ class Scheduler:
                     ran.add(id(req))
                     step.budget -= 1
 
-        turn, decodes = self._decoding_half(self._next_turn(lambda: [r for r in self.running if r.generated]),
+        turn, decodes = self.halves.decoding(self.halves.next_turn(lambda: [r for r in self.running if r.generated]),
                                             [r for r in order if not r.is_prefilling])
         urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
         rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
-        self._fill(step, urgent, [r for r in order if r.is_prefilling], rest, speaking, decode, self._admit_waiting)
+        self._fill(step, urgent, [r for r in order if r.is_prefilling], rest, speaking, decode, self._admit_waiting,
+                   lambda r: urgency[id(r)] if id(r) in urgency else self._urgency(r, now))
         self._drop_admitted()
         return self._commit(turn, step.seqs)
 
@@ -209,25 +223,26 @@ class Scheduler:
                     reqs.remove(req)
             return reqs
 
-        turn = self._next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
-        if turn is None:
+        turn = self.halves.next_turn(lambda: staying([r for r in self.running if r.generated or id(r) in after]))
+        if turn is None and not self.lean_ms:
             decodes = [r for r in (s.request for s in seqs) if r.status is running]
             if len(decodes) != len(self.running):
                 return None  # a request `seqs` did not run
         else:
             if any(r.is_prefilling for r in self.running if id(r) not in after):
                 return None  # a prompt between chunks: the synchronous path schedules its next one
-            decodes = self.running
+            decodes = self.running  # with those that sat out `seqs` (the other half, or lean), from their patches
         decodes = staying(decodes)
-        turn, decodes = self._decoding_half(turn, decodes)
+        turn, decodes = self.halves.decoding(turn, decodes)
         step = _Step([], self.max_num_batched_tokens)
         urgent, rest = decodes, []
         tight = bool(self.waiting) and step.budget - len(decodes) < self.max_prefill_while_speaking
-        if tight:
-            # prompts may leave the least urgent decodes part of the budget: which ones is `schedule`'s order (those
-            # in `seqs` have a patch more queued by then)
-            now = time.monotonic()
-            urgency = {id(r): r.buffered_ms(now, self.patch_ms, int(id(r) in after)) for r in decodes}
+        now = time.monotonic()
+        urgency: dict[int, float] = {}
+        if tight or self.lean_ms:
+            # prompts may leave the least urgent decodes part of the budget, or (lean) out of the step: which ones is
+            # `schedule`'s order (those in `seqs` have a patch more queued by then)
+            urgency = {id(r): self._urgency(r, now, int(id(r) in after)) for r in decodes}
             decodes = self._deadline_order(decodes, urgency)
             urgent = [r for r in decodes if urgency[id(r)] <= self.sit_out_ms]
             rest = [r for r in decodes if urgency[id(r)] > self.sit_out_ms]
@@ -266,7 +281,8 @@ class Scheduler:
 
         fair, blocked = self.fair.snapshot(), self.blocked
         try:
-            self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead)
+            self._fill(step, urgent, [], rest, bool(decodes) or turn is not None, decode, admit_ahead,
+                       lambda r: urgency[id(r)] if id(r) in urgency else self._urgency(r, now))
             if not step.seqs or (max_tokens and self.max_num_batched_tokens - step.budget > max_tokens):
                 raise _Unforeseen
         except _Unforeseen:
@@ -278,20 +294,31 @@ class Scheduler:
         return self._commit(turn, step.seqs)
 
     def _fill(self, step: _Step, urgent: list[Request], prefilling: list[Request], rest: list[Request],
-              speaking: bool, decode: Callable[[list[Request], bool], None],
-              admit: Callable[[Request], bool]) -> None:
+              speaking: bool, decode: Callable[[list[Request], bool], None], admit: Callable[[Request], bool],
+              urgency: Callable[[Request], float]) -> None:
         """The rules of a step, on either path: the `urgent` decodes (they may preempt), then prompt chunks of the
         `prefilling` requests still running and of waiting ones admitted (`admit`) in the fair order under the
-        prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt)."""
+        prefill room, then the `rest` of the decodes with whatever budget is left (they never preempt). With lean
+        steps each tenant's needy prompts go first, and a step that feeds one leaves out the decodes of listeners
+        that reported plenty queued (`engine.lean_steps`; `urgency`: a request's, as `_urgency` tells it)."""
+        prompts = [r for r in prefilling if r.status is Status.RUNNING] + sorted(self.waiting, key=_admission_order)
+        needy: set[int] = set()
+        held: list[Request] = []  # urgent decodes left out while a needy prompt is fed
+        if self.lean_ms:
+            first, later = split_needy(prompts, urgency, self.lean_ms)
+            prompts, needy = first + later, {id(r) for r in first}
+            if needy:
+                urgent, held = leave_out(urgent, urgency, self.lean_ms)
         decode(urgent, True)
-        queues = self._tenant_queues([r for r in prefilling if r.status is Status.RUNNING])
+        queues = self._tenant_queues(prompts)
         # prefill positions: what the urgent decodes left, at most the cap while someone waits on this step (a
         # listener, or another tenant's prompt)
         room = min(step.budget, self.max_prefill_while_speaking) if speaking or len(queues) > 1 else step.budget
         admitting = True  # until a waiting request cannot be admitted: those behind it wait too
+        fed = False  # a needy prompt's chunk is in the step
         self.blocked = None
         picks = self.fair.order(queues)
-        chunked = sum(len(q) for q in queues.values()) - len(self.waiting)  # admitted prompts not yet picked
+        chunked = sum(r.status is Status.RUNNING for r in prompts)  # admitted prompts not yet picked
         for tenant, req in picks:
             if room <= 0:
                 break
@@ -309,57 +336,30 @@ class Scheduler:
             step.seqs.append(self._chunk(req, n))
             step.budget -= n
             room -= n
+            fed = fed or id(req) in needy
             self.fair.charge(tenant, n)
+        if fed and admitting:  # (a prompt that waits for room: the streams hold it, none sit out)
+            rest = leave_out(rest, urgency, self.lean_ms)[0]
+        elif held:
+            decode(held, True)
         decode(rest, False)
+
+    def _urgency(self, req: Request, now: float, unseen: int = 0) -> float:
+        """Audio queued at `req`'s listener (its deadline); with lean steps a report before its first patch counts."""
+        if self.lean_ms:
+            return queued_ms(req, now, self.patch_ms, unseen)
+        return req.buffered_ms(now, self.patch_ms, unseen)
 
     @staticmethod
     def _deadline_order(reqs: list[Request], urgency: dict[int, float]) -> list[Request]:
         """Higher priority first, then the listener with the least audio queued, then first come first served."""
         return sorted(reqs, key=lambda r: (-r.spec.params.priority, urgency[id(r)], r.arrival))
 
-    def _next_turn(self, speaking: Callable[[], list[Request]]) -> int | None:
-        """The half whose decodes the next step runs, or None while all decode every step, given the requests that
-        will have spoken by then (asked only while splitting is on). Splitting starts above `split_decodes_above`
-        speaking streams (they alternate between the halves in arrival order) and ends below 3/4 of it. Nothing is
-        committed until `_commit`: a step that is not scheduled takes no turn."""
-        if self.split_decodes_above is None:
-            return None
-        speakers = speaking()
-        bound = self.split_decodes_above * (0.75 if self.split else 1.0)
-        if len(speakers) <= bound:
-            return None
-        if not self.split:
-            for i, req in enumerate(sorted(speakers, key=lambda r: r.arrival)):
-                req.decode_group = i % 2
-        return 1 - self.turn
-
-    @staticmethod
-    def _decoding_half(turn: int | None, decodes: list[Request]) -> tuple[int | None, list[Request]]:
-        """The turn and the `decodes` of its half (all of them while not split); the other half's turn again when
-        that one has nothing to decode (yet)."""
-        if turn is None:
-            return None, decodes
-        if not any(r.decode_group == turn for r in decodes):
-            turn = 1 - turn
-        return turn, [r for r in decodes if r.decode_group == turn]
-
     def _commit(self, turn: int | None, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """`seqs` as the next step, and its turn (none when empty); while split, its new streams (first patch) join
-        the smaller half."""
-        if not seqs:
-            return seqs
-        self.num_steps += 1
-        self.split = turn is not None
-        if turn is not None:
-            self.turn = turn
-            self.num_split_steps += 1
-            new = [s.request for s in seqs if s.emit and not s.request.generated]
-            sizes = [0, 0]
-            for r in self.running if new else ():  # the halves' sizes
-                sizes[r.decode_group] += bool(r.generated)
-            for req in new:
-                req.decode_group = int(sizes[1] < sizes[0])
-                sizes[req.decode_group] += 1
+        """`seqs` as the next step, and its turn (none when empty: a step not scheduled takes no turn)."""
+        if seqs:
+            self.num_steps += 1
+            self.halves.commit(turn, [s.request for s in seqs if s.emit and not s.request.generated], self.running)
         return seqs
 
     @staticmethod
@@ -368,11 +368,12 @@ class Scheduler:
         start = req.num_computed
         return ScheduledSeq(req, start, n, start + n == req.seq_len and not req.spec.prefix_only)
 
-    def _tenant_queues(self, prefilling: list[Request]) -> dict[str | None, list[Request]]:
-        """Each tenant's prefill candidates in its own order: its admitted prompts between chunks (`prefilling`,
-        already deadline-ordered), then its waiting ones (preempted first, then by priority, first come first)."""
+    @staticmethod
+    def _tenant_queues(prompts: list[Request]) -> dict[str | None, list[Request]]:
+        """Each tenant's prefill candidates in their order: admitted prompts between chunks (deadline-ordered), then
+        waiting ones (preempted first, then by priority, first come first)."""
         queues: dict[str | None, list[Request]] = {}
-        for req in prefilling + sorted(self.waiting, key=_admission_order):
+        for req in prompts:
             queues.setdefault(req.spec.tenant or None, []).append(req)
         return queues
 
@@ -460,6 +461,9 @@ class Scheduler:
                 self.finish(req, "length")
             else:
                 continue
+            if self.lean_ms:
+                now = time.monotonic()
+                self.listeners.finished(req, self._urgency(req, now), now)
             finished.append(req)
         return finished
 
@@ -490,7 +494,7 @@ class Scheduler:
             "running": len(self.running), "waiting": len(self.waiting),
             "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
             "voice_blocks": sum(len(v.blocks) for v in self.voices.values()),
-            "free_slots": len(self.free_slots), "steps": self.num_steps, "split_steps": self.num_split_steps,
+            "free_slots": len(self.free_slots), "steps": self.num_steps, "split_steps": self.halves.num_split_steps,
             "preemptions": self.num_preemptions,
             "min_slack_ms": self.min_slack_ms(),
         }

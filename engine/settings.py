@@ -112,6 +112,10 @@ class EngineSettings:
     lora_large_variant: str = switch(
         "VOXGATE_LORA_LARGE_VARIANT", "two_pdl", "a name in engine.model.lora_triton.VARIANTS", "the LoRA kernel "
         "variant for sizes past one launch, for an end-to-end A/B (read at import)", str)
+    lean_steps_ms: int = switch(
+        "VOXGATE_LEAN_STEPS", "0", "integer ms >= 0", "N > 0: a step that feeds a prompt whose listener has at most N "
+        "ms queued (a new turn) leaves out the streams whose listeners reported more (engine.lean_steps); 0: off",
+        non_negative_int)
     log: str = switch(
         "VOXGATE_LOG", "WARNING", "a logging level name (DEBUG, INFO, WARNING, ...)",
         "the worker processes' log level; DEBUG logs every engine step", one_of(*logging.getLevelNamesMapping()))

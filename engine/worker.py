@@ -62,6 +62,9 @@ class WorkerConfig(EngineConfig):
     # with CUDA graphs: each step's VAE decode replayed on a second stream beside the next step's LMs and LocDiT
     # (`engine.runner`, the VAE lane); False, or VOXGATE_VAE_STREAM=0: inside the step's graph
     vae_stream: bool = field(default_factory=lambda: EngineSettings.from_env().vae_stream)
+    # a step that feeds a listener's first audio leaves out the streams whose listeners reported more than this many
+    # ms queued (`engine.lean_steps`; 0: off); VOXGATE_LEAN_STEPS
+    lean_steps_ms: int = field(default_factory=lambda: EngineSettings.from_env().lean_steps_ms)
     # host time between two steps given to chores (prompt encodes, adapter loads) at most, one slice past it at worst
     chore_slice_ms: float = CHORE_SLICE_MS
 
@@ -193,7 +196,8 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_prefill_tokens_while_speaking=cfg.max_prefill_tokens_while_speaking,
             num_blocks=self.runner.num_blocks, block_size=cfg.block_size, patch_ms=config.patch_ms,
-            sit_out_ms=cfg.sit_out_ms, loras=self.loras, split_decodes_above=cfg.split_decodes_above)
+            sit_out_ms=cfg.sit_out_ms, loras=self.loras, split_decodes_above=cfg.split_decodes_above,
+            lean_ms=cfg.lean_steps_ms)
         self.voice_calls: dict[str, int] = {}  # prefix request id -> call id waiting for it
         self.chores = Chores(cfg.chore_slice_ms, self.reply)
         self.heap = HeapTrimmer()  # freed host memory back to the OS: idle, and now and then while busy

@@ -46,12 +46,16 @@ def test_eager_flat_batches_round_to_recurring_shapes():
 def test_large_lm_graphs_follow_the_eager_buckets_and_the_audio_rows():
     keys = large_lm_graph_keys(32768, 528, 512)
     tokens = sorted({k[0] for k in keys})
-    assert tokens[0] == 2304 and tokens[-1] == 8192 and len(keys) == 2 * len(tokens) == 32
+    assert tokens[0] == 256 and tokens[-1] == 8192 and len(keys) == 2 * len(tokens) == 48
     assert all(s == 528 and a in (0, 512) for _, s, a in keys)
     assert large_lm_graph_keys(4096, 16, 64)[-1] == (4096, 16, 64)
     keys = lm_graph_keys(512) + keys
     assert large_lm_graph_key(7104, 64, 0, keys) == (7168, 528, 0)  # a c=64 burst: LocEnc on no row
     assert large_lm_graph_key(2049, 400, 384, keys) == (2304, 528, 512)  # prompts joining 384 speaking streams
+    # a busy gateway's mixed step: 250 decode rows, 10 later segments' prompts (12 audio positions each), 800 in all
+    assert large_lm_graph_key(1050, 260, 370, keys) == (1280, 528, 512)
+    assert large_lm_graph_key(64, 64, 64, keys) == (256, 528, 512)  # 64 decode rows: past the small graphs' 64
+    assert lm_graph_key(64, 64, keys) is None
     assert large_lm_graph_key(7104, 64, 513, keys) is None  # more audio rows than a graph lists: eager
     assert large_lm_graph_key(8193, 1, 0, keys) is None and large_lm_graph_key(3000, 528, 0, keys) is None
 

@@ -58,7 +58,7 @@ def fresh_schedule_after(s: Scheduler, in_flight: list[ScheduledSeq]) -> list[Sc
     return copied.schedule()
 
 
-def scenario(seed: int, clock: Clock) -> tuple[int, int, int]:
+def scenario(seed: int, clock: Clock, lean: bool = False) -> tuple[int, int, int]:
     """Run one random mix the way the worker does (a step launched ahead when one is picked); returns how many steps
     were picked ahead, how many of them admitted prompts, and how many of them were split."""
     rng = random.Random(seed)
@@ -67,7 +67,8 @@ def scenario(seed: int, clock: Clock) -> tuple[int, int, int]:
                   num_blocks=rng.randint(12, 60), block_size=block_size, patch_ms=80.0,
                   sit_out_ms=rng.choice([100.0, 2000.0]),
                   max_prefill_tokens_while_speaking=rng.choice([None, 6, 16]),
-                  split_decodes_above=rng.choice([None, 2, 4]))
+                  split_decodes_above=rng.choice([None, 2, 4]),
+                  lean_ms=rng.choice([100.0, 1000.0]) if lean else 0.0)
     tenants = [None, "a", "b"][:rng.randint(1, 3)]
     count = 0
 
@@ -94,7 +95,7 @@ def scenario(seed: int, clock: Clock) -> tuple[int, int, int]:
                     s.finish(s.blocked or s.waiting[0], "error")
                 continue
         arrive()  # prompts arriving while the step is on the device
-        for req in list(s.running):
+        for req in list(s.running) + (list(s.waiting) if lean else []):  # lean: reports before the first patch
             if rng.random() < 0.2:
                 s.update_buffered(req.request_id, rng.choice([0.0, 500.0, 5000.0]))
             elif rng.random() < 0.02:
@@ -111,10 +112,11 @@ def scenario(seed: int, clock: Clock) -> tuple[int, int, int]:
     return ahead_steps, admitting, split
 
 
-def test_a_step_picked_ahead_is_what_schedule_picks_after_the_collection(clock):
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_step_picked_ahead_is_what_schedule_picks_after_the_collection(clock, lean):
     totals = [0, 0, 0]
     for seed in range(40):
-        for i, n in enumerate(scenario(seed, clock)):
+        for i, n in enumerate(scenario(seed, clock, lean)):
             totals[i] += n
     ahead, admitting, split = totals
     # the mixes exercise every rule, not only plain decoding

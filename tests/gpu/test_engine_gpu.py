@@ -183,6 +183,38 @@ def test_large_lm_graphs_equal_eager_steps(cuda, tiny_v2_dir, no_tf32):
 
 
 @gpu
+def test_a_mixed_step_of_many_decode_rows_replays_a_large_lm_graph_of_its_own_size(cuda, tiny_v2_dir, no_tf32):
+    """More sequences than the small LM graphs hold, few positions (a busy gateway's step: ~70 decode rows and a new
+    prompt): a large LM graph of the smallest eager bucket holding them (not one of 2,304 positions), equal to the
+    eager step."""
+    loaded = load_model(tiny_v2_dir, cuda, "float32")
+    runner, sched = runner_and_scheduler(loaded, max_num_seqs=80, timesteps=4, blocks=1024, tokens=4096)
+    replayed = []
+    replay = runner.lm_graphs.replay
+    runner.lm_graphs.replay = lambda key: replayed.append(key) or replay(key)
+    eager_step = runner._eager_step
+
+    def eager_lms(seqs):  # the reference: the step with its LMs eager
+        keys = runner.lm_keys
+        runner.host.lm_keys = [k for k in keys if len(k) == 2]
+        try:
+            return eager_step(seqs)
+        finally:
+            runner.host.lm_keys = keys
+
+    runner._eager_step = eager_lms
+    for i in range(70):
+        sched.add(make_spec(i, loaded.config, timesteps=4, prompt_len=12))
+    advance(runner, sched)
+    sched.add(make_spec(100, loaded.config, timesteps=4, prompt_len=30))
+    seqs = sched.schedule()
+    assert len(seqs) == 71 and sum(s.num_tokens for s in seqs) == 100
+    replayed.clear()
+    graphed_vs_eager(runner, seqs)
+    assert len(replayed) == 1 and replayed[0][0] == 256 and replayed[0][2] >= 70
+
+
+@gpu
 def test_fp8_locdit_graphed_decode_step_equals_its_eager_step(cuda, tiny_v2_dir, no_tf32, monkeypatch):
     """`fp8_dit`: the tiny LocDiT's 8 x 22 rows in FP8 (MIN_ROWS lowered), captured in the decode graph; the bucket
     is full, so the graph's GEMMs see the eager step's rows."""
