@@ -3,12 +3,14 @@
 A request on the shared port reaches one front the kernel picks, so each front (through `front_hook`, the
 `app_hook` of `gateway.fronts.serve_fronts`) also listens on 127.0.0.1:0 and writes that port to a file in the
 directory the host names in FRONTS_DIR_ENV. The host reads the directory and asks every front (`ask_fronts`).
+The host's --gc-threshold reaches the fronts through the same directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -19,6 +21,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 from proc_stats import ProcessProbe
 
 FRONTS_DIR_ENV = "GATEWAY_PROC_FRONTS_DIR"  # set by the host (bench/gateway_proc.py) before the fronts start
+SETTINGS = "settings.json"  # in that directory: what the host's options say for every front (gc_threshold)
 
 
 def bench_routes(app: web.Application, stats: Any, reset: Any) -> None:
@@ -53,7 +56,8 @@ def front_hook(app: web.Application) -> None:
     bench_routes(private, stats, reset)
     runner = web.AppRunner(private, access_log=None)
     directory = Path(os.environ[FRONTS_DIR_ENV])
-    entry = directory / f"{os.getpid()}.json"
+    entry = directory / f"front-{os.getpid()}.json"
+    threshold = json.loads((directory / SETTINGS).read_text()).get("gc_threshold")
 
     async def on_startup(_: web.Application) -> None:
         probe.start()
@@ -64,6 +68,8 @@ def front_hook(app: web.Application) -> None:
         partial = entry.with_suffix(".tmp")
         partial.write_text(json.dumps({"role": role, "pid": os.getpid(), "port": port}))
         partial.rename(entry)  # the host never reads half a file
+        if threshold:  # after the front's own gateway.gc_policy.settle_gc, which runs once it serves
+            asyncio.get_running_loop().call_later(1.0, gc.set_threshold, *threshold)
 
     async def on_cleanup(_: web.Application) -> None:
         entry.unlink(missing_ok=True)
@@ -77,7 +83,7 @@ def front_hook(app: web.Application) -> None:
 def live_fronts(directory: Path) -> list[dict[str, Any]]:
     """The fronts that announced a private port and are still alive (a restarted front's old entry is skipped)."""
     out = []
-    for path in sorted(directory.glob("*.json")):
+    for path in sorted(directory.glob("front-*.json")):
         with contextlib.suppress(OSError, ValueError):
             info = json.loads(path.read_text())
             if Path(f"/proc/{info['pid']}").exists():
@@ -97,4 +103,4 @@ async def ask_fronts(directory: Path, method: str, path: str) -> list[dict[str, 
                 return None
 
         answers = await asyncio.gather(*(ask(info) for info in live_fronts(directory)))
-    return sorted((a for a in answers if a is not None), key=lambda a: a["role"])
+    return sorted((a for a in answers if a is not None), key=lambda a: a.get("role", ""))

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from front_probe import FRONTS_DIR_ENV, ask_fronts, bench_routes, live_fronts  # noqa: E402
+from front_probe import FRONTS_DIR_ENV, SETTINGS, ask_fronts, bench_routes, live_fronts  # noqa: E402
 from proc_stats import ProcessProbe, pct, pid_cpu_s  # noqa: E402
 
 
@@ -96,9 +96,15 @@ def _server_config(args: argparse.Namespace) -> Any:
 
 
 def _stop_when_stdin_closes(stop: Any) -> None:
-    """Call `stop()` when stdin reads end-of-file: the benchmark that started this process ended (or died)."""
-    asyncio.get_running_loop().add_reader(sys.stdin.fileno(),
-                                          lambda: stop() if not sys.stdin.buffer.read1(1) else None)
+    """Call `stop()` once, when stdin reads end-of-file: the benchmark that started this process ended (or died)."""
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        if not sys.stdin.buffer.read1(1):
+            loop.remove_reader(sys.stdin.fileno())
+            stop()
+
+    loop.add_reader(sys.stdin.fileno(), readable)
 
 
 def _start_profile(args: argparse.Namespace) -> Any:
@@ -179,7 +185,7 @@ async def _serve_fronts(args: argparse.Namespace, fronts: int) -> int:
     store = open_store(None, None)  # in memory, as a benchmark needs
     probe = ProcessProbe("host")
     directory = Path(tempfile.mkdtemp(prefix="gateway-proc-fronts-"))
-    (directory / "config.json").write_text(json.dumps({"gc_threshold": args.gc_threshold}))
+    (directory / SETTINGS).write_text(json.dumps({"gc_threshold": args.gc_threshold}))
     os.environ[FRONTS_DIR_ENV] = str(directory)  # the fronts inherit it (multiprocessing's spawn copies os.environ)
 
     async def stats() -> dict[str, Any]:
