@@ -60,6 +60,11 @@ def front_hook(app: web.Application) -> None:
     threshold = json.loads((directory / SETTINGS).read_text()).get("gc_threshold")
 
     async def on_startup(_: web.Application) -> None:
+        from gateway.text import normalize
+
+        # the normalisation grammars (seconds of pure Python holding the GIL) load before the front serves, as
+        # bench/gateway_proc.py's single process does: no level measures them, and the front's freeze covers them
+        await asyncio.to_thread(normalize.preload)
         probe.start()
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

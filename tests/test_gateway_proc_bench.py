@@ -11,6 +11,7 @@ import pytest
 from bench.gateway_proc import GatewayProcess, aggregate, delta
 from bench.proc_stats import GcWatch, ProcessProbe, pid_memory_mb
 from gateway.client import VoxgateClient
+from gateway.gc_policy import SERVED_THRESHOLD
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,6 +89,7 @@ async def test_fronts_each_report_their_own_figures_through_the_hosts_control_po
         assert stats["cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in stats["processes"].values()), abs=1e-3)
         assert stats["worst_front"] in ("front0", "front1") and stats["engine"]["worker_cpu_s"] > 0
         assert all(p["loop_lag"]["n"] > 0 and "gen0" in p["gc"] for p in stats["processes"].values())
+        assert stats["processes"]["host"]["gc"]["threshold"] == list(SERVED_THRESHOLD)
         await asyncio.to_thread(gw.reset)
         after = await asyncio.to_thread(gw.stats)
         assert all(p["loop_lag"]["n"] < stats["processes"][r]["loop_lag"]["n"] for r, p in after["processes"].items())
