@@ -76,9 +76,8 @@ BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --promp
 
 # Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
 smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }
-step "smoke run (fused kernels + CUDA graphs)"
 if [ "${CPU_CHECK:-0}" = 1 ]; then step "CPU check: no smoke run"
-elif ! smoke; then
+elif step "smoke run (fused kernels + CUDA graphs)"; ! smoke; then
     export VOXGATE_FUSED_KERNELS=0; step "smoke failed: again without the fused kernels"
     if ! smoke; then export VOXGATE_CUDA_GRAPHS=0; step "smoke failed: again without CUDA graphs"; smoke; fi
 fi
