@@ -22,7 +22,10 @@ Prints a table last; --json writes the results with the commit, machine, date an
 In-process, the gateway and the load clients share one process and one event loop (its CPU figure is both) unless
 --client-procs moves the clients to child processes; with --spawn-server the gateway runs alone in a child process
 (bench/gateway_proc.py) and its own CPU per stream-second, per thread, and its event-loop lag are reported
-(`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one).
+(`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one). With the real engine
+it runs as `voxgate serve` would (--fronts N, or VOXGATE_FRONTS): with fronts, `gateway_processes` has each process's
+CPU, loop lag, garbage-collector pauses per generation and memory (the host, which relays every chunk, and each
+front), `gateway_loop_lag_ms` is the worst front's, and `link_ms_*` is the link's share of the engine TTFB.
 
 Where time goes, in the JSON: the overhead split into the server's share and the rest (`server_overhead_ms_*`,
 `outside_server_ms_*`; `text_queued_ms_*`: the server's share that the first text spent read but waiting for its
