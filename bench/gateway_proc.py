@@ -365,7 +365,7 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     restarted meanwhile counts from 0), the engine's worker processes, and seconds of wall time."""
     threads = {k: round(v - before["threads"].get(k, 0.0), 3) for k, v in after["threads"].items()}
     old = before.get("processes", {})
-    procs = {role: round(p["cpu_s"] - (old[role]["cpu_s"] if role in old else 0.0), 3)
+    procs = {role: round(p["cpu_s"] - (old[role]["cpu_s"] if old.get(role, {}).get("pid") == p["pid"] else 0.0), 3)
              for role, p in after.get("processes", {}).items()}
     worker = (after.get("engine", {}).get("worker_cpu_s") or 0.0) - (before.get("engine", {}).get("worker_cpu_s")
                                                                      or 0.0)

@@ -64,6 +64,10 @@ def test_aggregate_sums_processes_and_names_the_worst_front():
     used = delta(before, after)
     assert used["processes_cpu_s"] == {"host": 1.0, "front0": 2.0, "front1": 2.0}
     assert (used["cpu_s"], used["engine_worker_cpu_s"], used["wall_s"]) == (5.0, 2.5, 1.0)
+    # front1 restarted meanwhile (a new pid): its CPU counts from its start
+    restarted = aggregate([_snap("host", 2.0, 1.0, 10), _snap("front0", 4.0, 1.0, 11), _snap("front1", 0.5, 1.0, 13)],
+                          {"worker_cpu_s": 6.5})
+    assert delta(before, restarted)["processes_cpu_s"]["front1"] == 0.5
 
 
 def _get(url: str) -> dict:
