@@ -487,7 +487,9 @@ def _gateway_summary(gateway: dict | None, audio_s: float, stream_s: float) -> d
            "gateway_lag_ms_p99": (gateway["loop_lag"] or {}).get("p99_ms")}
     if "processes" in gateway:
         cpu = used.get("processes_cpu_s", {})
+        host = gateway["processes"].get("host")  # with fronts: the engine's process, relaying every chunk
         out.update(gateway_fronts=gateway.get("fronts"), gateway_worst_front=gateway.get("worst_front"),
+                   host_loop_lag_ms_p99=host["loop_lag"]["p99_ms"] if host else None,
                    engine_worker_cpu_s=used.get("engine_worker_cpu_s"),
                    gateway_processes={role: {"cpu_s": cpu.get(role), "loop_lag_ms": p["loop_lag"], "gc": p["gc"],
                                              "rss_mb": p.get("rss_mb"), "rss_peak_mb": p.get("rss_peak_mb")}
