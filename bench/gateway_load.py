@@ -22,7 +22,10 @@ Prints a table last; --json writes the results with the commit, machine, date an
 In-process, the gateway and the load clients share one process and one event loop (its CPU figure is both) unless
 --client-procs moves the clients to child processes; with --spawn-server the gateway runs alone in a child process
 (bench/gateway_proc.py) and its own CPU per stream-second, per thread, and its event-loop lag are reported
-(`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one).
+(`--engine paced`: over the stand-in engine of bench/paced_engine.py instead of the real one). With the real engine
+it runs as `voxgate serve` would (--fronts N, or VOXGATE_FRONTS): with fronts, `gateway_processes` has each process's
+CPU, loop lag, garbage-collector pauses per generation and memory (the host, which relays every chunk, and each
+front), `gateway_loop_lag_ms` is the worst front's, and `link_ms_*` is the link's share of the engine TTFB.
 
 Where time goes, in the JSON: the overhead split into the server's share and the rest (`server_overhead_ms_*`,
 `outside_server_ms_*`; `text_queued_ms_*`: the server's share that the first text spent read but waiting for its
@@ -336,6 +339,7 @@ def _latency(turns: list[TurnResult]) -> dict:
     timed = [t.server_metrics for t in turns if t.server_metrics.get("ttfb_ms") is not None
              and t.server_metrics.get("engine_ttfb_ms") is not None]
     server_side = [m["ttfb_ms"] - m["engine_ttfb_ms"] for m in timed]
+    link = [m["link_ms"] for m in timed if m.get("link_ms") is not None]
     # LLM deltas: the first segment leaves once the segmenter has a clause (or its max delay passed); that wait for
     # text is in the server's TTFB, so the overhead is also given without it (the first segment's submit time)
     text_wait = [m["segment_log"][0]["submit_ms"] for m in timed if m.get("segment_log")]
@@ -347,6 +351,8 @@ def _latency(turns: list[TurnResult]) -> dict:
         "ttfb_ms_p50": _pct(ttfb, 0.5), "ttfb_ms_p90": _pct(ttfb, 0.9), "ttfb_ms_p99": _pct(ttfb, 0.99),
         "engine_ttfb_ms_p50": _pct(engine, 0.5), "engine_ttfb_ms_p90": _pct(engine, 0.9),
         "server_overhead_ms_p50": _pct(server_side, 0.5), "server_overhead_ms_p90": _pct(server_side, 0.9),
+        # --fronts: the link's share of the engine TTFB (request front -> host + first chunk host -> front)
+        "link_ms_p50": _pct(link, 0.5), "link_ms_p90": _pct(link, 0.9),
         "text_wait_ms_p50": _pct(text_wait, 0.5),
         "server_overhead_after_text_ms_p50": _pct(after_text, 0.5),
         "server_overhead_after_text_ms_p90": _pct(after_text, 0.9),
@@ -468,15 +474,27 @@ def _round(x: float | None) -> float | None:
 
 
 def _gateway_summary(gateway: dict | None, audio_s: float, stream_s: float) -> dict:
-    """--spawn-server: the gateway process's own CPU (per stream-second, per audio second and per thread) and
-    event-loop lag."""
+    """--spawn-server: the gateway's own CPU (per stream-second, per audio second, per thread and per process: the
+    host, each front with its encoder processes), the engine worker's CPU, the worst front's event-loop lag, and per
+    process its loop lag, garbage-collector pauses by generation and resident memory."""
     if gateway is None:
         return {}
     used = gateway["used"]
-    return {"gateway_cpu_ms_per_stream_s": round(1000.0 * used["cpu_s"] / stream_s, 2) if stream_s else None,
-            "gateway_cpu_ms_per_audio_s": round(1000.0 * used["cpu_s"] / audio_s, 2) if audio_s else None,
-            "gateway_cores_used": round(used["cpu_s"] / used["wall_s"], 3) if used.get("wall_s") else None,
-            "gateway_threads_cpu_s": used["threads_cpu_s"], "gateway_loop_lag_ms": gateway["loop_lag"]}
+    out = {"gateway_cpu_ms_per_stream_s": round(1000.0 * used["cpu_s"] / stream_s, 2) if stream_s else None,
+           "gateway_cpu_ms_per_audio_s": round(1000.0 * used["cpu_s"] / audio_s, 2) if audio_s else None,
+           "gateway_cores_used": round(used["cpu_s"] / used["wall_s"], 3) if used.get("wall_s") else None,
+           "gateway_threads_cpu_s": used["threads_cpu_s"], "gateway_loop_lag_ms": gateway["loop_lag"],
+           "gateway_lag_ms_p99": (gateway["loop_lag"] or {}).get("p99_ms")}
+    if "processes" in gateway:
+        cpu = used.get("processes_cpu_s", {})
+        host = gateway["processes"].get("host")  # with fronts: the engine's process, relaying every chunk
+        out.update(gateway_fronts=gateway.get("fronts"), gateway_worst_front=gateway.get("worst_front"),
+                   host_loop_lag_ms_p99=host["loop_lag"]["p99_ms"] if host else None,
+                   engine_worker_cpu_s=used.get("engine_worker_cpu_s"),
+                   gateway_processes={role: {"cpu_s": cpu.get(role), "loop_lag_ms": p["loop_lag"], "gc": p["gc"],
+                                             "rss_mb": p.get("rss_mb"), "rss_peak_mb": p.get("rss_peak_mb")}
+                                      for role, p in gateway["processes"].items()})
+    return out
 
 
 def _client_proc(conn: Any, url: str, indexes: list[int], level: Level, args: argparse.Namespace) -> None:
@@ -530,7 +548,9 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                                            "--compile-stall-ms", str(args.compile_stall_ms)]
         profile = ["--profile", args.profile] if args.profile else []
         seqs = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
-        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, *seqs)
+        gc_threshold = ["--gc-threshold", args.gc_threshold] if args.gc_threshold else []
+        fronts = ["--fronts", args.fronts] if args.fronts else []
+        proc = await asyncio.to_thread(GatewayProcess, *engine_args, *profile, *seqs, *gc_threshold, *fronts)
         url = proc.url
     elif url is None:
         from engine import Engine
@@ -559,7 +579,7 @@ async def _run(args: argparse.Namespace) -> list[dict]:
             args.level_t0 = time.monotonic() + args.start_delay
             spy = None
             if proc is not None and args.py_spy:  # sampled in the level's steady state: after the ramp
-                spy = asyncio.create_task(_spy(proc.pid, level, args))
+                spy = asyncio.create_task(_spy(proc.spy_pids(), level, args))
             turns = await _level(url, level, args)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             gateway = None
@@ -567,7 +587,8 @@ async def _run(args: argparse.Namespace) -> list[dict]:
                 from gateway_proc import delta
 
                 after = await asyncio.to_thread(proc.stats)
-                gateway = {"used": delta(before, after), "loop_lag": after["loop_lag"]}
+                gateway = {"used": delta(before, after), "loop_lag": after["loop_lag"],
+                           **{k: after[k] for k in ("processes", "fronts", "worst_front") if k in after}}
                 steps = _step_detail(before["engine"].get("workers", []), after["engine"].get("workers", []))
             else:
                 if runner is not None and args.client_procs:  # this process is the gateway alone
@@ -588,13 +609,17 @@ async def _run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-async def _spy(pid: int, level: Level, args: argparse.Namespace) -> dict:
-    """--py-spy: the gateway process sampled for that many seconds (GIL holder, then every thread): in closed loop
-    from 2 s after the ramp (the steady state), else from just before the turns begin (the burst)."""
+async def _spy(pids: dict[str, int], level: Level, args: argparse.Namespace) -> dict:
+    """--py-spy: the gateway's processes (the host, and one front when there are fronts) sampled at the same time
+    for that many seconds each way (GIL holder, then every thread): in closed loop from 2 s after the ramp (the
+    steady state), else from just before the turns begin (the burst)."""
     from py_spy import record
 
     await asyncio.sleep(args.start_delay + (2.0 + args.ramp if level.closed else -0.2))
-    return await record(pid, args.py_spy, Path(args.py_spy_dir), level.name.replace(":", "_"))
+    tag = level.name.replace(":", "_")
+    spies = await asyncio.gather(*(record(pid, args.py_spy, Path(args.py_spy_dir), f"{tag}_{role}")
+                                   for role, pid in pids.items()))
+    return spies[0] if len(pids) == 1 else dict(zip(pids, spies, strict=True))
 
 
 async def _warm_up(url: str, args: argparse.Namespace) -> None:
@@ -616,7 +641,8 @@ def _table(results: list[dict], header: bool = True) -> str:
             ("server_overhead_ms_p50", "server +ms p50"), ("server_overhead_ms_p90", "p90"),
             ("server_gap_ms_p99", "server gap p99"), ("server_gap_ms_max", "max"),
             ("late_frames", "late frames"), ("late_ms_total", "late ms"), ("underrun_turns", "underrun turns"),
-            ("gateway_cpu_ms_per_stream_s", "gateway CPU ms/stream s"), ("streams_mean", "streams"),
+            ("link_ms_p50", "link p50"), ("gateway_cpu_ms_per_stream_s", "gateway CPU ms/stream s"),
+            ("gateway_lag_ms_p99", "front lag p99"), ("streams_mean", "streams"),
             ("errors", "errors")]
     lines = [" | ".join(h for _, h in cols)] if header else []
     lines += [" | ".join(str(r.get(k)) for k, _ in cols) for r in results]
@@ -637,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, help="real engine: concurrent requests (default: the engine's)")
     ap.add_argument("--compile-stall-ms", type=float, default=0.0, help="--engine paced: the first step serving a "
                     "continuation segment stalls this long, once (as a kernel compiled mid-serving would)")
+    ap.add_argument("--fronts", help="--spawn-server, real engine: the gateway's front processes (N or auto; "
+                    "default: the served default, VOXGATE_FRONTS)")
+    ap.add_argument("--gc-threshold", help="--spawn-server: the gateway's garbage-collector thresholds, "
+                    "GEN0[,GEN1[,GEN2]] (default: as served)")
     ap.add_argument("--api-key")
     ap.add_argument("--client-procs", type=int, default=0, help="run the sessions in this many client processes "
                     "(default 0: in this process, sharing the event loop with an in-process gateway)")

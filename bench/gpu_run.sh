@@ -16,7 +16,10 @@
 #   MIXED_MAX=10,12 MIXED_OTHER_TIMESTEPS=5,1 (mixed_settings: one run per served maximum of timesteps)
 #   TWO_KEY_LEVELS=twokey:256 (two_key: key A's 256 streams at once against key B's one new stream)
 #   GATEWAY_E2E_LEVELS=64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix GATEWAY_E2E_DURATION=30
-#   GATEWAY_E2E_PYSPY=6 (gateway_e2e: py-spy samples the gateway 6 s a level: GIL holder, every thread; carry its wheel)
+#   GATEWAY_E2E_PYSPY=6 (gateway_e2e: py-spy samples the gateway 6 s a level, its host and one front at once: GIL
+#   holder, every thread; carry its wheel), GATEWAY_E2E_VARIANTS="VOXGATE_FRONTS=1 VOXGATE_FRONTS=4" (one run each)
+#   CPU_CHECK=1 PY=.venv/bin/python PLAN=gateway_e2e GATEWAY_E2E_LEVELS=4:whole,closed:4:mix (no GPU: the plumbing of
+#   the named stages on the tiny random model, written on the CPU; no smoke run)
 #   GATEWAY_E2E_ARGS="--cushion-ms 100" (gateway_e2e; ARGS come after bench/gateway_load.py's own, so they win)
 #   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_e2e gateway_capacity v15 kernels two_key soak
 set -uo pipefail
@@ -56,7 +59,7 @@ export PYTHONPATH=/tmp/site:$OPUS_PATH.
 # the Opus frame encoder's C helper, built in place as `pip install -e .` would (the gateway stages measure it)
 $PY setup.py -q build_ext --inplace >/dev/null 2>>"$OUT/smoke.log" || echo "gateway/_opus_frames.c did not build" >&2
 export TRITON_INTERPRET=0 VOXGATE_LOG=${VOXGATE_LOG:-INFO} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)
+GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU")
 echo "$GPU"
 COMMIT=${VOXGATE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null)} || true
 COMMIT=${COMMIT:-unknown}
@@ -64,15 +67,17 @@ COMMIT=${COMMIT:-unknown}
 TMP=$($PY -c 'import tempfile; print(tempfile.gettempdir())')
 V2=$TMP/voxgate-bench-voxcpm2-stop-never
 V15=$TMP/voxgate-bench-voxcpm1.5-stop-never
-step "write the real-size random VoxCPM2 checkpoint (stop head never fires) to $V2"
-[ -f "$V2/config.json" ] || $PY -m engine.random_checkpoint "$V2" --size voxcpm2 --stop-never --device cuda
+SIZE=voxcpm2 DEVICE=cuda
+[ "${CPU_CHECK:-0}" = 1 ] && V2=$TMP/voxgate-bench-tiny-stop-never SIZE=tiny DEVICE=cpu
+step "write the random $SIZE checkpoint (stop head never fires) to $V2"
+[ -f "$V2/config.json" ] || $PY -m engine.random_checkpoint "$V2" --size $SIZE --stop-never --device $DEVICE
 export VOXGATE_VOXCPM2_DIR=$V2
 BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --prompt-positions 114 ${BENCH_ARGS:-}"  # as the anchor
 
 # Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
 smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }
-step "smoke run (fused kernels + CUDA graphs)"
-if ! smoke; then
+if [ "${CPU_CHECK:-0}" = 1 ]; then step "CPU check: no smoke run"
+elif step "smoke run (fused kernels + CUDA graphs)"; ! smoke; then
     export VOXGATE_FUSED_KERNELS=0; step "smoke failed: again without the fused kernels"
     if ! smoke; then export VOXGATE_CUDA_GRAPHS=0; step "smoke failed: again without CUDA graphs"; smoke; fi
 fi
@@ -218,8 +223,9 @@ for STAGE in $(echo "${PLAN:-$DEFAULT_PLAN}" | tr ',' ' '); do
         # engine, 8 client processes, ~60-word paragraphs at 12 patches a segment (~6 segments, ~11.5 s of audio a
         # turn): 64 and 256 at once (text whole; 256 again in PCM: what the Opus pool adds), then 400 in closed loop
         # (half whole, half LLM deltas) for 6 s of ramp and GATEWAY_E2E_DURATION s; ~3 min with the engine's start
-        # GATEWAY_E2E_VARIANTS="VOXGATE_ENCODE_PROCS=0 VOXGATE_ENCODE_PROCS=12": one run per environment setting (the
-        # gateway's own), each into gateway_e2e_<setting>.json; without it one run into gateway_e2e.json
+        # GATEWAY_E2E_VARIANTS="VOXGATE_FRONTS=1 VOXGATE_FRONTS=4": one run per environment setting (the gateway's
+        # own: its processes inherit it), each into gateway_e2e_<setting>.json; without it one run into
+        # gateway_e2e.json. The JSON's gateway figures are per process (host, each front: CPU, loop lag, GC, RSS)
         levels=${GATEWAY_E2E_LEVELS:-64:whole,256:whole,256:whole:pcm_s16le,closed:400:mix}
         for variant in ${GATEWAY_E2E_VARIANTS:-default}; do
             name=gateway_e2e; [ "$variant" != default ] && name=gateway_e2e_$(echo "$variant" | tr -c 'A-Za-z0-9\n' '_')

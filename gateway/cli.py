@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -188,6 +187,7 @@ def _server_config(gateway: GatewayConfig, metrics_key: str | None) -> ServerCon
 
 async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
     from gateway.fronts import auth_from, front_count
+    from gateway.gc_policy import settle_gc
     from gateway.http.readiness import drain
     from gateway.server import create_app, start_server
     from gateway.store import open_store
@@ -219,10 +219,7 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
     except OSError as e:
         await engine.stop()
         raise CliError(f"cannot listen on {gateway.host}:{gateway.port}: {e}") from None
-    # what is loaded by now (torch & co., ~170k objects) is kept out of the garbage collector's reach: a full
-    # collection of it pauses the event loop for 85-180 ms, long enough to be heard in every stream
-    gc.collect()
-    gc.freeze()
+    settle_gc()  # the collector as every serving gateway process runs it (gateway.gc_policy says why)
     info = engine.model_info()
     print(f"voxgate: serving {info.name} ({info.sample_rate} Hz) on http://{gateway.host}:{port} "
           f"(WebSocket /v1/stream)", file=sys.stderr)
