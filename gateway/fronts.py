@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib
 import logging
 import multiprocessing
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.gateway_config import GatewayConfig
+from gateway.gc_policy import settle_gc
 from gateway.offload import usable_cores
 from gateway.settings import GatewaySettings, fronts_count
 
@@ -239,9 +239,7 @@ async def serve_fronts(engine: Any, store: Store, *, fronts: int, host: str, por
     the exit status: 0, or 1 when a front kept dying. FrontsError when they cannot start."""
     node = Fronts(engine, store, fronts=fronts, host=host, port=port, front_args=front_args, app_hook=app_hook)
     bound = await node.start(progress)
-    # this loop relays every front's audio: what is loaded by now stays out of the collector's reach, as in a front
-    gc.collect()
-    gc.freeze()
+    settle_gc()  # this loop relays every front's audio: the collector as a front runs it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -311,10 +309,7 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
         control.send(("error", f"cannot start: {e}"))
         await link.close()
         return 1
-    # what is loaded by now is kept out of the garbage collector's reach, as `voxgate serve` does (a full collection
-    # of it pauses the event loop long enough to be heard in every stream)
-    gc.collect()
-    gc.freeze()
+    settle_gc()
     control.send(("ready", os.getpid()))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
