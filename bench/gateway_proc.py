@@ -126,6 +126,7 @@ def _save_profile(profiler: Any, args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     """One gateway process (the paced engine always; the real one with one front)."""
+    from gateway.encode_site import start_encoders
     from gateway.gc_policy import settle_gc
     from gateway.server import create_app, start_server
     from gateway.text import normalize
@@ -151,6 +152,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # before the port is announced, so no level measures it
     await asyncio.to_thread(normalize.preload)
     probe.start()
+    start_encoders()
     settle_gc(args.gc_threshold)
     print(json.dumps({"port": port, "pid": os.getpid(), "control_port": port, "fronts": 1}), flush=True)
     stop = asyncio.Event()

@@ -186,6 +186,7 @@ def _server_config(gateway: GatewayConfig, metrics_key: str | None) -> ServerCon
 
 
 async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
+    from gateway.encode_site import start_encoders
     from gateway.fronts import auth_from, front_count
     from gateway.gc_policy import settle_gc
     from gateway.http.readiness import drain
@@ -219,6 +220,7 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
     except OSError as e:
         await engine.stop()
         raise CliError(f"cannot listen on {gateway.host}:{gateway.port}: {e}") from None
+    start_encoders()
     settle_gc()  # the collector as every serving gateway process runs it (gateway.gc_policy says why)
     info = engine.model_info()
     print(f"voxgate: serving {info.name} ({info.sample_rate} Hz) on http://{gateway.host}:{port} "

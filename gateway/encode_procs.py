@@ -330,7 +330,8 @@ class EncodeProcs:
         """The live processes' ids (tests, diagnostics)."""
         return [p.pid for p in self._processes if p.alive]
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the processes not running yet (`open` does it too; a serving process does it at start)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -344,7 +345,7 @@ class EncodeProcs:
         if self.closed:
             raise EncoderProcessLost("the gateway is shutting down")
         if len(self._processes) < self.procs:
-            self._start()
+            self.start()
         process = min(self._processes, key=lambda p: p.encoders)
         encoder_id = next(self._ids) & 0xFFFFFFFF
         process.encoders += 1

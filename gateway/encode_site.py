@@ -111,6 +111,15 @@ class InPool:
 ON_LOOP = OnLoop()
 
 
+def start_encoders() -> None:
+    """Start this loop's Opus encoder processes now if Opus turns go to them: a serving process calls it once it
+    listens, so its first Opus turn does not wait for them to start (~0.1-0.4 s: a Python child and its imports;
+    every front of `--fronts N` has its own)."""
+    procs = GatewaySettings.from_env().encode_procs
+    if procs != 0:
+        shared_procs(three_quarters_of_cores() if procs is None else procs).start()
+
+
 def encode_site(fmt: OutputFormat) -> EncodeSite:
     """Where a new turn in `fmt` encodes: the cheap formats on the loop; Opus in the encoder processes when
     VOXGATE_ENCODE_PROCS asks for them (made on first use), else in the shared thread pool. Call on the event loop."""

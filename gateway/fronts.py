@@ -279,6 +279,7 @@ def run_front(index: int, fronts: int, link_path: str, metrics_dir: str, host: s
 
 async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str, host: str, port: int,
                        args: FrontArgs, app_hook: str | None, control: Connection) -> int:
+    from gateway.encode_site import start_encoders
     from gateway.http.readiness import drain
     from gateway.link import connect
     from gateway.metrics import GatewayMetrics
@@ -309,6 +310,7 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
         control.send(("error", f"cannot start: {e}"))
         await link.close()
         return 1
+    start_encoders()
     settle_gc()
     control.send(("ready", os.getpid()))
     loop = asyncio.get_running_loop()

@@ -236,3 +236,17 @@ def test_the_processes_end_with_a_gateway_that_dies():
         assert gone(child)
     finally:
         gateway.kill()
+
+
+@pytest.mark.parametrize("setting, started", [("2", 2), ("0", 0)])
+async def test_a_serving_process_starts_its_encoders_before_its_first_turn(monkeypatch, setting, started):
+    from gateway.encode_procs import close_shared, shared_pids
+    from gateway.encode_site import start_encoders
+
+    monkeypatch.setenv("VOXGATE_ENCODE_PROCS", setting)
+    start_encoders()
+    try:
+        assert len(shared_pids()) == started  # running now, with no turn opened (0: Opus in the thread pool)
+    finally:
+        close_shared()
+    assert shared_pids() == []
