@@ -340,6 +340,7 @@ def _latency(turns: list[TurnResult]) -> dict:
              and t.server_metrics.get("engine_ttfb_ms") is not None]
     server_side = [m["ttfb_ms"] - m["engine_ttfb_ms"] for m in timed]
     link = [m["link_ms"] for m in timed if m.get("link_ms") is not None]
+    link_request = [m["link_request_ms"] for m in timed if m.get("link_request_ms") is not None]
     # LLM deltas: the first segment leaves once the segmenter has a clause (or its max delay passed); that wait for
     # text is in the server's TTFB, so the overhead is also given without it (the first segment's submit time)
     text_wait = [m["segment_log"][0]["submit_ms"] for m in timed if m.get("segment_log")]
@@ -353,6 +354,7 @@ def _latency(turns: list[TurnResult]) -> dict:
         "server_overhead_ms_p50": _pct(server_side, 0.5), "server_overhead_ms_p90": _pct(server_side, 0.9),
         # --fronts: the link's share of the engine TTFB (request front -> host + first chunk host -> front)
         "link_ms_p50": _pct(link, 0.5), "link_ms_p90": _pct(link, 0.9),
+        "link_request_ms_p50": _pct(link_request, 0.5), "link_request_ms_p90": _pct(link_request, 0.9),
         "text_wait_ms_p50": _pct(text_wait, 0.5),
         "server_overhead_after_text_ms_p50": _pct(after_text, 0.5),
         "server_overhead_after_text_ms_p90": _pct(after_text, 0.9),

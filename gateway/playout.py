@@ -117,6 +117,7 @@ class TurnSender:
                    "segment_log": [t.to_dict() for t in turn.segment_log]}
         if turn.link_ms is not None:  # a front process's turn: the engine is in the host (`gateway.link`)
             metrics["link_ms"] = _round(turn.link_ms, 2)
+            metrics["link_request_ms"] = _round(turn.link_request_ms, 2)
         self._retire(turn)
         self.metrics.turns_done.labels(outcome="done").inc()
         await self._send(p.ContextDone(turn.id, round(figures.audio_ms, 1), metrics))

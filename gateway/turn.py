@@ -132,6 +132,7 @@ class Turn:
     text_queued_ms: float | None = None  # how long that text waited between the socket's read and its handler
     engine_ttfb_ms: float | None = None
     link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
+    link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
@@ -249,6 +250,7 @@ class TurnPipeline:
                     if turn.engine_ttfb_ms is None:
                         turn.engine_ttfb_ms = wait_ms
                         turn.link_ms = getattr(stream, "link_ms", None)
+                        turn.link_request_ms = getattr(stream, "link_parts_ms", (None, None))[0]
                         self.metrics.engine_ttfb.observe(wait_ms / 1000.0)
                     else:  # continuation prompts make these longer: measured to keep that cost visible
                         turn.later_ttfb_ms.append(wait_ms)

@@ -71,6 +71,7 @@ async def test_a_turn_through_a_front_is_the_engines_audio_with_link_ms(served):
     assert np.max(np.abs(got[:len(reference)] - np.clip(reference, -1, 1))) < 2 / 32767
     metrics = utt.done["metrics"]
     assert 0 <= metrics["link_ms"] <= metrics["engine_ttfb_ms"]
+    assert 0 <= metrics["link_request_ms"] <= metrics["link_ms"]
     await idle(eng)
 
 
