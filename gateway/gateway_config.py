@@ -91,7 +91,7 @@ class GatewayConfig:
         None, flag="--fronts", metavar="N|auto", check=check_fronts, default_text="VOXGATE_FRONTS, else auto",
         help="gateway processes (fronts) serving this port over the one engine, each with its own event loop: raise "
              "it when one gateway process's loop is the bottleneck (hundreds of sessions); 1: one process; auto: 1 "
-             "below 8 cores, else cores // 4, at most 8")
+             "below 8 cores, else cores // 2, at most 8")
     web_client_dir: str | None = option(
         None, flag="--web-client", default_text="the demo page, gateway/web_client/",
         help="folder of the browser client to serve at /")

@@ -60,7 +60,7 @@ class GatewaySettings:
         "worker's host thread get a core first", nice_increment)
     fronts: int | None = switch(
         "VOXGATE_FRONTS", "auto", "auto | integer >= 1", "gateway front processes sharing the port over one engine "
-        "(`voxgate serve --fronts` overrides it; auto: 1 below 8 cores, else cores // 4, at most 8)", fronts_count)
+        "(`voxgate serve --fronts` overrides it; auto: 1 below 8 cores, else cores // 2, at most 8)", fronts_count)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)

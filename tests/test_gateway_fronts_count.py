@@ -12,9 +12,9 @@ from gateway.gateway_config import GatewayConfig
 from gateway.settings import GatewaySettings
 
 
-@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (31, 7), (64, 8),
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (7, 1), (8, 4), (16, 8), (31, 8), (64, 8),
                                                  (128, 8)])
-def test_auto_is_one_below_eight_cores_else_a_quarter_of_them_at_most_eight(monkeypatch, cores, expected):
+def test_auto_is_one_below_eight_cores_else_half_of_them_at_most_eight(monkeypatch, cores, expected):
     monkeypatch.delenv("VOXGATE_FRONTS", raising=False)
     monkeypatch.setattr(fronts, "usable_cores", lambda: cores)
     assert fronts.front_count(None) == expected
