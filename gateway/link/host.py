@@ -4,8 +4,10 @@ A front sends `RequestSpec`s it built itself (`gateway.link.remote_engine`); the
 (`Engine.submit_spec`: the pool still picks the worker and counts tenants' queued prompts and adapter users) with a
 relay as its chunk sink. There is no task per request: the pool hands the relay each chunk of a worker step in one
 callback, the relay appends it to its front's pending `Chunks` (a dict lookup, done by the pool, and an append), and
-each front's pending messages leave as one frame at the end of that pass of the loop. The host stamps when it got
-each request and each first chunk, so a front can tell the link's share of its time to first audio.
+each front's pending messages leave as one frame at the end of that pass of the loop; the step's audio goes into
+the front's shared-memory ring (`gateway.link.ring`), so the frame carries its span, not ~1 MB of samples. The
+host stamps when it got each request and each first chunk, so a front can tell the link's share of its time to
+first audio.
 
 Stored voices and adapters are changed here for every front: adding a voice id (or registering an adapter name)
 again with the same content is a no-op, serialised per id, so fronts that load the same stored item at once do not
@@ -198,8 +200,9 @@ class EngineHost:
                 audio_ring = ring.offer(sock, self._ring_floats)
                 await self.loop.connect_accepted_socket(
                     lambda r=audio_ring: _FrontConnection(self, next(self._numbers), r), sock)
-            except OSError as e:  # the front went away at once
-                log.debug("a front's connection failed before it linked: %s", e)
+            except Exception as e:  # the front went away at once; the next one is still accepted
+                log.log(logging.DEBUG if isinstance(e, OSError) else logging.ERROR,
+                        "a front's connection failed before it linked: %s", e)
                 if audio_ring is not None:
                     audio_ring.close()
                 sock.close()
