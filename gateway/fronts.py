@@ -128,7 +128,7 @@ class Fronts:
             self.port = self._reserved.getsockname()[1]
             if not self.store.shared:  # a shared store's items are loaded on first use
                 await Catalog(self.engine, self.store).restore(progress)
-            self._link_host = EngineHost(self.engine, self.store, self._dir / "link.sock")
+            self._link_host = EngineHost(self.engine, self.store, self._dir / "link.sock", fronts=self.count)
             await self._link_host.start()
             spawns = [asyncio.create_task(self._spawn(i)) for i in range(self.count)]
             try:

@@ -6,7 +6,8 @@ Front side: `connect(path, front)` -> `FrontLink` with `.engine` (a `RemoteEngin
 `engine.engine.Engine`) and `.store` (a `HostStore`: `gateway.store.base.Store` over the link, `shared = True`).
 
 Requests are checked and built into `RequestSpec`s in the front (the same code as `Engine.generate`), so the host
-only forwards specs to its pool and relays chunks, one message per front per worker step. If the host goes away,
+only forwards specs to its pool and relays chunks, one message per front per worker step (its audio in the link's
+shared-memory ring, `gateway.link.ring`, the message carrying its span). If the host goes away,
 every open stream of the front fails with `HostLost` (an `EngineStopped`) and `FrontLink.on_lost` is called.
 """
 

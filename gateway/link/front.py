@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any
 
 from engine.config import ModelConfig
 from engine.errors import InvalidParameter
+from engine.ipc import AudioRing
 from engine.text import Tokenizer
-from gateway.link import wire
+from gateway.link import ring, wire
 from gateway.link.host_store import HostStore
 from gateway.link.remote_engine import RemoteEngine, RemoteStream
 
@@ -32,8 +34,9 @@ CONNECT_TIMEOUT_S = 30.0  # the host binds its socket before its fronts start; t
 class _HostConnection(asyncio.Protocol):
     """The socket to the host: frames out at the end of each loop pass, frames in dispatched as they arrive."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, ring: AudioRing | None):
         self.loop = loop
+        self.ring = ring  # the link's audio ring (`gateway.link.ring`); None: the host sends audio inline
         self.transport: asyncio.Transport | None = None
         self.reader = wire.Reader()
         self.out: list[Any] = []
@@ -104,8 +107,10 @@ class _HostConnection(asyncio.Protocol):
 
     def dispatch(self, msg: Any) -> None:
         engine = self.engine
-        if type(msg) is wire.Chunks and engine is not None:  # the hot path first
-            engine.on_chunks(msg)
+        if type(msg) is wire.Chunks:  # the hot path first
+            msg = wire.with_audio(msg, self.ring)  # always, so the host gets its ring space back
+            if engine is not None:
+                engine.on_chunks(msg)
         elif type(msg) is wire.Reply:
             fut = self.calls.get(msg.call)
             if fut is not None and not fut.done():
@@ -147,6 +152,9 @@ class _HostConnection(asyncio.Protocol):
             self.engine.on_lost(error)
         if not self.closed.done():
             self.closed.set_result(None)
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
         if not self.closing:
             log.error("%s: this front's streams end", why)
             if self.on_lost is not None:
@@ -189,6 +197,23 @@ def _load_model(path: str) -> tuple[ModelConfig, Tokenizer]:
     return ModelConfig.from_file(Path(path) / "config.json"), Tokenizer.from_dir(Path(path))
 
 
+async def _open(loop: asyncio.AbstractEventLoop, path: str, deadline: float) -> _HostConnection:
+    """Connect, take the audio ring the host hands over on the raw socket, then give the socket to asyncio."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    audio_ring = None
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, path)
+        audio_ring = await asyncio.wait_for(ring.receive(sock), max(0.1, deadline - time.monotonic()))
+        _, conn = await loop.create_unix_connection(lambda: _HostConnection(loop, audio_ring), sock=sock)
+    except BaseException:
+        if audio_ring is not None:
+            audio_ring.close()
+        sock.close()
+        raise
+    return conn
+
+
 async def connect(path: str | os.PathLike, front: int, *, on_lost: Callable[[], None] | None = None,
                   timeout_s: float = CONNECT_TIMEOUT_S) -> FrontLink:
     """In a front process: connect to the host at `path` (retrying while it starts, up to `timeout_s`; `HostLost`
@@ -197,9 +222,9 @@ async def connect(path: str | os.PathLike, front: int, *, on_lost: Callable[[], 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            _, conn = await loop.create_unix_connection(lambda: _HostConnection(loop), os.fspath(path))
+            conn = await _open(loop, os.fspath(path), deadline)
             break
-        except (FileNotFoundError, ConnectionRefusedError) as e:
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
             if time.monotonic() >= deadline:
                 raise wire.HostLost(f"no engine host at {os.fspath(path)!r} after {timeout_s:g} s: {e}") from None
             await asyncio.sleep(0.05)

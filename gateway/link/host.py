@@ -4,8 +4,10 @@ A front sends `RequestSpec`s it built itself (`gateway.link.remote_engine`); the
 (`Engine.submit_spec`: the pool still picks the worker and counts tenants' queued prompts and adapter users) with a
 relay as its chunk sink. There is no task per request: the pool hands the relay each chunk of a worker step in one
 callback, the relay appends it to its front's pending `Chunks` (a dict lookup, done by the pool, and an append), and
-each front's pending messages leave as one frame at the end of that pass of the loop. The host stamps when it got
-each request and each first chunk, so a front can tell the link's share of its time to first audio.
+each front's pending messages leave as one frame at the end of that pass of the loop; the step's audio goes into
+the front's shared-memory ring (`gateway.link.ring`), so the frame carries its span, not ~1 MB of samples. The
+host stamps when it got each request and each first chunk, so a front can tell the link's share of its time to
+first audio.
 
 Stored voices and adapters are changed here for every front: adding a voice id (or registering an adapter name)
 again with the same content is a no-op, serialised per id, so fronts that load the same stored item at once do not
@@ -22,6 +24,8 @@ import itertools
 import logging
 import os
 import pickle
+import socket
+import stat
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,8 +37,9 @@ from engine.api import AudioChunk
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.generation import Stream
+from engine.ipc import AudioRing
 from engine.registries import Voice
-from gateway.link import wire
+from gateway.link import ring, wire
 from gateway.store.base import Store
 
 log = logging.getLogger("voxgate.link")
@@ -74,8 +79,9 @@ class _Relay:
 class _FrontConnection(asyncio.Protocol):
     """One front's socket at the host, and the requests it holds."""
 
-    def __init__(self, host: EngineHost, number: int):
+    def __init__(self, host: EngineHost, number: int, ring: AudioRing | None):
         self.host, self.number = host, number
+        self.ring = ring  # the front's audio ring (`gateway.link.ring`); None: its audio travels inline
         self.prefix = f"{number}/"  # request ids are the front's own; the pool's are namespaced per link
         self.front: int | None = None  # the number the front gave in its hello
         self.transport: asyncio.Transport | None = None
@@ -100,7 +106,7 @@ class _FrontConnection(asyncio.Protocol):
         if not out or self.transport is None or self.transport.is_closing():
             return
         if chunks is not None:
-            out = [wire.pack_chunks(chunks) if m is chunks else m for m in out]
+            out = [wire.pack_chunks(chunks, self.ring) if m is chunks else m for m in out]
         try:
             data = wire.frame(out, time.monotonic())
         except Exception:  # a reply that cannot travel (too large, not picklable): its call fails, the rest goes
@@ -137,17 +143,28 @@ class _FrontConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.host._drop(self)
+        self.close_ring()
+
+    def close_ring(self) -> None:
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
 
 
 class EngineHost:
     """In the host process: serves one started `Engine` and one `Store` to front processes over a unix socket."""
 
-    def __init__(self, engine: Engine, store: Store, path: str | os.PathLike):
+    def __init__(self, engine: Engine, store: Store, path: str | os.PathLike, *, fronts: int = 1,
+                 ring_s: float = ring.RING_S):
+        """`fronts`: how many fronts will share the engine (sizes each one's audio ring); `ring_s`: seconds of
+        audio per stream a ring holds (0: no rings, every step's audio travels inline)."""
         self.engine, self.store, self.path = engine, store, os.fspath(path)
+        self._ring_floats = ring.ring_floats(engine.config.sample_rate, engine.max_num_seqs, fronts, ring_s)
         self.loop = asyncio.get_running_loop()
         self._links: dict[int, _FrontConnection] = {}  # every connection; a front's once it said hello
         self._numbers = itertools.count(1)
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task | None = None
         self._ticker: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()
         self._revision = -1
@@ -158,10 +175,37 @@ class EngineHost:
     async def start(self) -> None:
         """Listen on the socket (mode 0600; its directory should be private to the service too)."""
         self._sync()
-        self._server = await self.loop.create_unix_server(lambda: _FrontConnection(self, next(self._numbers)),
-                                                          self.path)
-        os.chmod(self.path, 0o600)
+        with contextlib.suppress(FileNotFoundError):  # a socket left by a host that died
+            if stat.S_ISSOCK(os.stat(self.path).st_mode):
+                os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            listener.listen(socket.SOMAXCONN)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._acceptor = asyncio.create_task(self._accept(listener))
         self._ticker = asyncio.create_task(self._tick())
+
+    async def _accept(self, listener: socket.socket) -> None:
+        """Take each front's connection: hand it its audio ring on the raw socket, then to asyncio."""
+        while True:
+            sock, _ = await self.loop.sock_accept(listener)
+            audio_ring = None
+            try:
+                audio_ring = ring.offer(sock, self._ring_floats)
+                await self.loop.connect_accepted_socket(
+                    lambda r=audio_ring: _FrontConnection(self, next(self._numbers), r), sock)
+            except Exception as e:  # the front went away at once; the next one is still accepted
+                log.log(logging.DEBUG if isinstance(e, OSError) else logging.ERROR,
+                        "a front's connection failed before it linked: %s", e)
+                if audio_ring is not None:
+                    audio_ring.close()
+                sock.close()
 
     def fronts(self) -> int:
         """Fronts connected now (that said hello)."""
@@ -171,18 +215,20 @@ class EngineHost:
         """Cancel every request the fronts hold, close their links, stop listening and remove the socket."""
         if self._ticker is not None:
             self._ticker.cancel()
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._acceptor
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self._links.values()):
             self._drop(conn)
             if conn.transport is not None:
                 conn.flush()
                 conn.transport.close()
+            conn.close_ring()
         for task in list(self._calls):
             task.cancel()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

@@ -21,6 +21,7 @@ import numpy as np
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import EngineError, EngineStopped
 from engine.guards import SamplingRanges
+from engine.ipc import AudioRing
 from engine.specs import RequestSpec
 
 HEADER = struct.Struct("<I")
@@ -183,12 +184,13 @@ STORE_CALLS = frozenset({"put", "get", "blobs", "items", "update", "delete", "ad
 class Chunks(NamedTuple):
     """The chunks of one worker step for this front, packed: `meta` has one (request id, samples, index, is_last,
     stop_reason, step, first) per chunk, where `first` is None but for a request's first chunk: (host got the
-    request, host got the chunk), both `time.monotonic()`; their audio is `audio`, one after another, and their
-    latents the rows of `latents`. One array of each pickles in a fraction of the time of one per chunk (the host's
-    event loop pickles every step)."""
+    request, host got the chunk), both `time.monotonic()`; their audio is `audio`, one after another (a span of the
+    link's `AudioRing`, or inline when the link has none or it was full), and their latents the rows of `latents`.
+    One array of each pickles in a fraction of the time of one per chunk (the host's event loop pickles every
+    step)."""
 
     meta: list[tuple[str, int, int, bool, str | None, int, tuple[float, float] | None]]
-    audio: np.ndarray
+    audio: np.ndarray | tuple[int, int]
     latents: np.ndarray | list[Any]
 
 
@@ -196,9 +198,15 @@ class Chunks(NamedTuple):
 ChunkRow = tuple[str, np.ndarray, int, Any, bool, "str | None", int, "tuple[float, float] | None"]
 
 
-def pack_chunks(rows: list[ChunkRow]) -> Chunks:
-    """One `Chunks` message of the rows a step gave one front."""
-    audio = np.concatenate([r[1] for r in rows]) if rows else np.zeros(0, np.float32)
+def pack_chunks(rows: list[ChunkRow], ring: AudioRing | None = None) -> Chunks:
+    """One `Chunks` message of the rows a step gave one front; its audio goes into `ring` when one is given and
+    has room, else inline."""
+    audio: np.ndarray | tuple[int, int] = (np.concatenate([r[1] for r in rows]) if rows
+                                           else np.zeros(0, np.float32))
+    if ring is not None and rows:
+        span = ring.write(audio)
+        if span is not None:
+            audio = span
     latents: np.ndarray | list[Any] = [r[3] for r in rows]
     if rows and all(isinstance(x, np.ndarray) for x in latents):
         latents = np.stack(latents)
@@ -207,13 +215,26 @@ def pack_chunks(rows: list[ChunkRow]) -> Chunks:
     return Chunks(meta, audio, latents)
 
 
-def unpack_chunks(msg: Chunks) -> Iterator[ChunkRow]:
-    """The rows of a `Chunks` message, each chunk's audio and latents a view of the message's arrays."""
+def unpack_chunks(msg: Chunks, ring: AudioRing | None = None) -> Iterator[ChunkRow]:
+    """The rows of a `Chunks` message, each chunk's audio and latents a view of the message's arrays (audio in the
+    ring is copied out of `ring` first, which hands its space back to the host)."""
+    audio = with_audio(msg, ring).audio
+    assert isinstance(audio, np.ndarray)
     pos = 0
-    audio, latents = msg.audio, msg.latents
+    latents = msg.latents
     for i, (rid, n, index, is_last, reason, step, first) in enumerate(msg.meta):
         yield rid, audio[pos:pos + n], index, latents[i], is_last, reason, step, first
         pos += n
+
+
+def with_audio(msg: Chunks, ring: AudioRing | None) -> Chunks:
+    """`msg` with its audio inline: copied out of `ring` (which hands that space back to the host) if it is there.
+    `EngineError` if the audio is in a ring this side does not have."""
+    if type(msg.audio) is not tuple:
+        return msg
+    if ring is None:
+        raise EngineError("a link message refers to an audio ring this front does not have")
+    return msg._replace(audio=ring.read(*msg.audio))
 
 
 class Failed(NamedTuple):
