@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -17,6 +16,7 @@ from engine.sampling import SamplingParams
 from gateway.config_file import ConfigFileError, with_config_file
 from gateway.flags import FlagError, add_flags, given
 from gateway.gateway_config import GatewayConfig
+from gateway.log_setup import setup_logging
 from gateway.store.local import DEFAULT_DATA_DIR
 from gateway.text import normalize as spoken
 
@@ -116,25 +116,6 @@ def _parser() -> argparse.ArgumentParser:
     common(say)
     say.set_defaults(run=_say)
     return ap
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-                 "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, as_json: bool) -> None:
-    """Log lines to stderr at `level`, as text or one JSON object each (a gateway front sets up the same)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(_JsonFormatter() if as_json else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    numeric = logging.getLevelNamesMapping()[level.upper()]  # GatewayConfig checked the name
-    logging.basicConfig(level=numeric, handlers=[handler], force=True)
-    logging.getLogger("aiohttp.access").setLevel(max(numeric, logging.WARNING))
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

@@ -268,7 +268,7 @@ async def serve_fronts(engine: Any, store: Store, *, fronts: int, host: str, por
 def run_front(index: int, fronts: int, link_path: str, metrics_dir: str, host: str, port: int, args: FrontArgs,
               app_hook: str | None, control: Connection) -> None:
     """A front process's body (the spawn target): serve until SIGTERM/SIGINT or until the host goes away."""
-    from gateway.cli import setup_logging
+    from gateway.log_setup import setup_logging
 
     setup_logging(args.log_level, args.log_json)
     try:
