@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from engine.api import AudioChunk
-from engine.request import RequestSpec
 
 if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.registries import LoRAEntry
+    from engine.specs import RequestSpec
     from engine.worker_handle import WorkerHandle
 
 
@@ -37,31 +37,34 @@ class Stream:
     tenant: str | None = None  # the tenant whose queued prompt it counts as until its first audio (then None)
 
 
-class Generation(AsyncIterator[AudioChunk]):
-    """The async iterator `Engine.generate` returns (its request already sent, or sent on first use when audio must
-    be encoded first or the worker is not up yet); closing it (or dropping it) cancels."""
+class ChunkIterator(AsyncIterator[AudioChunk]):
+    """Drains one request's queue of chunks (`Generation`, and a gateway front's `RemoteGeneration`): None on the
+    queue ends it (cancelled), an exception is raised; an error while waiting, closing it or dropping it cancels
+    the request (`_cancel`). `_send_first` runs once before the first read while `_unsent` is set."""
 
-    def __init__(self, engine: Engine, stream: Stream, spec: RequestSpec | None, args: dict | None,
-                 audio: tuple[Any, Any, int | None], submitted: bool = False):
-        self._engine, self._stream, self._spec, self._args, self._audio = engine, stream, spec, args, audio
-        self._submitted = submitted  # True: `Engine.generate` sent the request already
-        self._finished = False
+    _finished = False
+    _unsent = False
 
-    @property
-    def request_id(self) -> str:
-        return self._stream.request_id
-
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> ChunkIterator:
         return self
+
+    def _queue(self) -> asyncio.Queue:
+        raise NotImplementedError
+
+    async def _send_first(self) -> None:
+        raise NotImplementedError
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
 
     async def __anext__(self) -> AudioChunk:
         if self._finished:
             raise StopAsyncIteration
         try:
-            if not self._submitted:
-                self._submitted = True
-                await self._engine._submit(self._stream, self._spec, self._args, self._audio)
-            item = await cast(asyncio.Queue, self._stream.queue).get()
+            if self._unsent:
+                self._unsent = False
+                await self._send_first()
+            item = await self._queue().get()
         except BaseException:
             self._close()
             raise
@@ -82,7 +85,30 @@ class Generation(AsyncIterator[AudioChunk]):
     def _close(self) -> None:
         if not self._finished:
             self._finished = True
-            self._engine._cancel_nowait(self._stream.request_id, self._stream)
+            self._cancel()
+
+
+class Generation(ChunkIterator):
+    """The async iterator `Engine.generate` returns (its request already sent, or sent on first use when audio must
+    be encoded first or the worker is not up yet); closing it (or dropping it) cancels."""
+
+    def __init__(self, engine: Engine, stream: Stream, spec: RequestSpec | None, args: dict | None,
+                 audio: tuple[Any, Any, int | None], submitted: bool = False):
+        self._engine, self._stream, self._spec, self._args, self._audio = engine, stream, spec, args, audio
+        self._unsent = not submitted  # False: `Engine.generate` sent the request already
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    def _queue(self) -> asyncio.Queue:
+        return cast(asyncio.Queue, self._stream.queue)
+
+    async def _send_first(self) -> None:
+        await self._engine._submit(self._stream, self._spec, self._args, self._audio)
+
+    def _cancel(self) -> None:
+        self._engine._cancel_nowait(self._stream.request_id, self._stream)
 
     def __del__(self) -> None:
         if not self._finished and not self._engine.loop.is_closed():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.config import ModelConfig
 from engine.errors import InvalidParameter, UnknownLoRA, UnknownVoice
+from engine.generation import ChunkIterator
 from engine.request_check import CheckedRequest, check_request
 from engine.sampling import SamplingParams
 from engine.specs import RequestSpec, request_spec
@@ -55,13 +56,13 @@ class RemoteStream:
         return self.request_ms + self.chunk_ms
 
 
-class RemoteGeneration(AsyncIterator[AudioChunk]):
+class RemoteGeneration(ChunkIterator):
     """What `RemoteEngine.generate` returns: `Engine.generate`'s iterator over the link; closing it (or dropping
     it) cancels. `link_ms`: the link's share of the request's time to first audio, once that audio is here."""
 
     def __init__(self, engine: RemoteEngine, stream: RemoteStream, checked: CheckedRequest | None):
         self._engine, self._stream, self._checked = engine, stream, checked  # checked: audio to encode first
-        self._finished = False
+        self._unsent = checked is not None
 
     @property
     def request_id(self) -> str:
@@ -76,38 +77,16 @@ class RemoteGeneration(AsyncIterator[AudioChunk]):
         """(request front -> host, first chunk host -> front)."""
         return self._stream.request_ms, self._stream.chunk_ms
 
-    def __aiter__(self) -> RemoteGeneration:
-        return self
+    def _queue(self) -> asyncio.Queue:
+        return self._stream.queue
 
-    async def __anext__(self) -> AudioChunk:
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            if self._checked is not None:
-                checked, self._checked = self._checked, None
-                await self._engine._submit_encoded(self._stream, checked)
-            item = await self._stream.queue.get()
-        except BaseException:
-            self._close()
-            raise
-        if item is None:
-            self._finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._finished = True
-            raise item
-        if item.is_last:
-            self._finished = True
-        return item
+    async def _send_first(self) -> None:
+        checked, self._checked = self._checked, None
+        assert checked is not None
+        await self._engine._submit_encoded(self._stream, checked)
 
-    async def aclose(self) -> None:
-        """Cancel the request unless it already finished."""
-        self._close()
-
-    def _close(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine._cancel_stream(self._stream)
+    def _cancel(self) -> None:
+        self._engine._cancel_stream(self._stream)
 
     def __del__(self) -> None:
         if not self._finished and not self._engine.loop.is_closed():
