@@ -42,6 +42,18 @@ class GatewayMetrics:
         self._engine = _EngineCollector(engine)
         self.registry.register(self._engine)
 
+    def node_sessions(self, own: int) -> int:
+        """Open sessions on the node: `own` (this process's), or with `node_dir` the sum over its live fronts (what
+        `/readyz` reports, so a balancer sees the node full whichever front it asks)."""
+        if self.node_dir is None:
+            return own
+        node = CollectorRegistry()
+        MultiProcessCollector(node, path=self.node_dir)
+        for family in node.collect():
+            if family.name == "voxgate_sessions":
+                return int(sum(sample.value for sample in family.samples))
+        return own
+
     def render(self) -> bytes:
         """The Prometheus text: this process's metrics, or with `node_dir` every front's (and the engine's once)."""
         if self.node_dir is None:

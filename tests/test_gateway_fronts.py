@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -152,13 +153,13 @@ async def test_sessions_land_on_both_fronts_and_each_speaks_a_whole_turn(node):
             await c.close()
 
 
-async def _metrics_of_both(node: Node) -> dict[int, str]:
-    """front -> its GET /metrics text, for both fronts."""
+async def _metrics_of_both(node: Node, path: str = "/metrics") -> dict[int, str]:
+    """front -> its answer to GET `path` (/metrics: 200), for both fronts."""
     texts: dict[int, str] = {}
     for _ in range(64):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
-                http.get(f"http://127.0.0.1:{node.port}/metrics") as r:
-            assert r.status == 200
+                http.get(f"http://127.0.0.1:{node.port}{path}") as r:
+            assert r.status == 200 or path != "/metrics"
             texts[int(r.headers[FRONT_HEADER])] = await r.text()
         if len(texts) == 2:
             break
@@ -189,6 +190,9 @@ async def test_the_per_key_and_the_node_session_limits_hold_across_fronts(node):
             assert error["code"] == "overloaded" and error["fatal"] is True
         for text in (await _metrics_of_both(node)).values():  # the node's open sessions, whichever front answers
             assert re.search(r"^voxgate_sessions (\S+)$", text, re.M).group(1) == f"{NODE_LIMIT:.1f}"
+        for text in (await _metrics_of_both(node, "/readyz")).values():  # and balancers see the node full
+            ready = json.loads(text)
+            assert (ready["status"], ready["sessions"], ready["free_slots"]) == ("full", NODE_LIMIT, 0)
     finally:
         for c in opened:
             await c.close()

@@ -24,11 +24,13 @@ def _gateway(app: web.Application) -> Gateway:
 
 
 def load_report(gw: Gateway) -> dict[str, Any]:
-    """The node's load for balancers: open sessions, free session slots, the engine's running requests, its queue and
-    its room for more (None when the engine does not say), and whether the node drains."""
+    """The node's load for balancers: open sessions and free session slots (the node's: every front's), the engine's
+    running requests, its queue and its room for more (None when the engine does not say), and whether the node
+    drains."""
     stats = gw.engine.stats()
     engine = stats if isinstance(stats, dict) else asdict(stats) if is_dataclass(stats) else {}
-    return {"sessions": len(gw.sessions), "free_slots": max(gw.config.max_sessions - len(gw.sessions), 0),
+    sessions = gw.metrics.node_sessions(len(gw.sessions))  # the node's, across its fronts (`--fronts N`)
+    return {"sessions": sessions, "free_slots": max(gw.config.max_sessions - sessions, 0),
             "running": engine.get("running"), "queue": engine.get("waiting"),
             "engine_room": engine.get("admission_room"), "draining": gw.draining}
 
