@@ -101,9 +101,11 @@ def worker_main() -> None:
     from engine.ipc import AudioRing
     from engine.worker import run_worker
 
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides (it stops its workers at exit or on
-    # its own SIGINT handling), so the worker neither dies mid-step nor prints a second traceback
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's SIGTERM often every process of
+    # the service (systemd's default KillMode): the parent decides (it drains its turns, then stops its workers), so
+    # the worker neither dies mid-drain (and is restarted) nor prints a second traceback; it ends with its parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cmd_fd, res_fd, ring_fd, ring_size, tracker_fd, life_fd = map(int, sys.argv[1:7])
     for fd in (cmd_fd, res_fd, tracker_fd, life_fd):  # the worker's own subprocesses must not hold them open
         os.set_inheritable(fd, False)

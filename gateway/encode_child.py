@@ -102,7 +102,10 @@ def main(argv: list[str]) -> None:
     """`python -m gateway.encode_child FD SHARED NICE`: serve the socket inherited as FD, with the slots in the
     memory file SHARED, `NICE` levels below the gateway's CPU priority."""
     fd, shared_fd, nice = int(argv[0]), int(argv[1]), int(argv[2])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the gateway stops it, and it stops us (end of file)
+    # a Ctrl-C, or a service manager's SIGTERM to every process of the service, is the gateway's to act on: it drains
+    # its turns (which need us), then stops us (end of file)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice > 0:
         with contextlib.suppress(OSError):  # not permitted: encode at the gateway's priority
             os.nice(nice)

@@ -100,14 +100,17 @@ async def test_say_reports_bad_input_without_a_traceback(gateway_url, tmp_path):
 
 
 @in_module_loop
-async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir, tmp_path):
+@pytest.mark.parametrize("group", [False, True], ids=["main-process", "process-group"])
+async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir, tmp_path, group):
+    """SIGTERM to the main process, or to every process of the service at once (systemd's default KillMode, a
+    terminal's Ctrl-C): the server drains; its engine worker and encoder processes wait for it, none is restarted."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_v2_dir), "--host", "127.0.0.1",
         "--port", str(port), "--shutdown-timeout", "0.5", "--max-num-seqs", "4", "--data-dir", str(tmp_path),
-        env=ENV,
+        env=ENV, start_new_session=True,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         banner = b""
@@ -122,10 +125,15 @@ async def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_v2_dir, tmp_
             utt = await c.speak("Served.", "t")
             assert utt.done["audio_ms"] > 0
             await c.append("A turn left open when the server stops", "open")
-            proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             error = await c.expect("error", timeout=20)
             assert error["code"] == "server_shutdown" and error["fatal"] is True
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+        log = (banner + await proc.stderr.read()).decode()
+        assert "restarting" not in log and "lost" not in log and "Traceback" not in log, log
     finally:
         if proc.returncode is None:
             proc.kill()
