@@ -167,6 +167,18 @@ class Catalog:
         if lora and adapter is None:
             raise NotVisible(f"no registered LoRA adapter {lora!r}", code="unknown_lora")
         voice_id = uuid.uuid4().hex[:12]
+        # ours before the engine has it: until its record is stored, an engine voice no record names would read as an
+        # operator's (every key's) to another session resolving the id
+        self._ours.add((VOICE, voice_id))
+        try:
+            return await self._create_voice(caller, voice_id, adapter, audio, text, lora, public, design)
+        except BaseException:
+            if voice_id not in self._engine_voices():  # else it stays ours: never an operator's voice
+                self._ours.discard((VOICE, voice_id))
+            raise
+
+    async def _create_voice(self, caller: Caller, voice_id: str, adapter: str | None, audio: bytes | None,
+                            text: str | None, lora: str | None, public: bool, design: Design | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"voice_id": voice_id, "lora": adapter}
         if audio is not None:
             kwargs.update(audio=audio, text=text)
@@ -186,7 +198,6 @@ class Catalog:
             await self.engine.remove_voice(voice_id)
             raise Unavailable(str(e)) from None
         self._loaded[(VOICE, voice_id)] = item
-        self._ours.add((VOICE, voice_id))
         return self.voice_view(item)
 
     @staticmethod
