@@ -128,7 +128,8 @@ async def test_haproxy_spreads_sessions_and_moves_new_ones_off_a_draining_node(t
                                f'max-sessions = {MAX_SESSIONS}\nshutdown-timeout = 30\n')
         for name, port in ports.items():  # each on its own port: the command line overrides the file
             procs[name] = await _start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(node_config),
-                                        "--port", str(port)], tmp_path / f"{name}.log")
+                                        "--port", str(port), "--data-dir", str(tmp_path / f"{name}-data")],
+                                       tmp_path / f"{name}.log")
         procs["haproxy"] = await _start(["haproxy", "-db", "-f", str(cfg)], tmp_path / "haproxy.log")
         async with aiohttp.ClientSession() as http:
             async def both_up() -> bool:

@@ -62,8 +62,8 @@ class LocalStore:
             leftovers = list(tmp.iterdir())
             if leftovers:
                 log.warning("removing %d unfinished write(s) from %s (a crash mid-upload)", len(leftovers), tmp)
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(exist_ok=True)  # a second server started at the same moment on the same directory did it too
         _fsync_dir(self.data_dir)
 
     def _dir(self, kind: str, item_id: str) -> Path:
