@@ -44,7 +44,8 @@ EAGER_TOKEN_STEP = 256  # the finest rounding of an eager flat batch's positions
 # its GPU work, or longer, so a burst's first audio would wait on the host (with FP8 GEMMs every time); one replay
 # takes that host time away. They start at the smallest eager bucket, not past LM_GRAPH_TOKENS: a mixed step of more
 # sequences than the small graphs hold (hundreds of decode rows beside a few prompts, every step of a busy gateway)
-# would otherwise pad to 2,304 positions (s16b: 64 decode rows on the flat path took 41.5 ms, the graph step 19.9).
+# would otherwise pad to 2,304 positions (measured: 64 decode rows on the flat path
+# took twice as long as their graph step; docs/decisions.md).
 LARGE_LM_GRAPH_TOKENS = 8192
 # VOXGATE_LARGE_LM_GRAPHS=0: none (every step past the small LM graphs eager); =text: only those
 # of prompts alone (LocEnc on no row). For A/B timing and as a fallback.

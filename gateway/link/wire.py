@@ -21,7 +21,7 @@ import numpy as np
 from engine.api import EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.errors import EngineError, EngineStopped
 from engine.guards import SamplingRanges
-from engine.ipc import AudioRing
+from engine.ipc import AudioRing, Buffered, Cancel  # noqa: F401  (Buffered, Cancel: link messages too)
 from engine.specs import RequestSpec
 
 HEADER = struct.Struct("<I")
@@ -153,15 +153,7 @@ class Submit(NamedTuple):
     spec: RequestSpec
 
 
-class Cancel(NamedTuple):
-    request_id: str
-
-
-class Buffered(NamedTuple):
-    """The listener of a request has `audio_ms` queued (`Engine.update_buffered`)."""
-
-    request_id: str
-    audio_ms: float
+# Cancel and Buffered are the pool's own messages to a worker (`engine.ipc`), re-exported: a front sends them as is
 
 
 class Call(NamedTuple):
