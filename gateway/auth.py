@@ -70,6 +70,14 @@ class Auth:
         self.store: Store = LocalStore()
 
     @classmethod
+    def from_options(cls, api_keys_file: str | None, keys_from_store: bool) -> Auth:
+        """As `voxgate serve` (and each of its fronts) takes its keys: `--api-keys-file` (OSError / ValueError when it
+        cannot be read), else none but the store's, if asked."""
+        if api_keys_file:
+            return cls.from_file(api_keys_file, keys_from_store=keys_from_store)
+        return cls(keys_from_store=keys_from_store)
+
+    @classmethod
     def from_file(cls, path: str | Path, **kwargs) -> Auth:
         """One key per line, optionally followed by flags (`operator`, `strict`); blank lines and lines starting
         with # are skipped."""

@@ -167,8 +167,9 @@ def _server_config(gateway: GatewayConfig, metrics_key: str | None) -> ServerCon
 
 
 async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
+    from gateway.auth import Auth
     from gateway.encode_site import start_encoders
-    from gateway.fronts import auth_from, front_count
+    from gateway.fronts import front_count
     from gateway.gc_policy import settle_gc
     from gateway.http.readiness import drain
     from gateway.server import create_app, start_server
@@ -176,7 +177,7 @@ async def _serve(args: argparse.Namespace, gateway: GatewayConfig) -> int:
 
     _check_switches()
     try:
-        auth = auth_from(gateway.api_keys_file, gateway.api_keys_from_store)
+        auth = Auth.from_options(gateway.api_keys_file, gateway.api_keys_from_store)
     except (OSError, ValueError) as e:
         raise CliError(f"--api-keys-file: {e}") from None
     try:

@@ -39,7 +39,6 @@ from gateway.settings import GatewaySettings, fronts_count
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from gateway.auth import Auth
     from gateway.server import ServerConfig
     from gateway.store import Store
 
@@ -73,15 +72,6 @@ class FrontArgs:
     api_keys_from_store: bool = GatewayConfig.api_keys_from_store
     log_level: str = GatewayConfig.log_level
     log_json: bool = GatewayConfig.log_json
-
-
-def auth_from(api_keys_file: str | None, keys_from_store: bool) -> Auth:
-    """The API keys of `--api-keys-file` (OSError / ValueError when it cannot be read), or no authentication."""
-    from gateway.auth import Auth
-
-    if api_keys_file:
-        return Auth.from_file(api_keys_file, keys_from_store=keys_from_store)
-    return Auth(keys_from_store=keys_from_store)
 
 
 class FrontsError(Exception):
@@ -280,6 +270,7 @@ def run_front(index: int, fronts: int, link_path: str, metrics_dir: str, host: s
 
 async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str, host: str, port: int,
                        args: FrontArgs, app_hook: str | None, control: Connection) -> int:
+    from gateway.auth import Auth
     from gateway.encode_site import start_encoders
     from gateway.http.readiness import drain
     from gateway.link import connect
@@ -300,7 +291,8 @@ async def _serve_front(index: int, fronts: int, link_path: str, metrics_dir: str
         control.send(("error", f"cannot connect to the engine host: {e}"))
         return 1
     try:
-        app = create_app(link.engine, args.config, auth=auth_from(args.api_keys_file, args.api_keys_from_store),
+        auth = Auth.from_options(args.api_keys_file, args.api_keys_from_store)
+        app = create_app(link.engine, args.config, auth=auth,
                          metrics=GatewayMetrics(node_dir=metrics_dir), compat=True, store=link.store)
         app.on_response_prepare.append(_tag(index))
         if app_hook:
