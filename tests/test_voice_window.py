@@ -16,7 +16,7 @@ import soundfile
 from gateway.auth import Caller
 from gateway.link import EngineHost, FrontLink, HostLost, connect
 from gateway.link.host import STATUS_S
-from gateway.store import LocalStore
+from gateway.store import LocalStore, StoreUnavailable
 from gateway.voices import Catalog
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -33,6 +33,25 @@ class SlowStore(LocalStore):
         self.putting.set()
         await self.release.wait()
         await super().put(item, blobs)
+
+
+class FlakyStore(LocalStore):
+    """A local store that, once armed, cannot be reached for the one `get` after each `blobs`: the host's record
+    check while a front loads a stored voice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed, self._fail_next_get = False, False
+
+    async def blobs(self, kind, item_id):
+        self._fail_next_get = self.armed
+        return await super().blobs(kind, item_id)
+
+    async def get(self, kind, item_id):
+        if self._fail_next_get:
+            self._fail_next_get = False
+            raise StoreUnavailable("unreachable for this test")
+        return await super().get(kind, item_id)
 
 
 def _wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
@@ -62,7 +81,7 @@ async def test_a_voice_is_not_another_keys_while_its_record_is_stored(engine):
 
 
 @contextlib.asynccontextmanager
-async def _fronts(engine, store: SlowStore, socket_dir, count: int) -> AsyncIterator[list[FrontLink]]:
+async def _fronts(engine, store: LocalStore, socket_dir, count: int) -> AsyncIterator[list[FrontLink]]:
     """`count` front links (real, over a unix socket) to a host serving `engine` and `store`."""
     host = EngineHost(engine, store, socket_dir / "host.sock")
     await host.start()
@@ -132,4 +151,24 @@ async def test_a_voice_whose_creator_front_goes_away_before_storing_it_leaves_th
         assert await elsewhere.resolve(voice_id, Caller("key-a2", "tenant-a")) == voice_id
         assert await elsewhere.resolve(voice_id, Caller("key-b", "tenant-b")) is None
         await elsewhere.delete_voice(Caller("key-a2", "tenant-a"), voice_id)
+    assert voice_id not in _ids(engine.list_voices())
+
+
+async def test_a_stored_voice_loaded_while_the_store_cannot_say_is_every_fronts_once_another_front_loads_it(
+        engine, tmp_path_factory):
+    store = FlakyStore()
+    owner, same_tenant = Caller("key-a", "tenant-a"), Caller("key-a2", "tenant-a")
+    async with _fronts(engine, store, tmp_path_factory.mktemp("w"), 2) as (one, two):
+        voice_id = (await Catalog(one.engine, one.store).create_voice(owner, audio=_wav(), text="Stored."))["voice_id"]
+        await engine.remove_voice(voice_id)  # as on a node that has not loaded it yet
+        store.armed = True
+        assert await Catalog(one.engine, one.store).resolve(voice_id, owner) == voice_id  # loaded: no record seen
+        assert voice_id in _ids(one.engine.list_voices())
+        await asyncio.sleep(3 * STATUS_S)
+        assert voice_id not in _ids(two.engine.list_voices())  # the host counts it as being created there
+        elsewhere = Catalog(two.engine, two.store)
+        assert await elsewhere.resolve(voice_id, same_tenant) == voice_id  # it read the record: every front's now
+        assert voice_id in _ids(two.engine.list_voices())
+        store.armed = False
+        await elsewhere.delete_voice(owner, voice_id)
     assert voice_id not in _ids(engine.list_voices())

@@ -322,7 +322,7 @@ class EngineHost:
         async with self._lock((VOICE, voice_id)):
             v = self.engine.stored_voices().get(voice_id)
             if self._creating.get(voice_id, conn.number) != conn.number:
-                # another front loads it: it read the record (the store was unreachable when it was created here)
+                # another front loads it, so it read its record (the store could not say when the voice came here)
                 del self._creating[voice_id]
                 self._sync(force=True)
             if v is not None and kwargs.get("audio") is None and same_voice(v, kwargs):
