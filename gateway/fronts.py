@@ -349,8 +349,8 @@ def _hook(spec: str) -> Callable[[web.Application], Any]:
 
 
 def _crash_window(window_s: float) -> Any:
-    """The engine workers' crash counter over `window_s`, for the fronts (imported here, in the host alone: a
-    front imports this module and loads no torch)."""
+    """The engine workers' crash counter (`CrashWindow`), over `window_s`, for the fronts (imported here, in the host
+    alone: a front imports this module and loads no torch)."""
     from engine.worker_handle import CrashWindow
 
     return CrashWindow(window_s)
