@@ -27,10 +27,11 @@ step on the device, the one launched behind it and its own, so its first audio c
 every stream still gets a patch every two steps: its gap stays about one full-batch step. A stream joins the smaller
 half at its first patch. The split ends below 3/4 of the bound.
 
-KV blocks for a prompt are taken at admission (with a small watermark kept free for running decodes); a decode that
-crosses a block boundary takes one more. When none is free, the least urgent running request is preempted: its
-blocks are freed and it is recomputed later (prompt + patches so far), keeping its noise generator and VAE slot so
-its audio continues seamlessly. Stored voices hold their prefix blocks; requests of the voice share the full ones.
+KV blocks for a prompt are taken at admission (`engine.admission`, with a small watermark kept free for running
+decodes); a decode that crosses a block boundary takes one more. When none is free, the least urgent running request
+is preempted: its blocks are freed and it is recomputed later (prompt + patches so far), keeping its noise generator
+and VAE slot so its audio continues seamlessly. Stored voices hold their prefix blocks; requests of the voice share
+the full ones.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.admission import Admissions
 from engine.decode_halves import DecodeHalves
 from engine.engine_config import EngineConfig
 from engine.fair_share import FairShare
-from engine.kv_cache import BlockManager
 from engine.lean_steps import Listeners, leave_out, queued_ms, split_needy
 from engine.lora import AdapterSlots
 from engine.request import Request, RequestSpec, Status
@@ -58,12 +59,6 @@ class ScheduledSeq:
     start: int  # first position fed this step
     num_tokens: int
     emit: bool  # the chunk ends the sequence: a patch is sampled
-
-
-@dataclass
-class VoicePrefix:
-    blocks: list[int]  # full blocks only, so no request ever writes into them
-    length: int  # prefix positions
 
 
 @dataclass
@@ -83,11 +78,14 @@ def _admission_order(req: Request) -> tuple:
     return not req.generated, -req.spec.params.priority, req.arrival
 
 
-class Scheduler:
+class Scheduler(Admissions):
+    """Picks each step's positions (the module docstring); what the requests hold is `Admissions`'."""
+
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, block_size: int,
                  patch_ms: float, sit_out_ms: float = EngineConfig.sit_out_ms, loras: AdapterSlots | None = None,
                  max_prefill_tokens_while_speaking: int | None = None, split_decodes_above: int | None = None,
                  lean_ms: float = 0.0):
+        super().__init__(max_num_seqs=max_num_seqs, num_blocks=num_blocks, block_size=block_size, loras=loras)
         self.max_num_seqs = max_num_seqs
         self.lean_ms = lean_ms  # lean steps (`engine.lean_steps`) above this much audio queued; 0: none
         self.listeners = Listeners()  # (lean steps) what a continuation's listener has queued when it arrives
@@ -96,18 +94,9 @@ class Scheduler:
         self.max_prefill_while_speaking = max_prefill_tokens_while_speaking or max_num_batched_tokens
         self.patch_ms = patch_ms
         self.sit_out_ms = sit_out_ms
-        self.loras = loras  # LoRA slots: an admitted request holds its adapter's slot until it finishes or yields
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.watermark = max(1, num_blocks // 100)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.voices: dict[str, VoicePrefix] = {}
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # VAE stream slots
         self.fair = FairShare()  # prefill order across tenants
         self.blocked: Request | None = None  # the waiting request the last step could not admit (it holds the rest)
         self.num_steps = 0
-        self.num_preemptions = 0
 
     @property
     def split(self) -> bool:
@@ -129,32 +118,10 @@ class Scheduler:
             self.finish(req, "cancelled")
         return req
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Frees everything the request holds, at once."""
-        if req.status is Status.FINISHED:
-            return
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        req.status, req.stop_reason = Status.FINISHED, reason
-        self.blocks.release(req.block_table)
-        req.block_table = []
-        self._release_lora(req)
-        if req.vae_slot is not None:
-            self.free_slots.append(req.vae_slot)
-            req.vae_slot = None
-        del self.requests[req.request_id]
-
     def update_buffered(self, request_id: str, audio_ms: float) -> None:
         req = self.requests.get(request_id)
         if req is not None:
             req.report_buffered(audio_ms)
-
-    def remove_voice(self, voice_id: str) -> None:
-        voice = self.voices.pop(voice_id, None)
-        if voice is not None:
-            self.blocks.release(voice.blocks)
 
     @property
     def has_work(self) -> bool:
@@ -377,65 +344,6 @@ class Scheduler:
             queues.setdefault(req.spec.tenant or None, []).append(req)
         return queues
 
-    def _admit_waiting(self, req: Request) -> bool:
-        """Admit the waiting `req` (it runs from now on) when it can be; `_drop_admitted` takes it off `waiting`."""
-        if not self._fits(req):
-            return False
-        if req.spec.lora is not None:
-            slot = self.loras.acquire(req.spec.lora) if self.loras is not None else None
-            if slot is None:  # every LoRA slot is held by a running request
-                return False
-            req.lora_slot = slot
-        shared, need = self._prompt_blocks(req)
-        req.block_table = self.blocks.share(shared) + self.blocks.allocate(need)
-        req.num_computed = len(shared) * self.blocks.block_size
-        if req.vae_slot is None and not req.spec.prefix_only:
-            req.vae_slot = self.free_slots.pop()
-        req.status = Status.RUNNING
-        self.running.append(req)
-        return True
-
-    def _drop_admitted(self) -> None:
-        """`waiting` without the requests admitted since: one pass, not a search per admission."""
-        self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
-
-    def _fits(self, req: Request, spare_slots: int = 0, spare_blocks: int = 0) -> bool:
-        """Whether a VAE slot and the KV blocks of the waiting `req`'s prompt are free (`spare_*` more of each
-        counted), a small watermark of blocks kept for the running decodes."""
-        if req.vae_slot is None and not req.spec.prefix_only and not self.free_slots and not spare_slots:
-            return False
-        need = self._prompt_blocks(req)[1]
-        return self.blocks.num_free + spare_blocks - need >= (self.watermark if self.running else 0)
-
-    def _prompt_blocks(self, req: Request) -> tuple[list[int], int]:
-        """The full blocks of its stored voice that `req` shares, and how many more its sequence needs."""
-        voice = self.voices.get(req.spec.voice_id) if req.spec.voice_id and not req.spec.prefix_only else None
-        shared = voice.blocks if voice is not None and req.seq_len > voice.length else []
-        return shared, self.blocks.blocks_for(req.seq_len) - len(shared)
-
-    def _unadmit(self, admitted: list[tuple[Request, int | None]]) -> None:
-        """Undo admissions (each with the VAE slot it held before), latest first: waiting again as they were."""
-        for req, slot in reversed(admitted):
-            assert self.running[-1] is req
-            self.running.pop()
-            self._unrun(req)
-            if slot is None and req.vae_slot is not None:
-                self.free_slots.append(req.vae_slot)
-                req.vae_slot = None
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._unrun(req)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.insert(0, req)
-
-    def _unrun(self, req: Request) -> None:
-        """`req`, taken off `running`, waits again: its KV blocks and LoRA slot go (its VAE slot stays)."""
-        self.blocks.release(req.block_table)
-        req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
-        self._release_lora(req)
-
     def postprocess(self, seqs: list[ScheduledSeq], patches: list[torch.Tensor | None],
                     stops: list[bool]) -> list[Request]:
         """Record one step's results; returns the requests that finished (already freed)."""
@@ -466,20 +374,6 @@ class Scheduler:
                 self.listeners.finished(req, self._urgency(req, now), now)
             finished.append(req)
         return finished
-
-    def _release_lora(self, req: Request) -> None:
-        if req.lora_slot:
-            assert self.loras is not None and req.spec.lora is not None
-            self.loras.release(req.spec.lora)
-            req.lora_slot = 0
-
-    def _keep_as_voice(self, req: Request) -> None:
-        full = req.seq_len // self.blocks.block_size
-        voice_id = req.spec.voice_id
-        assert voice_id is not None
-        self.remove_voice(voice_id)
-        self.voices[voice_id] = VoicePrefix(self.blocks.share(req.block_table[:full]), req.seq_len)
-        self.finish(req, "stop")
 
     def single_adapter(self) -> int:
         """The LoRA slot that every running request uses, when they all use the same one; else 0 (at once without

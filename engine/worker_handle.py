@@ -196,14 +196,15 @@ class WorkerHandle:
 
 
 class CrashWindow:
-    """Counts worker crashes over the last `RESTART_WINDOW_S`: more than `MAX_RESTARTS_PER_WINDOW` there and a
-    worker that keeps dying is broken, not unlucky."""
+    """Counts crashes over the last `window_s` (a worker's: `RESTART_WINDOW_S`): more than a limit there
+    (`MAX_RESTARTS_PER_WINDOW`) and a process that keeps dying is broken, not unlucky."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = RESTART_WINDOW_S) -> None:
+        self.window_s = window_s
         self._times: list[float] = []
 
     def add(self) -> int:
         """Record a crash now; the number of crashes in the window, this one included."""
         now = time.monotonic()
-        self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
+        self._times = [t for t in self._times if now - t < self.window_s] + [now]
         return len(self._times)

@@ -103,7 +103,9 @@ class Fronts:
         self._fronts: list[_Front | None] = [None] * fronts
         self._reserved: socket.socket | None = None
         self._link_host: Any = None
-        self._crashes, self._max_crashes, self._crash_window_s = _crash_window()
+        # more than this many front crashes within the window stop the node
+        self._max_crashes, crash_window_s = GatewaySettings.from_env().front_crashes
+        self._crashes = _crash_window(crash_window_s)
         self._stopping = False
         self.failure: str | None = None  # set when a front kept dying: the node stops
 
@@ -157,8 +159,8 @@ class Fronts:
         log.info("front %d serving (pid %d)", index, front.pid)
 
     async def supervise(self, stop: asyncio.Event) -> None:
-        """Restart a front that exits until `stop` is set; a front dying more than MAX_RESTARTS_PER_WINDOW times in
-        the crash window sets `failure` and `stop` (the node is broken, not unlucky)."""
+        """Restart a front that exits until `stop` is set; fronts dying more than N times within S seconds
+        (`GatewaySettings.front_crashes`) set `failure` and `stop` (the node is broken, not unlucky)."""
         watchers = [asyncio.create_task(self._watch(i, stop)) for i in range(self.count)]
         try:
             await stop.wait()
@@ -179,12 +181,15 @@ class Fronts:
             front.control.close()
             _forget_metrics(front.pid, self._metrics_dir)
             crashes = self._crashes.add()
-            log.error("front %d (pid %d) exited with code %s; restarting it", index, front.pid,
-                      front.process.exitcode)
             if crashes > self._max_crashes:
-                self.failure = f"fronts died {crashes} times within {self._crash_window_s:g} s"
+                self.failure = (f"fronts died {crashes} times within {self._crashes.window_s:g} s (more than "
+                                f"{self._max_crashes}: broken, not unlucky)")
+                log.error("front %d (pid %d) exited with code %s; not restarting it: %s", index, front.pid,
+                          front.process.exitcode, self.failure)
                 stop.set()
                 return
+            log.error("front %d (pid %d) exited with code %s; restarting it", index, front.pid,
+                      front.process.exitcode)
             try:
                 await self._spawn(index)
             except FrontsError as e:
@@ -343,12 +348,12 @@ def _hook(spec: str) -> Callable[[web.Application], Any]:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _crash_window() -> tuple[Any, int, float]:
-    """The engine workers' crash window, its limit and length, for the fronts (imported here, in the host alone: a
-    front imports this module and loads no torch)."""
-    from engine.worker_handle import MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S, CrashWindow
+def _crash_window(window_s: float) -> Any:
+    """The engine workers' crash counter (`CrashWindow`), over `window_s`, for the fronts (imported here, in the host
+    alone: a front imports this module and loads no torch)."""
+    from engine.worker_handle import CrashWindow
 
-    return CrashWindow(), MAX_RESTARTS_PER_WINDOW, RESTART_WINDOW_S
+    return CrashWindow(window_s)
 
 
 async def _readable(fd: int) -> None:

@@ -36,6 +36,17 @@ def fronts_count(raw: str) -> int | None:
     return value
 
 
+def crash_limit(raw: str) -> tuple[int, float]:
+    """N/S: more than N crashes within S seconds is too many (N an integer >= 0, S seconds > 0)."""
+    count, slash, seconds = raw.partition("/")
+    if not slash:
+        raise ValueError("expected N/S, e.g. 5/60")
+    limit, window_s = int(count), float(seconds)
+    if limit < 0 or not 0 < window_s < float("inf"):
+        raise ValueError("N must be >= 0 and S a number of seconds > 0")
+    return limit, window_s
+
+
 def nice_increment(raw: str) -> int:
     """0 (off) to 19: how much lower than the rest of the process a thread's CPU priority is."""
     value = int(raw)
@@ -61,6 +72,10 @@ class GatewaySettings:
     fronts: int | None = switch(
         "VOXGATE_FRONTS", "auto", "auto | integer >= 1", "gateway front processes sharing the port over one engine "
         "(`voxgate serve --fronts` overrides it; auto: 1 below 8 cores, else cores // 2, at most 8)", fronts_count)
+    front_crashes: tuple[int, float] = switch(
+        "VOXGATE_FRONT_CRASHES", "5/60", "N/S (N >= 0, S > 0)", "a node of several fronts restarts a front that dies, "
+        "but when its fronts die more than N times within S seconds it stops (exit status 1): a front that keeps dying "
+        "is broken, not unlucky", crash_limit)
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)

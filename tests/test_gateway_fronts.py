@@ -7,7 +7,6 @@ SIGKILLed host takes every process below it along."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import os
@@ -17,7 +16,6 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -25,65 +23,22 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import soundfile
+from fronts_support import ENV, Node, descendants, fronts_by_pid, start_node, still_running_after, stop_node
 
 from gateway.client import VoxgateClient
 from gateway.fronts import FRONT_HEADER
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 KEYS = ("alpha", "beta", "gamma", "delta")
 PER_KEY, NODE_LIMIT = 2, 3
-
-
-@dataclass
-class Node:
-    proc: asyncio.subprocess.Process
-    port: int
-    data_dir: Path
-    banner: str
-    log: list[str]  # its stderr after the banner
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/stream"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _start(model: Path, tmp: Path, *extra: str) -> Node:
     keys = tmp / "keys"
     keys.write_text("\n".join(KEYS) + "\n")
-    port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-        "--port", str(port), "--fronts", "2", "--max-num-seqs", "8", "--data-dir", str(tmp),
-        "--api-keys-file", str(keys), "--max-sessions-per-key", str(PER_KEY), "--max-sessions", str(NODE_LIMIT),
-        *extra, env=ENV, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    banner = b""
-    while b"serving" not in banner:
-        line = await asyncio.wait_for(proc.stderr.readline(), 180)
-        assert line, f"the server exited before serving: {banner.decode()}"
-        banner += line
-    assert b"2 gateway processes" in banner
-    node = Node(proc, port, tmp, banner.decode(), [])
-    asyncio.get_running_loop().create_task(_read_log(node))  # a full pipe must not block the server's logs
-    return node
-
-
-async def _read_log(node: Node) -> None:
-    while line := await node.proc.stderr.readline():
-        node.log.append(line.decode())
-
-
-async def _stop(node: Node) -> None:
-    if node.proc.returncode is None:
-        node.proc.kill()
-        await node.proc.wait()
+    return await start_node(model, tmp, "--api-keys-file", str(keys), "--max-sessions-per-key", str(PER_KEY),
+                            "--max-sessions", str(NODE_LIMIT), *extra)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -92,27 +47,7 @@ async def node(tiny_v2_dir, tmp_path_factory) -> AsyncIterator[Node]:
     try:
         yield started
     finally:
-        await _stop(started)
-
-
-async def _health(port: int) -> tuple[int, int]:
-    """(front, pid) of the front that answers a new connection's GET /healthz."""
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as http, \
-            http.get(f"http://127.0.0.1:{port}/healthz") as r:
-        assert r.status == 200
-        return int(r.headers[FRONT_HEADER]), (await r.json())["pid"]
-
-
-async def _fronts_by_pid(port: int, want: int = 2, tries: int = 64) -> dict[int, int]:
-    """front -> pid for every front seen over fresh connections (the kernel spreads them) until `want` are seen."""
-    seen: dict[int, int] = {}
-    for _ in range(tries):
-        front, pid = await _health(port)
-        seen[front] = pid
-        if len(seen) == want:
-            break
-    return seen
+        await stop_node(started)
 
 
 async def _session(node: Node, key: str) -> tuple[VoxgateClient, int]:
@@ -139,7 +74,7 @@ async def _refusal(node: Node, key: str) -> dict:
 
 
 async def test_sessions_land_on_both_fronts_and_each_speaks_a_whole_turn(node):
-    fronts = await _fronts_by_pid(node.port)
+    fronts = await fronts_by_pid(node.port)
     assert sorted(fronts) == [0, 1]
     for pid in fronts.values():  # a front holds no model: no torch either
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
@@ -222,12 +157,12 @@ async def test_a_voice_stored_through_one_front_speaks_on_the_other(node):
 
 
 async def test_a_killed_front_comes_back_and_serves(node):
-    before = await _fronts_by_pid(node.port)
+    before = await fronts_by_pid(node.port)
     os.kill(before[1], signal.SIGKILL)
     deadline = time.monotonic() + 120
     while True:
         await asyncio.sleep(0.5)
-        now = await _fronts_by_pid(node.port, tries=16)
+        now = await fronts_by_pid(node.port, tries=16)
         if now.get(1) not in (None, before[1]):
             break
         assert time.monotonic() < deadline, "front 1 did not come back"
@@ -238,43 +173,9 @@ async def test_a_killed_front_comes_back_and_serves(node):
         assert (await client.speak("Back again.", "b")).done["audio_ms"] > 0
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every living process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z":
-                alive.add(pid)
-    return alive
-
-
-async def _gone(pids: set[int], within_s: float) -> set[int]:
-    """Those of `pids` still running after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while _alive(pids) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    return _alive(pids)
-
-
 async def test_sigterm_drains_a_turn_in_progress_and_leaves_no_process(node):
-    processes = _descendants(node.proc.pid)
-    assert set((await _fronts_by_pid(node.port)).values()) <= processes
+    processes = descendants(node.proc.pid)
+    assert set((await fronts_by_pid(node.port)).values()) <= processes
     async with await VoxgateClient.connect(node.url, api_key="alpha") as client:
         await client.start(output={"format": "pcm_s16le"})
         await client.append("A longer turn that is still being spoken when the node is told to stop. " * 3, "last")
@@ -286,7 +187,7 @@ async def test_sigterm_drains_a_turn_in_progress_and_leaves_no_process(node):
         error = await client.expect("error", timeout=30)
         assert error["code"] == "server_shutdown"
     assert await asyncio.wait_for(node.proc.wait(), 60) == 0
-    assert not await _gone(processes, 10)
+    assert not await still_running_after(processes, 10)
     await asyncio.sleep(0.1)  # the last log lines read
     assert not [line for line in node.log if "did not exit in time" in line or "Traceback" in line]
 
@@ -310,12 +211,12 @@ async def test_the_host_restores_stored_voices_and_its_fronts_exit_when_it_is_ki
     other = await _start(tiny_v2_dir, node.data_dir)
     try:
         assert "restoring 1 voice(s)" in other.banner  # once, by the host, before any front serves
-        fronts = set((await _fronts_by_pid(other.port)).values())
+        fronts = set((await fronts_by_pid(other.port)).values())
         assert len(fronts) == 2
-        processes = _descendants(other.proc.pid)  # the fronts, the engine's worker, encoder processes
+        processes = descendants(other.proc.pid)  # the fronts, the engine's worker, encoder processes
         assert fronts <= processes
         other.proc.kill()
         await other.proc.wait()
-        assert not await _gone(processes, 10)
+        assert not await still_running_after(processes, 10)
     finally:
-        await _stop(other)
+        await stop_node(other)

@@ -12,26 +12,23 @@ first audio.
 Stored voices and adapters are changed here for every front: adding a voice id (or registering an adapter name)
 again with the same content is a no-op, serialised per id, so fronts that load the same stored item at once do not
 fail or store it twice. Every change is pushed to every front before the call that made it returns, and the
-engine's stats every `STATUS_S`.
+engine's stats every `STATUS_S`. A voice being created (added while the store has no record of it) is pushed to its
+creator's front alone until its record is stored: to another front an engine voice that no record names would be an
+operator's, shared with every key (`gateway.voices`). Should its creator go away first, it leaves the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
-import pickle
 import socket
 import stat
 import time
 from collections.abc import AsyncIterator
 from typing import Any
-
-import numpy as np
-import torch
 
 from engine.api import AudioChunk
 from engine.engine import Engine
@@ -40,7 +37,9 @@ from engine.generation import Stream
 from engine.ipc import AudioRing
 from engine.registries import Voice
 from gateway.link import ring, wire
-from gateway.store.base import Store
+from gateway.link.same_content import content_digest, same_voice
+from gateway.store.base import Item, Store, StoreUnavailable
+from gateway.voices import VOICE
 
 log = logging.getLogger("voxgate.link")
 
@@ -90,6 +89,7 @@ class _FrontConnection(asyncio.Protocol):
         self.chunks: list[wire.ChunkRow] | None = None  # this pass's chunks, in `out` (packed when it leaves)
         self.requests: dict[str, Stream] = {}  # the front's request id -> its stream in the pool
         self.paused_at: float | None = None  # since when the socket's buffer is over its high-water mark
+        self.mirrored: dict[str, Voice] = {}  # the stored voices this front mirrors now
 
     def post(self, msg: Any) -> None:
         if not self.out:
@@ -168,7 +168,7 @@ class EngineHost:
         self._ticker: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()
         self._revision = -1
-        self._pushed: dict[str, Voice] = {}  # the stored voices every front mirrors now
+        self._creating: dict[str, int] = {}  # voice id -> the link creating it, until its record is stored
         self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}  # the lock, its users
         self._registered: dict[str, bytes] = {}  # adapter name -> the digest of what it was registered with here
 
@@ -252,10 +252,11 @@ class EngineHost:
         elif t is wire.Hello:
             self._sync()  # pushed to the other fronts; this one gets the whole state with its welcome
             conn.front = msg.front
+            conn.mirrored = self._visible(self.engine.stored_voices(), conn)
             conn.post(wire.Welcome(conn.number, str(self.engine.path), str(self.engine.name),
                                    self.engine.default_timesteps, self.engine.sampling_ranges,
                                    self.store.description, self._status(),
-                                   [_mirror(v) for v in self._pushed.values()]))
+                                   [_mirror(v) for v in conn.mirrored.values()]))
             log.info("front %d linked (pid %d)", msg.front, msg.pid)
         else:
             log.warning("link %d: ignoring an unknown message %s", conn.number, t.__name__)
@@ -277,14 +278,21 @@ class EngineHost:
         requests, conn.requests = conn.requests, {}
         for stream in requests.values():
             self.engine.release(stream)
+        abandoned = [voice_id for voice_id, link in self._creating.items() if link == conn.number]
+        if abandoned:
+            task = asyncio.create_task(self._abandon(abandoned, conn.number))
+            self._calls.add(task)  # (cancelled by `close`)
+            task.add_done_callback(self._calls.discard)
 
     # ---- calls ---------------------------------------------------------------------------------------------
     async def _call(self, conn: _FrontConnection, msg: wire.Call) -> None:
         try:
             if msg.target == "engine" and msg.op in wire.ENGINE_CALLS:
-                value = await self._engine_call(msg.op, msg.args, msg.kwargs)
+                value = await self._engine_call(conn, msg.op, msg.args, msg.kwargs)
             elif msg.target == "store" and msg.op in wire.STORE_CALLS:
                 value = await getattr(self.store, msg.op)(*msg.args, **msg.kwargs)
+                if msg.op == "put":
+                    self._stored(msg.args[0])
             else:
                 raise EngineError(f"no link call {msg.target}.{msg.op}")
             ok = True
@@ -294,30 +302,74 @@ class EngineHost:
             self._sync()  # every front sees the change before the caller's call returns
         conn.post(wire.Reply(msg.call, ok, value))
 
-    async def _engine_call(self, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    async def _engine_call(self, conn: _FrontConnection, op: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         if op == "add_voice" and kwargs.get("voice_id") is not None:
-            return await self._add_voice(kwargs)
+            return await self._add_voice(conn, kwargs)
         if op == "register_lora":
             return await self._register_lora(*args, **kwargs)
         value = await getattr(self.engine, op)(*args, **kwargs)
         if op == "unregister_lora":
             self._registered.pop(args[0], None)
+        elif op == "remove_voice":
+            self._creating.pop(args[0], None)
         return value
 
-    async def _add_voice(self, kwargs: dict[str, Any]) -> str:
+    async def _add_voice(self, conn: _FrontConnection, kwargs: dict[str, Any]) -> str:
         """`Engine.add_voice`, one at a time per voice id; a no-op when the engine already has that voice with the
-        same patches, text and adapter (two fronts loading one stored voice at once)."""
+        same patches, text and adapter (two fronts loading one stored voice at once). A voice new to the engine that
+        the store has no record of is being created: `conn`'s alone until its record is stored (`_stored`)."""
         voice_id = kwargs["voice_id"]
-        async with self._lock(("voice", voice_id)):
+        async with self._lock((VOICE, voice_id)):
             v = self.engine.stored_voices().get(voice_id)
-            if v is not None and kwargs.get("audio") is None and _same_voice(v, kwargs):
+            if self._creating.get(voice_id, conn.number) != conn.number:
+                # another front loads it, so it read its record (the store could not say when the voice came here)
+                del self._creating[voice_id]
+                self._sync(force=True)
+            if v is not None and kwargs.get("audio") is None and same_voice(v, kwargs):
                 return voice_id
-            return await self.engine.add_voice(**kwargs)
+            if v is None and not await self._recorded(voice_id):
+                self._creating[voice_id] = conn.number  # before the engine has it: no push may show it to others
+            try:
+                return await self.engine.add_voice(**kwargs)
+            except BaseException:
+                if voice_id not in self.engine.stored_voices():
+                    self._creating.pop(voice_id, None)
+                raise
+
+    async def _recorded(self, voice_id: str) -> bool:
+        """Whether the store holds a record of the voice (when it cannot say: no, so a new voice stays private)."""
+        try:
+            return await self.store.get(VOICE, voice_id) is not None
+        except StoreUnavailable:
+            return False
+
+    def _stored(self, item: Item) -> None:
+        """A record was stored: a voice being created under its id is every front's now (pushed before the put's
+        reply, so its creator's call returns with every front mirroring the voice)."""
+        if item.kind == VOICE and self._creating.pop(item.id, None) is not None:
+            self._sync(force=True)
+
+    async def _abandon(self, voice_ids: list[str], link: int) -> None:
+        """The link creating these voices went away before storing their records: one the store has no record of
+        leaves the engine (no key may use it); one whose record was stored meanwhile is every front's."""
+        for voice_id in voice_ids:
+            async with self._lock((VOICE, voice_id)):
+                if self._creating.get(voice_id) != link:
+                    continue
+                try:
+                    if not await self._recorded(voice_id) and voice_id in self.engine.stored_voices():
+                        await self.engine.remove_voice(voice_id)  # (a record stored after all loads it again)
+                        log.info("voice %s left the engine: its creator went away before storing it", voice_id)
+                except EngineError as e:
+                    log.error("cannot remove the abandoned voice %s: %s", voice_id, e)
+                finally:
+                    self._creating.pop(voice_id, None)
+        self._sync(force=True)
 
     async def _register_lora(self, name: str, source: Any, config: dict[str, Any] | None = None) -> Any:
         """`Engine.register_lora`, one at a time per name; a no-op when the host registered that name with the same
         weights and config (two fronts loading one stored adapter at once)."""
-        digest = await asyncio.to_thread(_digest, (source, config))
+        digest = await asyncio.to_thread(content_digest, (source, config))
         async with self._lock(("lora", name)):
             info = next((i for i in self.engine.list_loras() if i.name == name), None)
             if info is not None and self._registered.get(name) == digest:
@@ -344,19 +396,27 @@ class EngineHost:
         e = self.engine
         return wire.Status(e.model_info(), e.stats(), e.health(), e.list_loras(), e.kv_positions())
 
-    def _sync(self) -> None:
-        """Push what changed in the stored voices and adapters since the last push to every front."""
-        if self.engine.revision == self._revision:
+    def _sync(self, force: bool = False) -> None:
+        """Push what changed in the stored voices and adapters since the last push to every front (`force`: also
+        when only who sees a voice changed)."""
+        if self.engine.revision == self._revision and not force:
             return
         self._revision = self.engine.revision
         now = self.engine.stored_voices()
-        put = [_mirror(v) for vid, v in now.items() if self._pushed.get(vid) is not v]
-        gone = [vid for vid in self._pushed if vid not in now]
-        self._pushed = now
         status = self._status()
         for conn in self._fronts():
+            seen = self._visible(now, conn)
+            put = [_mirror(v) for vid, v in seen.items() if conn.mirrored.get(vid) is not v]
+            gone = [vid for vid in conn.mirrored if vid not in seen]
+            conn.mirrored = seen
             conn.post(wire.Voices(put, gone))
             conn.post(status)
+
+    def _visible(self, voices: dict[str, Voice], conn: _FrontConnection) -> dict[str, Voice]:
+        """The stored voices `conn`'s front mirrors: all but those another front is creating."""
+        if not self._creating:
+            return voices
+        return {vid: v for vid, v in voices.items() if self._creating.get(vid, conn.number) == conn.number}
 
     def _fronts(self) -> list[_FrontConnection]:
         return [c for c in self._links.values() if c.front is not None]
@@ -384,42 +444,3 @@ class EngineHost:
 
 def _mirror(v: Voice) -> wire.MirrorVoice:
     return wire.MirrorVoice(v.info, v.latents, v.text, v.shared_prefix)
-
-
-def _same_voice(v: Voice, kwargs: dict[str, Any]) -> bool:
-    """Whether `add_voice(**kwargs)` (no audio) would store what `v` already is."""
-    latents = kwargs.get("latents")
-    if (latents is None) != (v.latents is None):
-        return False
-    if latents is not None and not np.array_equal(np.asarray(latents, dtype=np.float32), v.latents):
-        return False
-    return v.text == kwargs.get("text") and v.info.lora == kwargs.get("lora")
-
-
-def _digest(content: Any) -> bytes:
-    """A digest of a voice's or an adapter's content (arrays and tensors by their bytes)."""
-    h = hashlib.blake2b(digest_size=16)
-
-    def feed(x: Any) -> None:
-        if isinstance(x, dict):
-            for k in sorted(x, key=str):
-                h.update(repr(k).encode())
-                feed(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(b"[%d" % len(x))
-            for item in x:
-                feed(item)
-        elif isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(x, np.ndarray):
-            h.update(f"{x.dtype}{x.shape}".encode())
-            h.update(np.ascontiguousarray(x).tobytes())
-        elif isinstance(x, (bytes, bytearray, memoryview)):
-            h.update(bytes(x))
-        else:
-            h.update(pickle.dumps(x, protocol=5))
-
-    feed(content)
-    return h.digest()
