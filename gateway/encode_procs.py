@@ -120,7 +120,7 @@ class _Process:
             return fut
         now = time.monotonic() * 1000.0
         call = (now + urgency, next(self.host.seq), op, encoder_id, a1, a2, payload, fut)
-        if urgency < URGENT:  # not batched with this iteration's other calls: the process may be idle now
+        if urgency < URGENT:  # written now, not after this iteration's other tasks: the process may be idle already
             self._write(self._request(call, now, windowed=False))
         else:
             heapq.heappush(self.queue, call)
@@ -154,17 +154,13 @@ class _Process:
         deadline, seq, op, encoder_id, a1, a2, payload, fut = call
         call_id = seq & 0xFFFFFFFF
         size = 0 if payload is None else payload.nbytes
-        urgent = deadline - now < URGENT
-        parts: list[Any]
+        slot = w.INLINE
         if size and size <= w.SLOT_BYTES and self.free_slots:
             slot = self.free_slots.pop()
             self.shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size] = payload
-            parts = [w.request(op, urgent, call_id, encoder_id, a1, a2, size, slot, deadline)]
-        else:
-            slot = w.INLINE
-            parts = [w.request(op, urgent, call_id, encoder_id, a1, a2, size, slot, deadline)]
-            if size:
-                parts.append(payload)
+        parts: list[Any] = [w.request(op, deadline - now < URGENT, call_id, encoder_id, a1, a2, size, slot, deadline)]
+        if slot == w.INLINE and size:
+            parts.append(payload)
         self.sent[call_id] = (fut, slot, now, windowed)
         self.windowed += windowed
         return parts
