@@ -88,7 +88,7 @@ async def test_a_first_frame_asked_for_mid_encode_waits_only_for_that_encode():
     try:
         long_turn, *encoders, new_turn = await warm(host, WINDOW + 1)
         done: list[str] = []
-        long_call = tracked(long_turn.encode(speech(8.0, RATE, seed=2), 300.0), "long", done)  # ~50-100 ms of libopus
+        long_call = tracked(long_turn.encode(speech(12.0, RATE, seed=2), 300.0), "long", done)  # ~30-70 ms of libopus
         chunks = [tracked(e.encode(piece(1), 1000.0 + i), f"chunk{i}", done) for i, e in enumerate(encoders)]
         await asyncio.sleep(0.02)  # the window's calls are in the process, the long one being encoded
         assert not done
