@@ -123,14 +123,17 @@ async def _kill_one_of(procs: EncodeProcs) -> None:
 async def test_a_wedged_process_is_replaced_and_its_turns_fail():
     procs = EncodeProcs(2, nice=0, stall_s=0.5)
     try:
-        a, b = procs.open(OutputFormat(), RATE), procs.open(OutputFormat(), RATE)
-        await asyncio.gather(a.encode(SOURCE[:CHUNK], 100.0), b.encode(SOURCE[:CHUNK], 100.0))
-        assert isinstance(a, ProcEncoder)
+        a, b, c = (procs.open(OutputFormat(), RATE) for _ in range(3))
+        await asyncio.gather(*(e.encode(SOURCE[:CHUNK], 100.0) for e in (a, b, c)))
+        assert isinstance(a, ProcEncoder) and isinstance(c, ProcEncoder) and c._process is a._process
         wedged = a._process.pid
         os.kill(wedged, signal.SIGSTOP)  # alive, but answers nothing
         t0 = time.monotonic()
-        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):
+        windowed = asyncio.ensure_future(c.encode(SOURCE[CHUNK:2 * CHUNK], 1000.0))  # a listener with audio left
+        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):  # urgent: sent past the window
             await a.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)
+        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):
+            await windowed
         assert time.monotonic() - t0 < 3.0
         assert await b.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)  # the other process's turn goes on
         assert gone(wedged) and len(procs.pids) == 2
