@@ -150,9 +150,13 @@ def serve(sock: socket.socket, shared: memoryview) -> None:
             buf = buf[read_requests(buf, shared, encoders, pending, out):]
         if pending:
             op, urgent, call_id, encoder_id, a1, a2, payload = pending.pop()
-            out.append(encoders.handle(op, call_id, encoder_id, a1, a2, payload))
-            if not urgent and pending:
-                continue
+            answer = encoders.handle(op, call_id, encoder_id, a1, a2, payload)
+            if urgent:  # first of what goes: the gateway hands answers over in order, so its turn runs first
+                out.insert(0, answer)
+            else:
+                out.append(answer)
+                if pending:
+                    continue
         if out:
             sock.sendall(b"".join(out))
             out.clear()
