@@ -6,8 +6,8 @@ It serves the calls it holds earliest deadline first, one at a time, and reads w
 waiting) before each: a turn's first frame, sent past the gateway's window the moment it is asked for, waits for the
 one encode in progress, not for the chunks that came before it. One encoder's calls stay in the order they came (an
 encoder is a stream). Opening, closing and counting are done as they are read: a call read after an open finds its
-encoder, and a turn closed while its call waits here (cancelled) costs no encode: the call fails at once, unanswered
-by anyone."""
+encoder, and a turn closed while its call waits here (cancelled) costs no encode: the call fails at once, and no one
+is waiting for it."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class Pending:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, _Call]] = []
         self._order = itertools.count()
-        self._last: dict[int, tuple[float, int]] = {}  # encoder id -> (its newest call's place, its calls here)
+        self._last: dict[int, tuple[float, int]] = {}  # encoder id -> (its newest call's deadline here, its calls here)
 
     def __len__(self) -> int:
         return len(self._heap)
