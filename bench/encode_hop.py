@@ -179,7 +179,7 @@ async def steps_main(args: argparse.Namespace, pcm: np.ndarray) -> dict[str, Any
             "runs": runs}
 
 
-async def main() -> None:
+async def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pattern", choices=("burst", "steps"), default="burst")
     ap.add_argument("--turns", type=int, default=64, help="turns at once (burst), streaming turns (steps)")
@@ -192,12 +192,13 @@ async def main() -> None:
                     help="a head comes this long or less after its step's chunks (steps)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each place, interleaved")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    command = " ".join(["python", "bench/encode_hop.py", *(sys.argv[1:] if argv is None else argv)])
     rng = np.random.default_rng(0)
     t = np.arange(args.chunks * CHUNK) / RATE
     pcm = (0.3 * np.sin(2 * np.pi * 140 * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
     if args.pattern == "steps":
-        report(await steps_main(args, pcm), args.json)
+        report(command, await steps_main(args, pcm), args.json)
         return
     pool = OffloadPool(threads=args.workers)
     procs = EncodeProcs(args.workers)
@@ -212,15 +213,15 @@ async def main() -> None:
         procs.close()
     results = {name: {"loop_cpu_us_per_chunk_min": min(r["loop_cpu_us_per_chunk"] for r in rs),
                       **{k: statistics.median(r[k] for r in rs) for k in rs[0]}} for name, rs in runs.items()}
-    report({"pattern": "burst", "turns": args.turns, "chunks": args.chunks, "workers": args.workers,
+    report(command, {"pattern": "burst", "turns": args.turns, "chunks": args.chunks, "workers": args.workers,
             "repeats": args.repeats, "results": results}, args.json)
 
 
-def report(out: dict[str, Any], path: str | None) -> None:
+def report(command: str, out: dict[str, Any], path: str | None) -> None:
     """Print the results, with the command and commit that made them, and write them to `path` if given."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    out = {"command": " ".join(["python", *sys.argv]), "commit": commit, **out}
+    out = {"command": command, "commit": commit, **out}
     print(json.dumps(out, indent=1))
     if path:
         Path(path).write_text(json.dumps(out, indent=1))
