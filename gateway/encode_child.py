@@ -1,10 +1,19 @@
-"""An encoder process: the turns' `Encoder`s placed on it by the gateway (`gateway.encode_procs`), one request at a
-time in the order they arrive, over one socket (framing: `gateway.encode_wire`). It holds no GIL the gateway's event
-loop needs. It exits when the gateway closes its end of the socket (or dies: the same end of file)."""
+"""An encoder process: the turns' `Encoder`s placed on it by the gateway (`gateway.encode_procs`), over one socket
+(framing: `gateway.encode_wire`). It holds no GIL the gateway's event loop needs. It exits when the gateway closes its
+end of the socket (or dies: the same end of file).
+
+It serves the calls it holds earliest deadline first, one at a time, and reads what the socket brought (without
+waiting) before each: a turn's first frame, sent past the gateway's window the moment it is asked for, waits for the
+one encode in progress, not for the chunks that came before it. One encoder's calls stay in the order they came (an
+encoder is a stream). Opening, closing and counting are done as they are read: a call read after an open finds its
+encoder, and a turn closed while its call waits here (cancelled) costs no encode: the call fails at once, and no one
+is waiting for it."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import mmap
 import os
 import pickle
@@ -26,8 +35,8 @@ class Encoders:
     def __init__(self) -> None:
         self.open: dict[int, Encoder | str] = {}
 
-    def handle(self, op: int, call_id: int, encoder_id: int, a1: int, a2: int, payload: memoryview) -> bytes | None:
-        """One request -> its whole response (None: the op has none)."""
+    def control(self, op: int, call_id: int, encoder_id: int, a1: int, payload: memoryview) -> bytes | None:
+        """Open, close or count, done as it is read -> its response (None: the op has none)."""
         if op == w.OPEN:
             try:
                 self.open[encoder_id] = Encoder(pickle.loads(payload), a1)
@@ -37,11 +46,13 @@ class Encoders:
         if op == w.CLOSE:
             self.open.pop(encoder_id, None)
             return None
-        if op == w.COUNT:
-            return w.response(call_id, [], len(self.open))
+        return w.response(call_id, [], len(self.open))  # COUNT
+
+    def handle(self, op: int, call_id: int, encoder_id: int, a1: int, a2: int, payload: memoryview) -> bytes:
+        """One encoder call -> its whole response."""
         encoder = self.open.get(encoder_id)
         if encoder is None:
-            return w.failure(call_id, f"no encoder {encoder_id} in this process")
+            return w.failure(call_id, f"no encoder {encoder_id} in this process (closed, or never opened)")
         if isinstance(encoder, str):
             return w.failure(call_id, encoder)
         try:
@@ -61,41 +72,94 @@ class Encoders:
         return w.failure(call_id, f"unknown op {op}")
 
 
-def serve(sock: socket.socket, shared: memoryview) -> None:
-    """Answer requests until the gateway's end closes. Responses to urgent calls go at once, the rest together at the
-    end of what one read brought (one wakeup of the gateway's loop for several)."""
-    encoders = Encoders()
-    buf = b""
-    while True:
-        try:
-            data = sock.recv(READ_BYTES)
-        except ConnectionError:
-            return
-        if not data:
-            return
-        buf = buf + data if buf else data
-        view = memoryview(buf)
-        pos, out = 0, []
-        while len(buf) - pos >= w.REQUEST.size:
-            op, urgent, slot, call_id, encoder_id, a1, a2, size = w.REQUEST.unpack_from(buf, pos)
-            if slot == w.INLINE:
-                end = pos + w.REQUEST.size + size
-                if len(buf) < end:
-                    break
-                payload = view[pos + w.REQUEST.size:end]
-            else:  # the gateway reuses the slot once this call's answer is back: read before answering
-                end = pos + w.REQUEST.size
-                payload = shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size]
-            answer = encoders.handle(op, call_id, encoder_id, a1, a2, payload)
-            pos = end
+_Call = tuple[int, bool, int, int, int, int, memoryview]  # op, urgent, call id, encoder, a1, a2, payload
+
+
+class Pending:
+    """The calls read but not served yet: earliest deadline first, then in the order read; a call never goes before an
+    earlier one of its encoder (it takes that one's deadline if its own is earlier)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, _Call]] = []
+        self._order = itertools.count()
+        self._last: dict[int, tuple[float, int]] = {}  # encoder id -> (its newest call's deadline here, its calls here)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, deadline: float, call: _Call) -> None:
+        encoder_id = call[3]
+        before, count = self._last.get(encoder_id, (deadline, 0))
+        deadline = max(deadline, before)
+        self._last[encoder_id] = (deadline, count + 1)
+        heapq.heappush(self._heap, (deadline, next(self._order), call))
+
+    def pop(self) -> _Call:
+        call = heapq.heappop(self._heap)[2]
+        deadline, count = self._last[call[3]]
+        if count == 1:
+            del self._last[call[3]]
+        else:
+            self._last[call[3]] = (deadline, count - 1)
+        return call
+
+
+def read_requests(buf: bytes, shared: memoryview, encoders: Encoders, pending: Pending, out: list[bytes]) -> int:
+    """Take every whole request out of `buf`: control ops done (their responses onto `out`), calls onto `pending`.
+    -> the bytes taken."""
+    view = memoryview(buf)
+    pos = 0
+    while len(buf) - pos >= w.REQUEST.size:
+        op, urgent, slot, call_id, encoder_id, a1, a2, size, deadline = w.REQUEST.unpack_from(buf, pos)
+        if slot == w.INLINE:
+            end = pos + w.REQUEST.size + size
+            if len(buf) < end:
+                break
+            payload = view[pos + w.REQUEST.size:end]  # keeps `buf` alive while the call waits
+        else:  # the gateway reuses the slot once this call's answer is back: read before answering
+            end = pos + w.REQUEST.size
+            payload = shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size]
+        pos = end
+        if op in (w.OPEN, w.CLOSE, w.COUNT):
+            answer = encoders.control(op, call_id, encoder_id, a1, payload)
             if answer is not None:
                 out.append(answer)
-                if urgent:
-                    sock.sendall(b"".join(out))
-                    out.clear()
-        buf = buf[pos:]
+        else:
+            pending.push(deadline, (op, bool(urgent), call_id, encoder_id, a1, a2, payload))
+    return pos
+
+
+def serve(sock: socket.socket, shared: memoryview) -> None:
+    """Answer requests until the gateway's end closes. Responses to urgent calls go at once; the rest together when
+    nothing is left to serve (one wakeup of the gateway's loop for several)."""
+    encoders = Encoders()
+    pending = Pending()
+    buf = b""
+    out: list[bytes] = []
+    while True:
+        try:  # with calls to serve, only what has come already: the next call is chosen among all of them
+            data = sock.recv(READ_BYTES, socket.MSG_DONTWAIT if pending else 0)
+        except BlockingIOError:
+            data = None
+        except ConnectionError:
+            return
+        if data is not None:
+            if not data:
+                return
+            buf = buf + data if buf else data
+            buf = buf[read_requests(buf, shared, encoders, pending, out):]
+        if pending:
+            op, urgent, call_id, encoder_id, a1, a2, payload = pending.pop()
+            answer = encoders.handle(op, call_id, encoder_id, a1, a2, payload)
+            if urgent:  # first of what goes: the gateway hands answers over in order, so its turn runs first
+                out.insert(0, answer)
+            else:
+                out.append(answer)
+                if pending:
+                    continue
         if out:
             sock.sendall(b"".join(out))
+            out.clear()
 
 
 def main(argv: list[str]) -> None:

@@ -12,10 +12,13 @@ write shared by the calls queued in one loop iteration, and its share of one rea
 turns.
 
 Earliest deadline first, as the thread pool (`gateway.offload`): each process's calls wait here in a heap by deadline
-(queued at + urgency), and only WINDOW of them are in the process at a time, so a turn's first frame waits behind at
-most WINDOW calls, not behind every chunk queued for listeners with audio left. A turn is placed on the process with
-the fewest open encoders. A process that dies (or answers nothing for STALL_S) fails its own turns' calls
-(`EncoderProcessLost`, a protocol error the turn ends with) and is replaced; the others go on.
+(queued at + urgency), and only WINDOW of them are in the process at a time, so a chunk queued for a listener with
+audio left can still be overtaken here. An urgent call (its listener runs out within `URGENT` ms: a turn's first frame
+has no audio before it) goes straight into the process, past the window, and the process serves the calls it holds
+earliest deadline first (`gateway.encode_child`): a first frame waits for the one encode in progress there, not for a
+free place in the window and the chunks ahead of it. A turn is placed on the process with the fewest open encoders.
+A process that dies (or answers nothing for STALL_S) fails its own turns' calls (`EncoderProcessLost`, a protocol error
+the turn ends with) and is replaced; the others go on.
 """
 
 from __future__ import annotations
@@ -77,9 +80,9 @@ class _Process:
     def __init__(self, host: EncodeProcs, loop: asyncio.AbstractEventLoop):
         self.host, self.loop = host, loop
         mine, theirs = socket.socketpair()
-        shared_fd = _shared_file(WINDOW * w.SLOT_BYTES)
+        shared_fd = _shared_file(w.SLOTS * w.SLOT_BYTES)
         try:
-            self.shared = mmap.mmap(shared_fd, WINDOW * w.SLOT_BYTES)
+            self.shared = mmap.mmap(shared_fd, w.SLOTS * w.SLOT_BYTES)
             self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
                 [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],
                 pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL, env={**child_env(), **CHILD_THREADS})
@@ -89,15 +92,17 @@ class _Process:
         finally:
             theirs.close()
             os.close(shared_fd)  # the mapping keeps the memory
-        self.free_slots = list(range(WINDOW))  # a call in the process holds at most one: never short of one
+        self.free_slots = list(range(w.SLOTS))  # a call in the process holds one while any is free, else goes inline
         mine.setblocking(False)
         self.sock = mine
         self.fd = mine.fileno()
         self.alive = True
         self.encoders = 0  # open encoders placed here
         self.queue: list[_Call] = []  # a heap: earliest (deadline, arrival) first
-        # call id -> its future, slot and when it went out, for the calls in the process now
-        self.sent: dict[int, tuple[asyncio.Future, int, float]] = {}
+        # call id -> its future, slot, when it went out and whether it holds a place in the window, for the calls in
+        # the process now
+        self.sent: dict[int, tuple[asyncio.Future, int, float, bool]] = {}
+        self.windowed = 0  # calls in the process that hold a place in the window
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
         loop.add_reader(self.fd, self._readable)
@@ -108,10 +113,18 @@ class _Process:
         return self.proc.pid
 
     def submit(self, op: int, encoder_id: int, a1: int, a2: int, payload: Any, urgency: float) -> asyncio.Future:
+        """Queue a call (`urgency`: ms until its listener runs out of audio); an urgent one goes to the process now."""
         fut = self.loop.create_future()
-        deadline = time.monotonic() * 1000.0 + urgency
-        heapq.heappush(self.queue, (deadline, next(self.host.seq), op, encoder_id, a1, a2, payload, fut))
-        self.host.wake(self)
+        if not self.alive:
+            fut.set_exception(EncoderProcessLost(f"pid {self.pid} is gone"))
+            return fut
+        now = time.monotonic() * 1000.0
+        call = (now + urgency, next(self.host.seq), op, encoder_id, a1, a2, payload, fut)
+        if urgency < URGENT:  # written now, not after this iteration's other tasks: the process may be idle already
+            self._write(self._request(call, now, windowed=False))
+        else:
+            heapq.heappush(self.queue, call)
+            self.host.wake(self)
         return fut
 
     def send_now(self, op: int, encoder_id: int, a1: int = 0, payload: bytes = b"") -> None:
@@ -119,30 +132,38 @@ class _Process:
         self._write([w.request(op, False, 0, encoder_id, a1, 0, len(payload)), payload])
 
     def pump(self) -> None:
-        """Move the most urgent queued calls into the process while the window has room, in one write."""
+        """Move the most urgent queued calls into the process while the window has room (and any call that became
+        urgent while it waited, past the window), in one write."""
         if not self.alive:
             return
         parts: list[Any] = []
         now = time.monotonic() * 1000.0
-        while self.queue and len(self.sent) < WINDOW:
-            deadline, seq, op, encoder_id, a1, a2, payload, fut = heapq.heappop(self.queue)
-            if fut.done():  # its turn was cancelled while the call waited
+        while self.queue:
+            urgent = self.queue[0][0] - now < URGENT
+            if not urgent and self.windowed >= WINDOW:
+                break
+            call = heapq.heappop(self.queue)
+            if call[-1].done():  # its turn was cancelled while the call waited
                 continue
-            call_id = seq & 0xFFFFFFFF
-            size = 0 if payload is None else payload.nbytes
-            urgent = deadline - now < URGENT
-            if size and size <= w.SLOT_BYTES:
-                slot = self.free_slots.pop()
-                self.shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size] = payload
-                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size, slot))
-            else:
-                slot = w.INLINE
-                parts.append(w.request(op, urgent, call_id, encoder_id, a1, a2, size))
-                if size:
-                    parts.append(payload)
-            self.sent[call_id] = (fut, slot, now)
+            parts += self._request(call, now, windowed=not urgent)
         if parts:
             self._write(parts)
+
+    def _request(self, call: _Call, now: float, windowed: bool) -> list[Any]:
+        """A call's request (header, and payload when inline), its samples put in a free slot; the call is out."""
+        deadline, seq, op, encoder_id, a1, a2, payload, fut = call
+        call_id = seq & 0xFFFFFFFF
+        size = 0 if payload is None else payload.nbytes
+        slot = w.INLINE
+        if size and size <= w.SLOT_BYTES and self.free_slots:
+            slot = self.free_slots.pop()
+            self.shared[slot * w.SLOT_BYTES:slot * w.SLOT_BYTES + size] = payload
+        parts: list[Any] = [w.request(op, deadline - now < URGENT, call_id, encoder_id, a1, a2, size, slot, deadline)]
+        if slot == w.INLINE and size:
+            parts.append(payload)
+        self.sent[call_id] = (fut, slot, now, windowed)
+        self.windowed += windowed
+        return parts
 
     def _write(self, parts: list[Any]) -> None:
         if not self.alive:
@@ -213,9 +234,10 @@ class _Process:
             end = pos + header + size
             if len(data) < end:
                 break
-            fut, slot, _ = self.sent.pop(call_id, (None, w.INLINE, 0.0))
+            fut, slot, _, windowed = self.sent.pop(call_id, (None, w.INLINE, 0.0, False))
             if slot != w.INLINE:  # the process answered: it is done with the slot
                 self.free_slots.append(slot)
+            self.windowed -= windowed
             if fut is not None and not fut.done():
                 if count == w.ERROR:
                     fut.set_exception(EncodeFailed(data[pos + header:end].decode("utf-8", "replace")))
@@ -244,6 +266,7 @@ class _Process:
             if not fut.done():
                 fut.set_exception(EncoderProcessLost(why))
         self.sent.clear()
+        self.windowed = 0
         self.queue.clear()
 
     def detach(self) -> None:
@@ -269,21 +292,27 @@ class _Process:
 
 class ProcEncoder:
     """One turn's encoder in an encoder process (a `gateway.encode_site.TurnEncoder`). Its calls are awaited one
-    after the other (an encoder is a stream), so at most one is out at a time."""
+    after the other (an encoder is a stream), so at most one is out at a time: an urgent call, sent past the queue,
+    cannot overtake one of its own encoder's still queued here. (A cancelled call may still be in the process: the
+    process serves an encoder's calls in the order they came.)"""
 
     offloaded = True
 
     def __init__(self, process: _Process, encoder_id: int):
         self._process, self._id = process, encoder_id
         self._closed = False
+        self._out: asyncio.Future | None = None  # the call out now, if any
 
     async def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> Any:
         if not self._process.alive:
             raise EncoderProcessLost(f"pid {self._process.pid} is gone")
         if pcm is not None and np.ndim(pcm) != 1:
             raise ValueError(f"pcm: expected mono samples (1-D), got shape {np.shape(pcm)}")
+        if self._out is not None and not self._out.done():
+            raise RuntimeError("an encoder takes one call at a time: await the last one first")
         payload = None if pcm is None else memoryview(np.ascontiguousarray(pcm, dtype=np.float32)).cast("B")
-        return await self._process.submit(op, self._id, a1, a2, payload, urgency)
+        self._out = self._process.submit(op, self._id, a1, a2, payload, urgency)
+        return await self._out
 
     async def encode(self, pcm: np.ndarray, urgency: float) -> list[bytes]:
         packets, _ = await self._call(w.ENCODE, pcm, urgency)

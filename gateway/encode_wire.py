@@ -4,23 +4,28 @@ A request is a fixed header and a payload (float32 samples for the encode calls,
 turn at open); a response is a fixed header, then its packets' lengths and their bytes. Both sides read whatever the
 socket holds and take every whole message out of it, so many turns' results come back in one read.
 
-A chunk's samples travel in a slot of memory the two processes share (one slot per call in the process, WINDOW of
-them): copying 30 kB there costs the gateway's loop a few microseconds, pushing it through the socket several times
-that. A payload larger than a slot goes inline, after its header."""
+A chunk's samples travel in a slot of memory the two processes share (SLOTS of them, one per call in the process
+while they last): copying 30 kB there costs the gateway's loop a few microseconds, pushing it through the socket several
+times that. A payload larger than a slot, or sent when every slot is taken, goes inline, after its header.
+
+A request carries its deadline (ms on `time.monotonic()`, a clock every process on the machine shares: CLOCK_MONOTONIC
+on Linux), so the process serves the calls it holds earliest deadline first, whenever they were sent."""
 
 from __future__ import annotations
 
 import struct
 
 # request: op, urgent (answer at once, not with the rest of a batch), slot (INLINE: the payload follows), call id,
-# encoder id, two int args, payload bytes
-REQUEST = struct.Struct("<BBbIIiiI")
+# encoder id, two int args, payload bytes, deadline
+REQUEST = struct.Struct("<BBbIIiiId")
 INLINE = -1
 SLOT_BYTES = 128 << 10  # a slot holds 1 s of float32 samples at 32 kHz (a 160 ms chunk at 48 kHz is 30 kB)
+SLOTS = 16  # the window's calls and the urgent ones sent past it (`gateway.encode_procs`); pages used only if touched
 # response: call id, packet count (ERROR: the payload is the failure's text), an int result, payload bytes
 RESPONSE = struct.Struct("<IiiI")
 ERROR = -1
 
+# OPEN, CLOSE and COUNT are done as soon as they are read (cheap; what they change, the calls read after them need)
 OPEN = 1  # a1: input rate; payload: pickled OutputFormat; no response
 ENCODE = 2  # payload: float32 samples -> packets
 HEAD = 3  # a1: frames, a2: step; payload: float32 samples -> packets, input samples used
@@ -31,9 +36,9 @@ COUNT = 7  # -> the encoders open in the process (tests, leak checks)
 
 
 def request(op: int, urgent: bool, call_id: int, encoder_id: int, a1: int = 0, a2: int = 0, size: int = 0,
-            slot: int = INLINE) -> bytes:
+            slot: int = INLINE, deadline: float = 0.0) -> bytes:
     """A request's header; its `size` payload bytes follow it, or are in shared slot `slot`."""
-    return REQUEST.pack(op, urgent, slot, call_id, encoder_id, a1, a2, size)
+    return REQUEST.pack(op, urgent, slot, call_id, encoder_id, a1, a2, size, deadline)
 
 
 def response(call_id: int, packets: list[bytes], value: int = 0) -> bytes:

@@ -1,6 +1,6 @@
-"""Opus encoding in encoder processes (`gateway.encode_procs`): the bytes of the in-process encoder, earliest deadline
-first within a process, a killed process fails only its own turns and is replaced, a closed turn frees its encoder
-there, and shutdown (or the gateway's death) leaves no process behind."""
+"""Opus encoding in encoder processes (`gateway.encode_procs`): the bytes of the in-process encoder (the order calls
+are served in: `test_gateway_encode_procs_order.py`), a killed process fails only its own turns and is replaced, a
+closed turn frees its encoder there, and shutdown (or the gateway's death) leaves no process behind."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.audio import Encoder, OutputFormat
-from gateway.encode_procs import WINDOW, EncodeFailed, EncodeProcs, EncoderProcessLost, ProcEncoder
+from gateway.encode_procs import EncodeFailed, EncodeProcs, EncoderProcessLost, ProcEncoder
 from gateway.encode_wire import SLOT_BYTES
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,35 +89,6 @@ async def test_the_packets_are_the_in_process_encoders(procs, model_rate):
     remote.close()
 
 
-async def test_a_first_frame_overtakes_chunks_queued_before_it():
-    host = EncodeProcs(1, nice=0)  # one process: the order results come back in is the order it encoded in
-    try:
-        encoders = [host.open(OutputFormat(), RATE) for _ in range(2 * WINDOW + 1)]
-        await asyncio.gather(*(e.encode(SOURCE[:CHUNK], 0.0) for e in encoders))  # started, and warm
-        pid = host.pids[0]
-        done: list[str] = []
-
-        def track(coro, name: str) -> asyncio.Task:
-            task = asyncio.ensure_future(coro)
-            task.add_done_callback(lambda _: done.append(name))
-            return task
-
-        os.kill(pid, signal.SIGSTOP)  # wedged for a moment: the calls below pile up
-        try:
-            chunks = [track(e.encode(SOURCE[CHUNK:2 * CHUNK], 1000.0 + i), f"chunk{i}")
-                      for i, e in enumerate(encoders[:-1])]
-            await asyncio.sleep(0.1)  # WINDOW of them are in the process, the others wait here
-            head = track(encoders[-1].encode_head(SOURCE[CHUNK:2 * CHUNK], 1, 960, 0.0), "head")
-            await asyncio.sleep(0.1)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        await asyncio.gather(head, *chunks)
-    finally:
-        host.close()
-    # those already in the process first, then the first frame, then the rest, earliest deadline first
-    assert done == [*(f"chunk{i}" for i in range(WINDOW)), "head", *(f"chunk{i}" for i in range(WINDOW, 2 * WINDOW))]
-
-
 async def test_a_killed_process_fails_only_its_turns_and_is_replaced():
     procs = EncodeProcs(2, nice=0)
     try:
@@ -152,14 +123,17 @@ async def _kill_one_of(procs: EncodeProcs) -> None:
 async def test_a_wedged_process_is_replaced_and_its_turns_fail():
     procs = EncodeProcs(2, nice=0, stall_s=0.5)
     try:
-        a, b = procs.open(OutputFormat(), RATE), procs.open(OutputFormat(), RATE)
-        await asyncio.gather(a.encode(SOURCE[:CHUNK], 100.0), b.encode(SOURCE[:CHUNK], 100.0))
-        assert isinstance(a, ProcEncoder)
+        a, b, c = (procs.open(OutputFormat(), RATE) for _ in range(3))
+        await asyncio.gather(*(e.encode(SOURCE[:CHUNK], 100.0) for e in (a, b, c)))
+        assert isinstance(a, ProcEncoder) and isinstance(c, ProcEncoder) and c._process is a._process
         wedged = a._process.pid
         os.kill(wedged, signal.SIGSTOP)  # alive, but answers nothing
         t0 = time.monotonic()
-        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):
+        windowed = asyncio.ensure_future(c.encode(SOURCE[CHUNK:2 * CHUNK], 1000.0))  # a listener with audio left
+        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):  # urgent: sent past the window
             await a.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)
+        with pytest.raises(EncoderProcessLost, match="no answer in 0.5 s"):
+            await windowed
         assert time.monotonic() - t0 < 3.0
         assert await b.encode(SOURCE[CHUNK:2 * CHUNK], 100.0)  # the other process's turn goes on
         assert gone(wedged) and len(procs.pids) == 2
