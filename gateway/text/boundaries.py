@@ -85,18 +85,23 @@ class BoundaryScan:
             more = i < len(self._marks) or self._next_mark(text)
             start, cut, kind = self._marks[i] if more else (self._boundaries_end, 0, "")
             for pos in self._word_candidates(text, max(words_after, words_from), start):
-                ok = self._word_ok.get(pos)
+                ok = self._word_verdict(text, pos)
                 if ok is None:
-                    ok = self._judge(text, pos, word=True)
-                    if ok is None:
-                        return
-                    self._word_ok[pos] = ok
+                    return
                 if ok:
                     yield pos, "word"
             if not more:
                 return
             yield cut, kind
             i, words_after = i + 1, start
+
+    def last_word(self, text: str, lo: int, hi: int) -> int | None:
+        """The last word boundary in [lo, hi), judged from `hi` back (a word cut as the last resort, among the word
+        boundaries `boundaries` left out: they are decided)."""
+        for pos in reversed(self._word_candidates(text, lo, hi)):
+            if self._word_verdict(text, pos):
+                return pos
+        return None
 
     def weights(self, text: str) -> list[int] | range:
         """`prefix_weights(text)`, extended from the last call's."""
@@ -137,6 +142,14 @@ class BoundaryScan:
                 return True
         self._ran_out_at = self._boundaries_end = len(text)
         return False
+
+    def _word_verdict(self, text: str, pos: int) -> bool | None:
+        ok = self._word_ok.get(pos)
+        if ok is None:
+            ok = self._judge(text, pos, word=True)
+            if ok is not None:
+                self._word_ok[pos] = ok
+        return ok
 
     def _judge(self, text: str, cut: int, word: bool) -> bool | None:
         """Whether a segment may end at this candidate (None: the text still to come decides)."""

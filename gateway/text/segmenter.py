@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -390,11 +391,11 @@ class Segmenter:
         scan = self._scan()
         weights = scan.weights(buf)
         best: dict[str, int] = {}
-        # A later segment takes no word cut, and with the text within max_chars there is no word fallback either: a
-        # word boundary matters only where it could stop the scan, so the others are not looked at (a paragraph's
-        # words are most of its boundaries).
+        # A later segment takes a word cut only as the last resort past max_chars (below), so a word boundary matters
+        # only where it could stop the scan: the others are not looked at (a paragraph's words are most of its
+        # boundaries).
         words_from = 0
-        if not first and "word" not in kinds and weights[-1] <= cfg.max_chars:
+        if not first and "word" not in kinds:
             words_from = spoken.word_cuts_decided_before(buf) if scan.normalizing else len(buf) + 1
         for cut, kind in scan.boundaries(buf, words_from):
             w = weights[cut]
@@ -410,10 +411,15 @@ class Segmenter:
         if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars)
             self._no_cut = inputs
             return None
-        for kind in ("sentence", "clause", "word"):
+        for kind in ("sentence", "clause"):
             if kind in best:
                 return best[kind], "length"
-        return max(i for i, w in enumerate(weights) if w <= cfg.max_chars), "length"
+        within = bisect_right(weights, cfg.max_chars) - 1  # the last position within max_chars
+        # the last word boundary passed: the scan's, or one of those it left out (all before its own)
+        word = best.get("word")
+        if word is None:
+            word = scan.last_word(buf, 1, min(words_from, within + 1))
+        return (within if word is None else word), "length"
 
     def _timeout_cut(self) -> int | None:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
