@@ -29,13 +29,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gateway_load import TEXTS, llm_deltas  # noqa: E402
 
-from gateway.text.segmenter import Segmenter  # noqa: E402
+from gateway.text.segmenter import ChunkingConfig, Segmenter  # noqa: E402
 
 QUEUED_LATER_MS = 2000.0
+CHUNKING = ChunkingConfig()  # a session's, made once
 
 
 def paragraph(text: str, mode: str) -> None:
-    segmenter = Segmenter(normalize=mode)
+    segmenter = Segmenter(CHUNKING, normalize=mode)
     segmenter.set_queued_audio_ms(0.0)
     segmenter.push(text, limit=1)
     segmenter.release()
@@ -43,7 +44,7 @@ def paragraph(text: str, mode: str) -> None:
 
 
 def deltas(pieces: list[str], mode: str, queued_later_ms: float) -> None:
-    segmenter = Segmenter(normalize=mode)
+    segmenter = Segmenter(CHUNKING, normalize=mode)
     for piece in pieces:
         first = not segmenter.segments
         segmenter.set_queued_audio_ms(0.0 if first else queued_later_ms)

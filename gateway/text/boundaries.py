@@ -61,6 +61,9 @@ class BoundaryScan:
     Sentence and clause marks and word candidates are scanned apart (`_MARK`, `_WORD`: together, the candidates of one
     scan with both, as no match of either starts inside one of the other) and merged by position."""
 
+    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ran_out_at", "_boundaries_end", "_words",
+                 "_words_lo", "_words_hi", "_word_ok", "_weights", "_weighed")
+
     def __init__(self, line_start: bool, normalizing: bool) -> None:
         self.line_start = line_start  # the text starts a line (a numbered list item may begin it)
         self.normalizing = normalizing  # no cut through a unit the normaliser reads as one (else: braces only)
@@ -181,22 +184,22 @@ def _mark_cut(buf: str, m: re.Match[str], line_start: bool) -> int | None:
     kind, start, end = m.lastgroup, m.start(), m.end()
     if kind == "newline":
         return start
-    while end < len(buf) and buf[end] in _CLOSERS:
+    size = len(buf)
+    while end < size and buf[end] in _CLOSERS:
         end += 1
-    if end == len(buf):
+    if end == size:
         return None
-    nxt = buf[end]
+    lead, nxt = buf[start], buf[end]
     if kind == "clause":
-        cjk = m.group()[0] in "，；：—"
-        return end if (cjk or nxt.isspace()) and _depth(buf, start) == 0 else _NOT_A_CUT
-    if IS_CJK.match(m.group()[0]) or m.group()[0] in "。！？" or IS_CJK.match(nxt):
+        return end if (lead in "，；：—" or nxt.isspace()) and _depth(buf, start) == 0 else _NOT_A_CUT
+    if lead in "。！？" or IS_CJK.match(nxt):
         return end  # CJK needs no space after the stop
     if not nxt.isspace():
         return _NOT_A_CUT
     after = end
-    while after < len(buf) and buf[after].isspace():
+    while after < size and buf[after].isspace():
         after += 1
-    if after == len(buf):
+    if after == size:
         return None
     return end if _ends_sentence(buf, start, m.group(), buf[after], line_start) else _NOT_A_CUT
 
