@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -391,12 +391,14 @@ class Segmenter:
         scan = self._scan()
         weights = scan.weights(buf)
         best: dict[str, int] = {}
-        # A later segment takes a word cut only as the last resort past max_chars (below), so a word boundary matters
-        # only where it could stop the scan: the others are not looked at (a paragraph's words are most of its
-        # boundaries).
+        # Without a schedule, a word cut is taken only by the first segment once it is first_chars long, or as the
+        # last resort past max_chars (below, from the end back): a word boundary before that matters only where it
+        # could stop the scan, so the others are not looked at (a paragraph's words are most of its boundaries).
         words_from = 0
-        if not first and "word" not in kinds:
+        if "word" not in kinds:
             words_from = spoken.word_cuts_decided_before(buf) if scan.normalizing else len(buf) + 1
+            if first:
+                words_from = min(words_from, bisect_left(weights, cfg.first_chars))
         for cut, kind in scan.boundaries(buf, words_from):
             w = weights[cut]
             if w > cfg.max_chars:
