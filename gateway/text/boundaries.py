@@ -106,6 +106,22 @@ class BoundaryScan:
                 return pos
         return None
 
+    def last_boundary(self, text: str, lo: int, hi: int) -> int | None:
+        """The last cut in [lo, hi] that `boundaries(text)` yields, found from the end back (a timeout's cut: the last
+        one allowed): the marks are all scanned (they are few), and of the words only those near the text's end,
+        where one could be undecided and end the boundaries, are judged forward."""
+        while self._next_mark(text):
+            pass
+        end = self._boundaries_end
+        decided = spoken.word_cuts_decided_before(text) if self.normalizing else end
+        for pos in self._word_candidates(text, decided, end):
+            if self._word_verdict(text, pos) is None:
+                end = pos
+                break
+        mark = next((cut for start, cut, _ in reversed(self._marks) if start < end and lo <= cut <= hi), None)
+        word = self.last_word(text, lo, min(end, hi + 1))
+        return mark if word is None else word if mark is None else max(mark, word)
+
     def weights(self, text: str) -> list[int] | range:
         """`prefix_weights(text)`, extended from the last call's."""
         if self._weights is None:

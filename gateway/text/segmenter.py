@@ -428,10 +428,9 @@ class Segmenter:
         buf, cfg = self._buf, self.config
         scan = self._scan()
         weights = scan.weights(buf)
-        cuts = [cut for cut, _ in scan.boundaries(buf)]
-        if buf and (self._norm.ends_word or IS_CJK.match(buf[-1])) and (
+        if buf and cfg.min_chars <= weights[-1] <= cfg.max_chars and (
+                self._norm.ends_word or IS_CJK.match(buf[-1])) and (
                 spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
                 else not spoken.inside_braces(buf, len(buf))):
-            cuts.append(len(buf))
-        cuts = [c for c in cuts if cfg.min_chars <= weights[c] <= cfg.max_chars]
-        return cuts[-1] if cuts else None
+            return len(buf)
+        return scan.last_boundary(buf, bisect_left(weights, cfg.min_chars), bisect_right(weights, cfg.max_chars) - 1)
