@@ -16,11 +16,12 @@ from gateway.text import normalize as spoken
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _WIDE = re.compile(f"[{_CJK}\uac00-\ud7af\u3000-\u303f\uff00-\uffef]")  # a wide char counts as two
 IS_CJK = re.compile(f"[{_CJK}]")
-# sentence and clause marks, newlines: where a segment may end (`_mark_cut` says whether). The lookahead names every
-# character a mark starts with, so the regex engine skips the text between marks at C speed instead of trying each
-# alternative at every character
+# sentence and clause marks, newlines: where a segment may end (`_mark_cut` says whether). `_MARK_CHAR` is every
+# character a mark starts with: the regex engine skips the text between marks at C speed with it, instead of trying
+# each alternative at every character
+_MARK_CHAR = re.compile(r"[。！？.!?…，；：,;:—\-–\n]")
 _MARK = re.compile(
-    r"(?=[。！？.!?…，；：,;:—\-–\n])"
+    f"(?={_MARK_CHAR.pattern})"
     r"(?:(?P<sentence>[。！？]+[.!?…。！？]*|[.!?…]+)"
     r"|(?P<clause>[，；：]|[,;:]|—|(?<=\s)[-–](?=\s))"
     r"|(?P<newline>\n))"
@@ -87,7 +88,8 @@ class BoundaryScan:
         while True:
             more = i < len(self._marks) or self._next_mark(text)
             start, cut, kind = self._marks[i] if more else (self._boundaries_end, 0, "")
-            for pos in self._word_candidates(text, max(words_after, words_from), start):
+            lo = max(words_after, words_from)
+            for pos in self._word_candidates(text, lo, start) if lo < start else ():
                 ok = self._word_verdict(text, pos)
                 if ok is None:
                     return
@@ -148,14 +150,19 @@ class BoundaryScan:
         (none left, or one the characters still to come decide: `_boundaries_end` says where the boundaries end)."""
         if self._ran_out_at == len(text):
             return False
-        for m in _MARK.finditer(text, self._marks_from):
+        pos = self._marks_from
+        while (hit := _MARK_CHAR.search(text, pos)) is not None:  # (the matches `_MARK.finditer` would give)
+            m = _MARK.match(text, hit.start())
+            if m is None:  # a hyphen that is no dash
+                pos = hit.start() + 1
+                continue
             cut = _mark_cut(text, m, self.line_start)
             ok = None if cut is None else cut != _NOT_A_CUT and self._judge(text, cut, word=False)
             if ok is None:
                 self._marks_from = self._boundaries_end = m.start()
                 self._ran_out_at = len(text)
                 return False
-            self._marks_from = m.end()
+            self._marks_from = pos = m.end()
             if ok:
                 self._marks.append((m.start(), cut, "clause" if m.lastgroup == "clause" else "sentence"))
                 return True
