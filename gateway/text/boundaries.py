@@ -62,8 +62,8 @@ class BoundaryScan:
     Sentence and clause marks and word candidates are scanned apart (`_MARK`, `_WORD`: together, the candidates of one
     scan with both, as no match of either starts inside one of the other) and merged by position."""
 
-    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ran_out_at", "_boundaries_end", "_words",
-                 "_words_lo", "_words_hi", "_word_ok", "_weights", "_weighed")
+    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ran_out_at", "_boundaries_end", "_unsettled",
+                 "_text_len", "_settled_before", "_words", "_words_lo", "_words_hi", "_word_ok", "_weights", "_weighed")
 
     def __init__(self, line_start: bool, normalizing: bool) -> None:
         self.line_start = line_start  # the text starts a line (a numbered list item may begin it)
@@ -72,6 +72,11 @@ class BoundaryScan:
         self._marks_from = 0  # where the mark scan goes on (past every mark decided so far)
         self._ran_out_at = -1  # the text's length when the mark scan last ran out (no mark left, or one undecided)
         self._boundaries_end = 0  # ... and where the boundaries ended then (the undecided mark's start, or the end)
+        # A verdict is final once a visible character follows the cut (`cut_state` reads the next one); one judged
+        # with only whitespace after it is judged again when the text grows: (its index in `_marks`, its start)
+        self._unsettled: tuple[int, int] | None = None
+        self._text_len = 0  # the length of the text last seen
+        self._settled_before = 0  # ... and where its trailing whitespace starts: verdicts before it are final
         self._words: list[int] = []  # word candidates in [_words_lo, _words_hi): spaces, between two CJK characters
         self._words_lo = self._words_hi = 0
         self._word_ok: dict[int, bool] = {}  # the decided verdicts of the word candidates asked about
@@ -81,9 +86,10 @@ class BoundaryScan:
     def boundaries(self, text: str, words_from: int = 0) -> Iterator[tuple[int, str]]:
         """(cut position, kind) in order, kind in sentence/clause/word; stops at the first undecidable one. Never inside
         a phoneme brace; normalising: never through a unit the normaliser reads as one ("3:45 PM", "$1,000.50").
-        `words_from`: word boundaries before it are left out (for a caller that takes no word cut; they must be ones
-        that cannot stop the scan: `normalize.word_cuts_decided_before`). `text` is the text of earlier calls, or it
-        with more appended."""
+        `words_from`: word boundaries before it are left out (for a caller that takes no word cut there; they must be
+        ones that cannot stop the scan: `normalize.word_cuts_decided_before`). `text` is the text of earlier calls, or
+        it with more appended."""
+        self._see(text)
         i, words_after = 0, 0
         while True:
             more = i < len(self._marks) or self._next_mark(text)
@@ -103,6 +109,7 @@ class BoundaryScan:
     def last_word(self, text: str, lo: int, hi: int) -> int | None:
         """The last word boundary in [lo, hi), judged from `hi` back (a word cut as the last resort, among the word
         boundaries `boundaries` left out: they are decided)."""
+        self._see(text)
         for pos in reversed(self._word_candidates(text, lo, hi)):
             if self._word_verdict(text, pos):
                 return pos
@@ -112,6 +119,7 @@ class BoundaryScan:
         """The last cut in [lo, hi] that `boundaries(text)` yields, found from the end back (a timeout's cut: the last
         one allowed): the marks are all scanned (they are few), and of the words only those near the text's end,
         where one could be undecided and end the boundaries, are judged forward."""
+        self._see(text)
         while self._next_mark(text):
             pass
         end = self._boundaries_end
@@ -145,6 +153,16 @@ class BoundaryScan:
             scan._weighed = max(0, self._weighed - start)
         return scan
 
+    def _see(self, text: str) -> None:
+        """Takes in the text's growth: the verdicts that were not final are dropped, to be judged again."""
+        if len(text) == self._text_len:
+            return
+        self._text_len, self._settled_before = len(text), len(text.rstrip())
+        if self._unsettled is not None:
+            index, self._marks_from = self._unsettled
+            del self._marks[index:]
+            self._unsettled, self._ran_out_at = None, -1
+
     def _next_mark(self, text: str) -> bool:
         """Scans on to the next mark that is a boundary (appended to `_marks`); False where the text so far has none
         (none left, or one the characters still to come decide: `_boundaries_end` says where the boundaries end)."""
@@ -162,6 +180,8 @@ class BoundaryScan:
                 self._marks_from = self._boundaries_end = m.start()
                 self._ran_out_at = len(text)
                 return False
+            if self._unsettled is None and cut >= self._settled_before:
+                self._unsettled = len(self._marks), m.start()
             self._marks_from = pos = m.end()
             if ok:
                 self._marks.append((m.start(), cut, "clause" if m.lastgroup == "clause" else "sentence"))
@@ -173,7 +193,7 @@ class BoundaryScan:
         ok = self._word_ok.get(pos)
         if ok is None:
             ok = self._judge(text, pos, word=True)
-            if ok is not None:
+            if ok is not None and pos < self._settled_before:
                 self._word_ok[pos] = ok
         return ok
 
@@ -183,7 +203,7 @@ class BoundaryScan:
 
     def _word_candidates(self, text: str, lo: int, hi: int) -> list[int]:
         """The word candidates in [lo, hi), scanned once: the scanned range only widens."""
-        hi = min(hi, len(text))  # none lies at the text's end: one there needs the character still to come
+        lo, hi = max(lo, 0), min(hi, len(text))  # none lies at the text's end: it needs the character still to come
         if lo >= hi:
             return []
         if self._words_lo == self._words_hi:
