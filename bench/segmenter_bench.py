@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))})
-    report = {"benchmark": "segmenter", "command": " ".join(["python", *sys.argv]),
+    from gateway_proc import git_commit
+
+    report = {"benchmark": "segmenter", "command": " ".join(["python", *sys.argv]), "git_commit": git_commit(),
+              "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
               "turns": len(TEXTS), "words_per_turn": round(sum(len(t.split()) for t in TEXTS) / len(TEXTS), 1),
               "us": measure(args.repeats)}
