@@ -1,6 +1,7 @@
 """The segmenter releases exactly what main's did, call by call, over tests/segmenter_cases.py's corpus (texts,
 splits, configs, modes, clock and queued audio): its reference, tests/data/segments.json.gz, was recorded from main's
-code by tests/data/record_segments.py, so a change that makes cutting cheaper cannot change a single segment."""
+code by tests/data/record_segments.py, so a change that makes cutting cheaper cannot change a single segment (one
+meant to change segments records the reference again, from its own code, and says so)."""
 
 import gzip
 import json
