@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gateway.text import normalize as spoken
-from gateway.text.boundaries import IS_CJK, boundaries, prefix_weights, speak
+from gateway.text.boundaries import IS_CJK, BoundaryScan, speak
 
 REASONS = ("clause", "sentence", "length", "timeout", "flush", "end")
 RELAXED_QUEUE_MS = 1000.0  # with this much audio queued, segments grow to whole sentences
@@ -186,7 +187,9 @@ class _Normalizer:
         return "".join(out)
 
     def _collapse(self, text: str) -> str:
-        if not _ODD_SPACE.search(text):  # words and single spaces (the usual piece): no run to collapse inside
+        # words and single spaces (the usual piece): no run to collapse inside. Every whitespace character but " " is
+        # unprintable, so printable text without "  " has none (a check far cheaper than the regex's)
+        if (text.isprintable() and "  " not in text) or not _ODD_SPACE.search(text):
             body = text.strip(" ")
             if text[:1] == " ":
                 self._space = "\n" if self._space == "\n" else " "
@@ -225,6 +228,7 @@ class Segmenter:
         self._clock = clock
         self._mode = spoken.check_mode(normalize)  # gateway.text.normalize: how segments become what is spoken
         self._lang: spoken.Lang = "en"  # Chinese from the turn's first Chinese character on
+        self._chinese_came = False  # a Chinese character is in the text (normalising: it makes the next segment zh)
         self._norm = _Normalizer()
         self._buf = ""  # normalised, unreleased text (no leading whitespace)
         self._line_start = True  # _buf starts a line (turn start, or the last cut was at a newline)
@@ -233,10 +237,11 @@ class Segmenter:
         self._queue_dry_at: float | None = None
         self._ended = False
         self._held_at: float | None = None  # when the push whose `limit` held cuts back ran (`release` makes them)
-        # the last scan of the text that found no cut: (its inputs, every boundary it passed). A push scans; the
-        # segment timer's `next_deadline` right after it asks the same questions of the same text (LLM deltas: one
-        # scan per delta instead of three)
-        self._no_cut: tuple[tuple[str, bool, bool, int], list[int] | None] | None = None
+        # the boundaries of `_buf`, found once however often cuts are looked for (`_scan()`; a new one per buffer)
+        self._boundaries: BoundaryScan | None = None
+        # the inputs of the last look for a cut that found none: the segment timer's `next_deadline` right after a
+        # push asks the same question of the same text
+        self._no_cut: tuple[int, bool, bool, int] | None = None
         self.segments: list[Segment] = []  # everything released so far, in order
 
     @property
@@ -330,6 +335,9 @@ class Segmenter:
             if clean[:1] == "\n":
                 self._line_start = True
             clean = clean.lstrip()
+            self._boundaries = None  # a new buffer (it may start a line)
+        if self._mode != "off" and not self._chinese_came:
+            self._chinese_came = spoken.contains_chinese(clean)
         self._buf += clean
 
     def _release(self, complete: bool, last_reason: str = "end", now: float | None = None,
@@ -344,23 +352,34 @@ class Segmenter:
 
     def _emit(self, cut: int, reason: str, now: float | None = None) -> Segment:
         text, rest = self._buf[:cut].rstrip(), self._buf[cut:]
-        self._line_start = rest[: len(rest) - len(rest.lstrip())].count("\n") > 0
-        self._buf = rest.lstrip()
-        if self._mode != "off" and self._lang == "en" and spoken.contains_chinese(text + self._buf):
+        body = rest.lstrip()
+        self._line_start = "\n" in rest[: len(rest) - len(body)]
+        if self._boundaries is not None:
+            self._boundaries = self._boundaries.rest(len(self._buf) - len(body), self._line_start)
+        self._buf = body
+        # the segment or the text after it holds the turn's first Chinese character (none came before: the segments
+        # before were read in English)
+        if self._chinese_came and self._lang == "en":
             self._lang = "zh"
         segment = Segment(text, len(self.segments), reason, self._mode, self._lang, rewrite=self._rewrite)
         self.segments.append(segment)
-        self._since = (self._clock() if now is None else now) if self.pending_text else None
+        self._since = (self._clock() if now is None else now) if self._buf or self._norm.raw else None
         return segment
+
+    def _scan(self) -> BoundaryScan:
+        if self._boundaries is None:
+            self._boundaries = BoundaryScan(self._line_start, self._mode != "off")
+        return self._boundaries
 
     def _cut(self) -> tuple[int, str] | None:
         """Where the next segment ends, by the text alone (no clock): the same cuts however the text was split."""
         cfg, buf, index = self.config, self._buf, len(self.segments)
         if not buf:
             return None
-        # everything the answer depends on (the config and the normalisation mode are the turn's, fixed)
-        inputs = (buf, self._line_start, self._queued_ms >= RELAXED_QUEUE_MS, index)
-        if self._no_cut is not None and self._no_cut[0] == inputs:
+        # everything the answer depends on (the config and the normalisation mode are the turn's, fixed; the buffer
+        # only grows until a cut, which makes a new scan)
+        inputs = (len(buf), self._line_start, self._queued_ms >= RELAXED_QUEUE_MS, index)
+        if self._no_cut == inputs:
             return None
         first = index == 0 and cfg.schedule is None
         if cfg.schedule is not None:
@@ -369,21 +388,21 @@ class Segmenter:
             threshold, kinds = cfg.min_chars, ("sentence",)
         else:
             threshold, kinds = cfg.min_chars, ("sentence", "clause")
-        weights = prefix_weights(buf)
+        scan = self._scan()
+        weights = scan.weights(buf)
         best: dict[str, int] = {}
-        passed: list[int] = []
-        normalizing = self._mode != "off"
-        # A later segment takes no word cut, and with the text within max_chars there is no word fallback either: a
-        # word boundary matters only where it could stop the scan, so the others are not looked at (a paragraph's
-        # words are most of its boundaries). The scan then passes fewer than all boundaries.
+        # Without a schedule, a word cut is taken only by the first segment once it is first_chars long, or as the
+        # last resort past max_chars (below, from the end back): a word boundary before that matters only where it
+        # could stop the scan, so the others are not looked at (a paragraph's words are most of its boundaries).
         words_from = 0
-        if not first and "word" not in kinds and weights[-1] <= cfg.max_chars:
-            words_from = spoken.word_cuts_decided_before(buf) if normalizing else len(buf) + 1
-        for cut, kind in boundaries(buf, self._line_start, normalizing, words_from):
+        if "word" not in kinds:
+            words_from = spoken.word_cuts_decided_before(buf) if scan.normalizing else len(buf) + 1
+            if first:
+                words_from = min(words_from, bisect_left(weights, cfg.first_chars))
+        for cut, kind in scan.boundaries(buf, words_from):
             w = weights[cut]
             if w > cfg.max_chars:
                 break
-            passed.append(cut)
             if w == 0:
                 continue
             if kind in kinds and w >= threshold:
@@ -391,26 +410,27 @@ class Segmenter:
             if first and kind == "word" and w >= cfg.first_chars:
                 return cut, "length"
             best[kind] = cut
-        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars), unless words were left out
-            self._no_cut = inputs, None if words_from else passed
+        if weights[-1] <= cfg.max_chars:  # every boundary passed (none beyond max_chars)
+            self._no_cut = inputs
             return None
-        for kind in ("sentence", "clause", "word"):
+        for kind in ("sentence", "clause"):
             if kind in best:
                 return best[kind], "length"
-        return max(i for i, w in enumerate(weights) if w <= cfg.max_chars), "length"
+        within = bisect_right(weights, cfg.max_chars) - 1  # the last position within max_chars
+        # the last word boundary passed: the scan's, or one of those it left out (all before its own)
+        word = best.get("word")
+        if word is None:
+            word = scan.last_word(buf, 1, min(words_from, within + 1))
+        return (within if word is None else word), "length"
 
     def _timeout_cut(self) -> int | None:
         """The last cut that leaves no word half-spoken, if the text before it is long enough."""
         buf, cfg = self._buf, self.config
-        weights = prefix_weights(buf)
-        scanned = self._no_cut
-        if scanned is not None and scanned[1] is not None and scanned[0][:2] == (buf, self._line_start):
-            cuts = list(scanned[1])  # the boundaries of this very text, as `_cut` passed them all
-        else:
-            cuts = [cut for cut, _ in boundaries(buf, self._line_start, self._mode != "off")]
-        if buf and (self._norm.ends_word or IS_CJK.match(buf[-1])) and (
+        scan = self._scan()
+        weights = scan.weights(buf)
+        if buf and cfg.min_chars <= weights[-1] <= cfg.max_chars and (
+                self._norm.ends_word or IS_CJK.match(buf[-1])) and (
                 spoken.cut_state(buf, len(buf), at_end=True) if self._mode != "off"
                 else not spoken.inside_braces(buf, len(buf))):
-            cuts.append(len(buf))
-        cuts = [c for c in cuts if cfg.min_chars <= weights[c] <= cfg.max_chars]
-        return cuts[-1] if cuts else None
+            return len(buf)
+        return scan.last_boundary(buf, bisect_left(weights, cfg.min_chars), bisect_right(weights, cfg.max_chars) - 1)
