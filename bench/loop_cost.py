@@ -33,6 +33,7 @@ from gateway_load import TEXTS  # noqa: E402
 from paced_engine import PacedEngine  # noqa: E402
 
 from gateway import protocol as p  # noqa: E402
+from gateway.encode_site import start_encoders  # noqa: E402
 from gateway.session import Session, SessionConfig  # noqa: E402
 
 LATER_TICKS = 5
@@ -79,6 +80,7 @@ class Run:
 async def burst(sessions: int, fmt: str) -> dict[str, Any]:
     """One burst of `sessions` new turns; loop-thread CPU per phase (us per turn / per chunk)."""
     engine = PacedEngine(tick_ms=1e6)  # ticked by hand below
+    start_encoders()  # as a serving process does once it listens: no encoder process starts inside the burst
     run = Run(sessions)
     sinks = [Sink(run) for _ in range(sessions)]
     config = SessionConfig(limits=p.Limits(idle_timeout_s=3600.0))
