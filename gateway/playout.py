@@ -21,7 +21,8 @@ log = logging.getLogger("voxgate.session")
 
 
 class TurnSender:
-    """The sender task of a `Session` (it mixes this in): paced writes of a turn's queued audio and marks."""
+    """The sending of a `Session`'s turns (it mixes this in): paced writes of a turn's audio and marks, from its
+    synthesis task while nothing waits, else from its sender task."""
 
     # the Session's attributes these methods use
     engine: Any
@@ -29,10 +30,35 @@ class TurnSender:
     metrics: GatewayMetrics
     id: str
 
+    async def _hand_over(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
+        """The synthesis task's next item for the listener, in order. With nothing waiting ahead of it and room at the
+        client, it is sent from here: no queue hop nor sender wakeup per chunk and mark, and under a burst each turn's
+        audio leaves right after its own encoding instead of after every turn's. Otherwise it queues for the sender
+        task, started the first time an item has to wait (a turn whose audio never outruns its listener has none).
+        Only the synthesis task hands items over, so nothing can slip in between."""
+        if not turn.sending and turn.frames.empty() and (
+                type(item) is not _Packets or self._fits_now(turn, len(item.payloads))):
+            turn.sending = True
+            try:
+                await self._deliver(turn, item)
+            finally:
+                turn.sending = False
+            return
+        if turn.sender is None:
+            turn.sender = asyncio.create_task(self._send_audio(turn))
+            turn.tasks.append(turn.sender)
+        await turn.frames.put(item)
+
     async def _send_audio(self, turn: Turn) -> None:
         """Paced sending: never more than max_lead_ms ahead of the client's playout."""
         try:
-            await self._send_audio_loop(turn)
+            while True:
+                turn.sending = False
+                item = await turn.frames.get()
+                turn.sending = True
+                await self._deliver(turn, item)
+                if type(item) is _EndMark:
+                    return
         except SessionClosed:
             pass
         except Exception:  # a bug here must not leave the client waiting for audio that never comes
@@ -40,22 +66,18 @@ class TurnSender:
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
 
-    async def _send_audio_loop(self, turn: Turn) -> None:
-        while True:
-            turn.sending = False
-            item = await turn.frames.get()
-            turn.sending = True
-            if isinstance(item, _Packets):
-                await self._send_packets(turn, item)
-            elif isinstance(item, _SegmentMark):
-                turn.playout.segment_released(item.released_at)
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
-                                                  round(item.pts_ms, 1)))
-            elif isinstance(item, _FlushMark):
-                await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.playout.sent_ms, 1)))
-            elif isinstance(item, _EndMark):
-                await self._finish_turn(turn)
-                return
+    async def _deliver(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
+        """Send one item: a batch of frames (paced), a segment's or a flush's message, or the turn's end."""
+        if type(item) is _Packets:
+            await self._send_packets(turn, item)
+        elif type(item) is _SegmentMark:
+            turn.playout.segment_released(item.released_at)
+            await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
+                                              round(item.pts_ms, 1)))
+        elif type(item) is _FlushMark:
+            await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.playout.sent_ms, 1)))
+        else:
+            await self._finish_turn(turn)
 
     async def _send_packets(self, turn: Turn, item: _Packets) -> None:
         """A batch of frames, in as few writes as pacing allows (usually one)."""
@@ -103,9 +125,12 @@ class TurnSender:
             self.engine.update_buffered(turn.request_id, buffered)
 
     async def _finish_turn(self, turn: Turn) -> None:
+        """The turn's last frame is out: from the synthesis task (an idle sender task is stopped), or from the sender
+        task once the synthesis task has returned."""
+        self._stop_timer(turn)
         for task in turn.tasks:
             if task is not asyncio.current_task():
-                task.cancel()  # the segment timer; the synthesis task has already returned
+                task.cancel()
         figures = turn.playout.figures(turn.t_first_text, turn.engine_s)
         if figures.rtf is not None:
             self.metrics.rtf.observe(figures.rtf)

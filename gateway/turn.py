@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
@@ -116,8 +115,10 @@ class Turn:
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
+    tasks: list[asyncio.Task] = field(default_factory=list)  # the synthesis task; the sender task once started
+    sender: asyncio.Task | None = None  # started when an item first has to wait for pacing (`_hand_over`)
+    timer: asyncio.TimerHandle | None = None  # the segmenter's next deadline (`TurnText._arm_timer`)
+    timer_at: float | None = None  # that deadline (session clock)
     text: str = ""  # everything appended
     ended: bool = False
     seq: int = 0
@@ -147,7 +148,7 @@ class Turn:
 
 
 class TurnPipeline:
-    """The turn tasks of a `Session` (it mixes this in): the segment timer and the synthesis task."""
+    """The synthesis task of a `Session`'s turns (it mixes this in)."""
 
     # the Session's attributes these methods use
     engine: Any
@@ -156,19 +157,6 @@ class TurnPipeline:
     model_rate: int
     id: str
     closed: bool
-
-    async def _segment_timer(self, turn: Turn) -> None:
-        """Let time-based segment boundaries fire (the first segment leaves after max_delay_ms without a clause)."""
-        while not turn.ended:
-            deadline = turn.segmenter.next_deadline()
-            turn.wake.clear()
-            timeout = None if deadline is None else max(0.0, deadline - self.clock())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await turn.wake.wait()
-            if deadline is not None and not turn.ended and self.clock() >= deadline:
-                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
-                self._release(turn, turn.segmenter.poll())
 
     async def _synthesise(self, turn: Turn) -> None:
         """Segments in order through the engine; encoded audio into the bounded frame queue."""
@@ -182,21 +170,21 @@ class TurnPipeline:
                 if isinstance(item, _FlushMark):
                     await self._drain(turn)
                     await self._release_held(turn)
-                    await turn.frames.put(item)
+                    await self._hand_over(turn, item)
                     continue
                 if isinstance(item, _EndMark):
                     await self._queue_packets(turn, await self._encode(turn, None), last=True)
-                    await turn.frames.put(item)
+                    await self._hand_over(turn, item)
                     return
                 if isinstance(item, _Started):  # its request went out when it was released
                     started = item
                     try:
-                        await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
+                        await self._hand_over(turn, _SegmentMark(item.segment, turn.fed_ms, item.t0))
                     except BaseException:  # stopped while the frame queue was full: nothing else will close it
                         await _aclose(item.stream)
                         raise
                 else:  # the mark first: a full frame queue (plenty queued for the listener) holds the request back
-                    await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
+                    await self._hand_over(turn, _SegmentMark(item, turn.fed_ms, self.clock()))
                     started = self._start(turn, item)
                 seg = started.segment
                 seg_audio = SegmentAudio(seg.text, turn.fed_ms)
@@ -341,24 +329,12 @@ class TurnPipeline:
         turn.held = None if last or more or not batch else batch.pop()
         if not batch:
             return
-        packets = _Packets(batch, last)
-        if not turn.sending and turn.frames.empty() and self._fits_now(turn, len(batch)):
-            # nothing is waiting ahead of these frames and the client has room: send them from here, which saves
-            # the sender task's wakeup (per chunk per stream) and, under a burst, lets each turn's audio leave
-            # right after its own encoding instead of after every turn's. Only this task queues items, so nothing
-            # can slip in between.
-            turn.sending = True
-            try:
-                await self._send_packets(turn, packets)
-            finally:
-                turn.sending = False
-        else:
-            await turn.frames.put(packets)
+        await self._hand_over(turn, _Packets(batch, last))
 
     async def _release_held(self, turn: Turn) -> None:
         if turn.held is not None:
             payload, turn.held = turn.held, None
-            await turn.frames.put(_Packets([payload]))
+            await self._hand_over(turn, _Packets([payload]))
 
 
 async def _aclose(stream: Any) -> None:

@@ -158,7 +158,8 @@ def load_json(raw: str | bytes) -> Any:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
         raise ProtocolError(ErrorCode.BAD_JSON, f"invalid JSON: {e}") from None
-    where = first_invalid(data)
+    # a lone surrogate is either in the raw text or made by a `\u` escape: a document with neither needs no walk
+    where = None if type(raw) is str and "\\u" not in raw and is_text(raw) else first_invalid(data)
     if where is not None:
         cid = data.get("context_id") if isinstance(data, dict) else None
         raise ProtocolError(ErrorCode.INVALID_VALUE, f"field '{where or '(message)'}' is not valid Unicode text "
