@@ -36,25 +36,34 @@ class TurnSender:
         audio leaves right after its own encoding instead of after every turn's. Otherwise it queues for the sender
         task, started the first time an item has to wait (a turn whose audio never outruns its listener has none).
         Only the synthesis task hands items over, so nothing can slip in between."""
-        if not turn.sending and turn.frames.empty() and (
-                type(item) is not _Packets or self._fits_now(turn, len(item.payloads))):
-            turn.sending = True
-            try:
-                await self._deliver(turn, item)
-            finally:
-                turn.sending = False
-            return
-        if turn.sender is None:
-            turn.sender = asyncio.create_task(self._send_audio(turn))
-            turn.tasks.append(turn.sender)
-        await turn.frames.put(item)
+        frames = turn.frames
+        if not turn.sending and (frames is None or frames.empty()):
+            if isinstance(item, _Packets):
+                if turn.playout.fits(len(item.payloads), self.clock()):  # all of it may go now: one write
+                    turn.sending = True
+                    try:
+                        await self._write(turn, item.payloads, item.last)
+                    finally:
+                        turn.sending = False
+                    return
+            else:
+                turn.sending = True
+                try:
+                    await self._deliver(turn, item)
+                finally:
+                    turn.sending = False
+                return
+        if frames is None:
+            frames = turn.frames = asyncio.Queue(turn.pipeline_chunks)
+            turn.tasks.append(asyncio.create_task(self._send_audio(turn, frames)))
+        await frames.put(item)
 
-    async def _send_audio(self, turn: Turn) -> None:
+    async def _send_audio(self, turn: Turn, frames: asyncio.Queue) -> None:
         """Paced sending: never more than max_lead_ms ahead of the client's playout."""
         try:
             while True:
                 turn.sending = False
-                item = await turn.frames.get()
+                item = await frames.get()
                 turn.sending = True
                 await self._deliver(turn, item)
                 if type(item) is _EndMark:
@@ -81,21 +90,24 @@ class TurnSender:
 
     async def _send_packets(self, turn: Turn, item: _Packets) -> None:
         """A batch of frames, in as few writes as pacing allows (usually one)."""
-        payloads, playout = item.payloads, turn.playout
+        payloads, total = item.payloads, len(item.payloads)
         done = 0
-        while done < len(payloads):
-            n = await self._pace(turn, len(payloads) - done)
-            self._track_playout(turn, self.clock())
-            part = payloads[done:done + n]
+        while done < total:
+            n = await self._pace(turn, total - done)
+            part = payloads if n == total else payloads[done:done + n]
             done += n
-            await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, turn.fmt.kind, turn.seq, playout.sent_ms,
-                                                          turn.fmt.frame_ms, part, item.last and done == len(payloads)))
-            turn.seq += n
-            playout.sent(n)
-            self._report_buffered(turn)
+            await self._write(turn, part, item.last and done == total)
 
-    def _fits_now(self, turn: Turn, frames: int) -> bool:
-        return turn.playout.fits(frames, self.clock())
+    async def _write(self, turn: Turn, payloads: list[bytes], last: bool) -> None:
+        """One write of frames that may go now."""
+        playout, fmt = turn.playout, turn.fmt
+        self._track_playout(turn, self.clock())
+        await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, fmt.kind, turn.seq, playout.sent_ms,
+                                                      fmt.frame_ms, payloads, last))
+        n = len(payloads)
+        turn.seq += n
+        playout.sent(n)
+        self._report_buffered(turn)
 
     async def _pace(self, turn: Turn, available: int) -> int:
         """How many of the next `available` frames may go now, sleeping while the model says none may."""

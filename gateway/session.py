@@ -313,7 +313,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
                     continues=self.generation.continuation and not self.voice_is_prompt,
                     segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
                     max_lead_ms=lead,
-                    frames=asyncio.Queue(self.config.pipeline_chunks),
+                    pipeline_chunks=self.config.pipeline_chunks,
                     encode_site=encode_site(self.fmt))
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started

@@ -114,9 +114,10 @@ class Turn:
     deferred: list[TextOp] | None = None
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
-    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
+    # _Packets | marks waiting for the sender task, made with it (`_hand_over`); bounded by `pipeline_chunks`
+    frames: asyncio.Queue | None = None
+    pipeline_chunks: int = 16
     tasks: list[asyncio.Task] = field(default_factory=list)  # the synthesis task; the sender task once started
-    sender: asyncio.Task | None = None  # started when an item first has to wait for pacing (`_hand_over`)
     timer: asyncio.TimerHandle | None = None  # the segmenter's next deadline (`TurnText._arm_timer`)
     timer_at: float | None = None  # that deadline (session clock)
     text: str = ""  # everything appended
