@@ -41,7 +41,7 @@ class SessionClosed(Exception):
 
 
 # queue items from a turn's synthesis task to its sender task, in audio order
-@dataclass
+@dataclass(slots=True)
 class _Packets:
     """Consecutive encoded frames (about one engine chunk), sent together when pacing allows."""
 
@@ -49,14 +49,14 @@ class _Packets:
     last: bool = False  # ends with the turn's last frame
 
 
-@dataclass
+@dataclass(slots=True)
 class _SegmentMark:
     segment: Segment
     pts_ms: float
     released_at: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Started:
     """A segment whose engine request is out (`Session._start`): its stream, when it went out and what the listener
     had queued then."""
@@ -69,12 +69,12 @@ class _Started:
 
 
 # segments: items from the message handlers to a turn's synthesis task, in text order
-@dataclass
+@dataclass(slots=True)
 class _FlushMark:
     flush_id: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _EndMark:
     pass
 
@@ -90,7 +90,7 @@ class SegmentQueue(asyncio.Queue):
             self._queue[0] = start(self._queue[0])
 
 
-@dataclass
+@dataclass(slots=True)
 class Turn:
     """One context: text in, audio out, in order."""
 
