@@ -156,3 +156,23 @@ async def test_a_fronts_buffer_reports_wait_for_company_and_keep_their_order():
     finally:
         conn.transport.close()
         theirs.close()
+
+
+def test_the_native_sinks_write_is_each_frame_as_one_binary_message():
+    from gateway.native_sink import ws_audio
+
+    payloads = [bytes([i]) * n for i, n in enumerate((1, 111, 112, 200, 70000))]  # 7-bit, 16-bit, 64-bit lengths
+    packets = p.AudioPackets("c", 3, 1, 41, 820.0, 20.0, payloads, last=True)
+    data, messages = ws_audio(packets), []
+    pos = 0
+    while pos < len(data):
+        assert data[pos] == 0x82  # final, binary, unmasked
+        n, pos = data[pos + 1], pos + 2
+        if n == 126:
+            n, pos = int.from_bytes(data[pos:pos + 2], "big"), pos + 2
+        elif n == 127:
+            n, pos = int.from_bytes(data[pos:pos + 8], "big"), pos + 8
+        messages.append(data[pos:pos + n])
+        pos += n
+    assert messages == packets.encode()
+    assert [p.unpack_frame(m) for m in messages] == packets.frames()
