@@ -158,7 +158,7 @@ async def test_a_fronts_buffer_reports_wait_for_company_and_keep_their_order():
         theirs.close()
 
 
-def test_the_native_sinks_write_is_each_frame_as_one_binary_message():
+async def test_the_native_sinks_write_is_each_frame_as_one_binary_message():
     from gateway.native_sink import ws_audio
 
     payloads = [bytes([i]) * n for i, n in enumerate((1, 111, 112, 200, 70000))]  # 7-bit, 16-bit, 64-bit lengths
