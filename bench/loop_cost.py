@@ -15,9 +15,10 @@ which a shared machine's noise hides there.
 real link to an `EngineHost` in a child process (bench/paced_host.py: the same paced stand-in behind it, ticked by
 a signal), so the phases include the front's requests (checked, tokenized, built into specs, written to the link)
 and its chunks (read off the link and its audio ring). The child's CPU is not counted: it is the host's.
+--segmenter: also the segmenter's share of the handler and after_burst phases (`gateway.text`, measured on its own).
 
     python bench/loop_cost.py --sessions 128 --format opus --runs 3 --json out.json
-    python bench/loop_cost.py --sessions 128 --format opus --runs 3 --link
+    python bench/loop_cost.py --sessions 128 --format opus --runs 3 --link --segmenter
 """
 
 from __future__ import annotations
