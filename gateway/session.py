@@ -166,6 +166,9 @@ class Session(TurnPipeline, TurnSender, TurnText):
                 await self.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
 
     async def _dispatch(self, m: p.ClientMessage) -> None:
+        if type(m) is p.TextAppend and self.started:  # the most frequent message first
+            await self._append(m)
+            return
         if isinstance(m, p.Unknown):
             return
         if isinstance(m, p.Ping):
