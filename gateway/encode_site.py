@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Protocol
 
 import numpy as np
@@ -115,17 +117,32 @@ def start_encoders() -> None:
     """Start this loop's Opus encoder processes now if Opus turns go to them: a serving process calls it once it
     listens, so its first Opus turn does not wait for them to start (~0.1-0.4 s: a Python child and its imports;
     every front of `--fronts N` has its own)."""
-    procs = GatewaySettings.from_env().encode_procs
-    if procs != 0:
-        shared_procs(three_quarters_of_cores() if procs is None else procs).start()
+    procs = _opus_procs()
+    if procs:
+        shared_procs(procs).start()
+
+
+# the running loop's Opus encoder process count (0: the thread pool), read from the environment once per loop: a new
+# turn must not parse every gateway switch (~10 us of the loop per Opus turn)
+_procs_of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = weakref.WeakKeyDictionary()
+
+
+def _opus_procs() -> int:
+    loop = asyncio.get_running_loop()
+    procs = _procs_of_loop.get(loop)
+    if procs is None:
+        setting = GatewaySettings.from_env().encode_procs
+        procs = _procs_of_loop[loop] = three_quarters_of_cores() if setting is None else setting
+    return procs
 
 
 def encode_site(fmt: OutputFormat) -> EncodeSite:
     """Where a new turn in `fmt` encodes: the cheap formats on the loop; Opus in the encoder processes when
-    VOXGATE_ENCODE_PROCS asks for them (made on first use), else in the shared thread pool. Call on the event loop."""
+    VOXGATE_ENCODE_PROCS asks for them (made on first use), else in the shared thread pool. VOXGATE_ENCODE_PROCS is
+    read once per event loop (its first Opus turn, or `start_encoders`). Call on the event loop."""
     if fmt.format not in OFFLOADED_FORMATS:
         return ON_LOOP
-    procs = GatewaySettings.from_env().encode_procs
+    procs = _opus_procs()
     if procs == 0:
         return InPool(shared_pool())
-    return shared_procs(three_quarters_of_cores() if procs is None else procs)
+    return shared_procs(procs)

@@ -7,7 +7,7 @@ import struct
 
 from aiohttp import web
 
-from gateway.protocol import AudioFrame, AudioPackets, ServerMessage, pack_frame
+from gateway.protocol import HEADER_SIZE, AudioFrame, AudioPackets, ServerMessage, pack_frame
 
 RAW_WRITE_LIMIT = 64 << 10  # bytes queued in the transport above which sends go through aiohttp (and wait)
 # below this, no send can make aiohttp wait for the socket to drain (it waits only once asyncio's transport pauses
@@ -16,6 +16,18 @@ SEND_READY_LIMIT = 16 << 10
 _WS_LEN7 = struct.Struct("!BB")
 _WS_LEN16 = struct.Struct("!BBH")
 _WS_LEN64 = struct.Struct("!BBQ")
+
+
+def ws_audio(packets: AudioPackets) -> bytes:
+    """A batch's frames as consecutive binary WebSocket messages, one buffer for one socket write (one syscall per
+    engine chunk rather than per 20 ms frame), each payload copied once. Server frames are unmasked, so framing them
+    is the RFC 6455 header alone; aiohttp writes its own frames to the same transport synchronously, so order is
+    kept. `NativeSink.audio` writes it while the client keeps up; once bytes pile up in the transport, aiohttp's own
+    send path takes over: it waits for the socket to drain, which is what the session's stall timeout watches."""
+    parts: list[bytes] = []
+    for head, payload in zip(packets.headers(), packets.payloads, strict=True):
+        parts += (_ws_binary_header(HEADER_SIZE + len(payload)), head, payload)
+    return b"".join(parts)
 
 
 def _ws_binary_header(n: int) -> bytes:
@@ -38,7 +50,14 @@ class NativeSink:
         await self.ws.send_str(msg.encode())
 
     async def audio(self, packets: AudioPackets) -> None:
-        await self._send_frames(packets.encode())
+        transport = self.request.transport
+        if transport is None or self.ws.closed or transport.get_write_buffer_size() > RAW_WRITE_LIMIT:
+            for data in packets.encode():
+                await self.ws.send_bytes(data)
+            return
+        if transport.is_closing():
+            raise ConnectionResetError("the connection is closing")
+        transport.write(ws_audio(packets))
 
     async def frame(self, frame: AudioFrame) -> None:
         """One binary frame outside a turn's batches (a Twilio call's caller audio on its control socket); index, seq
@@ -51,20 +70,6 @@ class NativeSink:
         transport = self.request.transport
         return transport is not None and transport.get_write_buffer_size() < SEND_READY_LIMIT
 
-    async def _send_frames(self, frames: list[bytes]) -> None:
-        """Several binary messages in one socket write (one syscall per engine chunk rather than per 20 ms frame:
-        measured 0.8 vs 4.5 us of loop time per frame). Server frames are unmasked, so framing them is the RFC 6455
-        header alone; aiohttp writes its own frames to the same transport synchronously, so order is kept. Once
-        the client falls behind (bytes pile up in the transport), aiohttp's own send path takes over: it waits for
-        the socket to drain, which is what the session's stall timeout watches."""
-        transport = self.request.transport
-        if transport is None or self.ws.closed or transport.get_write_buffer_size() > RAW_WRITE_LIMIT:
-            for data in frames:
-                await self.ws.send_bytes(data)
-            return
-        if transport.is_closing():
-            raise ConnectionResetError("the connection is closing")
-        transport.write(b"".join([_ws_binary_header(len(data)) + data for data in frames]))
 
     async def close(self, code: int, reason: str) -> None:
         await self.ws.close(code=code, message=reason.encode()[:120])

@@ -6,7 +6,6 @@ long to wait, gaps, the engine's buffered-audio hint, the figures of `context.do
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +20,8 @@ log = logging.getLogger("voxgate.session")
 
 
 class TurnSender:
-    """The sender task of a `Session` (it mixes this in): paced writes of a turn's queued audio and marks."""
+    """The sending of a `Session`'s turns (it mixes this in): paced writes of a turn's audio and marks, from its
+    synthesis task while nothing waits, else from its sender task."""
 
     # the Session's attributes these methods use
     engine: Any
@@ -29,10 +29,44 @@ class TurnSender:
     metrics: GatewayMetrics
     id: str
 
-    async def _send_audio(self, turn: Turn) -> None:
+    async def _hand_over(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
+        """The synthesis task's next item for the listener, in order. With nothing waiting ahead of it and room at the
+        client, it is sent from here: no queue hop nor sender wakeup per chunk and mark, and under a burst each turn's
+        audio leaves right after its own encoding instead of after every turn's. Otherwise it queues for the sender
+        task, started the first time an item has to wait (a turn whose audio never outruns its listener has none).
+        Only the synthesis task hands items over, so nothing can slip in between."""
+        frames = turn.frames
+        if not turn.sending and (frames is None or frames.empty()):
+            if isinstance(item, _Packets):
+                if turn.playout.fits(len(item.payloads), self.clock()):  # all of it may go now: one write
+                    turn.sending = True
+                    try:
+                        await self._write(turn, item.payloads, item.last)
+                    finally:
+                        turn.sending = False
+                    return
+            else:
+                turn.sending = True
+                try:
+                    await self._deliver(turn, item)
+                finally:
+                    turn.sending = False
+                return
+        if frames is None:
+            frames = turn.frames = asyncio.Queue(turn.pipeline_chunks)
+            turn.tasks.append(asyncio.create_task(self._send_audio(turn, frames)))
+        await frames.put(item)
+
+    async def _send_audio(self, turn: Turn, frames: asyncio.Queue) -> None:
         """Paced sending: never more than max_lead_ms ahead of the client's playout."""
         try:
-            await self._send_audio_loop(turn)
+            while True:
+                turn.sending = False
+                item = await frames.get()
+                turn.sending = True
+                await self._deliver(turn, item)
+                if type(item) is _EndMark:
+                    return
         except SessionClosed:
             pass
         except Exception:  # a bug here must not leave the client waiting for audio that never comes
@@ -40,40 +74,39 @@ class TurnSender:
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
 
-    async def _send_audio_loop(self, turn: Turn) -> None:
-        while True:
-            turn.sending = False
-            item = await turn.frames.get()
-            turn.sending = True
-            if isinstance(item, _Packets):
-                await self._send_packets(turn, item)
-            elif isinstance(item, _SegmentMark):
-                turn.playout.segment_released(item.released_at)
-                await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
-                                                  round(item.pts_ms, 1)))
-            elif isinstance(item, _FlushMark):
-                await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.playout.sent_ms, 1)))
-            elif isinstance(item, _EndMark):
-                await self._finish_turn(turn)
-                return
+    async def _deliver(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
+        """Send one item: a batch of frames (paced), a segment's or a flush's message, or the turn's end."""
+        if type(item) is _Packets:
+            await self._send_packets(turn, item)
+        elif type(item) is _SegmentMark:
+            turn.playout.segment_released(item.released_at)
+            await self._send(p.SegmentStarted(turn.id, item.segment.index, item.segment.shown(),
+                                              round(item.pts_ms, 1)))
+        elif type(item) is _FlushMark:
+            await self._send(p.TextFlushed(turn.id, item.flush_id, round(turn.playout.sent_ms, 1)))
+        else:
+            await self._finish_turn(turn)
 
     async def _send_packets(self, turn: Turn, item: _Packets) -> None:
         """A batch of frames, in as few writes as pacing allows (usually one)."""
-        payloads, playout = item.payloads, turn.playout
+        payloads, total = item.payloads, len(item.payloads)
         done = 0
-        while done < len(payloads):
-            n = await self._pace(turn, len(payloads) - done)
-            self._track_playout(turn, self.clock())
-            part = payloads[done:done + n]
+        while done < total:
+            n = await self._pace(turn, total - done)
+            part = payloads if n == total else payloads[done:done + n]
             done += n
-            await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, turn.fmt.kind, turn.seq, playout.sent_ms,
-                                                          turn.fmt.frame_ms, part, item.last and done == len(payloads)))
-            turn.seq += n
-            playout.sent(n)
-            self._report_buffered(turn)
+            await self._write(turn, part, item.last and done == total)
 
-    def _fits_now(self, turn: Turn, frames: int) -> bool:
-        return turn.playout.fits(frames, self.clock())
+    async def _write(self, turn: Turn, payloads: list[bytes], last: bool) -> None:
+        """One write of frames that may go now."""
+        playout, fmt = turn.playout, turn.fmt
+        self._track_playout(turn, self.clock())
+        await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, fmt.kind, turn.seq, playout.sent_ms,
+                                                      fmt.frame_ms, payloads, last))
+        n = len(payloads)
+        turn.seq += n
+        playout.sent(n)
+        self._report_buffered(turn)
 
     async def _pace(self, turn: Turn, available: int) -> int:
         """How many of the next `available` frames may go now, sleeping while the model says none may."""
@@ -99,13 +132,18 @@ class TurnSender:
         if buffered is None:
             return
         turn.segmenter.set_queued_audio_ms(buffered)
-        with contextlib.suppress(Exception):  # advisory: the scheduler's hint must never break a turn
+        try:  # a try costs nothing until it catches; a suppress context per report does (this runs per chunk)
             self.engine.update_buffered(turn.request_id, buffered)
+        except Exception:  # advisory: the scheduler's hint must never break a turn
+            log.debug("session %s context %s: buffered-audio report failed", self.id, turn.id, exc_info=True)
 
     async def _finish_turn(self, turn: Turn) -> None:
+        """The turn's last frame is out: from the synthesis task (an idle sender task is stopped), or from the sender
+        task once the synthesis task has returned."""
+        self._stop_timer(turn)
         for task in turn.tasks:
             if task is not asyncio.current_task():
-                task.cancel()  # the segment timer; the synthesis task has already returned
+                task.cancel()
         figures = turn.playout.figures(turn.t_first_text, turn.engine_s)
         if figures.rtf is not None:
             self.metrics.rtf.observe(figures.rtf)

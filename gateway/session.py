@@ -166,6 +166,9 @@ class Session(TurnPipeline, TurnSender, TurnText):
                 await self.fail(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error", fatal=True))
 
     async def _dispatch(self, m: p.ClientMessage) -> None:
+        if type(m) is p.TextAppend and self.started:  # the most frequent message first
+            await self._append(m)
+            return
         if isinstance(m, p.Unknown):
             return
         if isinstance(m, p.Ping):
@@ -206,8 +209,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
             turn = self._turn(m.context_id)
             if not turn.ended:
                 turn.ended = True
-                self._in_order(turn, TextOp("end"))
-                turn.wake.set()  # the segment timer has nothing left to do
+                self._in_order(turn, TextOp("end"))  # the segment timer stops: nothing is left for it to do
         elif isinstance(m, p.ContextCancel):
             await self._cancel(m.context_id)
         elif isinstance(m, p.PlaybackPosition):
@@ -297,7 +299,6 @@ class Session(TurnPipeline, TurnSender, TurnText):
                 turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text
             self._in_order(turn, TextOp("push", m.text))
-            turn.wake.set()
         finally:
             if opened:  # context.started (and the turn's tasks) only after the engine request is out
                 await self._begin_turn(turn)
@@ -315,7 +316,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
                     continues=self.generation.continuation and not self.voice_is_prompt,
                     segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
                     max_lead_ms=lead,
-                    frames=asyncio.Queue(self.config.pipeline_chunks),
+                    pipeline_chunks=self.config.pipeline_chunks,
                     encode_site=encode_site(self.fmt))
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started
@@ -323,10 +324,10 @@ class Session(TurnPipeline, TurnSender, TurnText):
         return turn
 
     async def _begin_turn(self, turn: Turn) -> None:
-        """context.started, then the turn's tasks (so nothing of the turn can be sent before it)."""
+        """context.started, then the turn's synthesis task (so nothing of the turn can be sent before it); its
+        sender task starts when audio first has to wait for pacing (`_hand_over`)."""
         await self._send(p.ContextStarted(turn.id, turn.index, _output_dict(turn.fmt)))
-        turn.tasks = [asyncio.create_task(self._synthesise(turn)), asyncio.create_task(self._send_audio(turn)),
-                      asyncio.create_task(self._segment_timer(turn))]
+        turn.tasks.append(asyncio.create_task(self._synthesise(turn)))
 
     def _release(self, turn: Turn, segments: list[Segment]) -> None:
         """Hand released segments to the synthesis task. When it is idle (the previous segment done, nothing
@@ -374,6 +375,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
     async def _stop_turn(self, turn: Turn) -> None:
         """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
         self._settle(turn)
+        self._stop_timer(turn)
         me = asyncio.current_task()
         tasks = [t for t in turn.tasks if t is not me]
         for t in tasks:

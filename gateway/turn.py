@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
@@ -42,7 +41,7 @@ class SessionClosed(Exception):
 
 
 # queue items from a turn's synthesis task to its sender task, in audio order
-@dataclass
+@dataclass(slots=True)
 class _Packets:
     """Consecutive encoded frames (about one engine chunk), sent together when pacing allows."""
 
@@ -50,14 +49,14 @@ class _Packets:
     last: bool = False  # ends with the turn's last frame
 
 
-@dataclass
+@dataclass(slots=True)
 class _SegmentMark:
     segment: Segment
     pts_ms: float
     released_at: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Started:
     """A segment whose engine request is out (`Session._start`): its stream, when it went out and what the listener
     had queued then."""
@@ -70,12 +69,12 @@ class _Started:
 
 
 # segments: items from the message handlers to a turn's synthesis task, in text order
-@dataclass
+@dataclass(slots=True)
 class _FlushMark:
     flush_id: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _EndMark:
     pass
 
@@ -91,7 +90,7 @@ class SegmentQueue(asyncio.Queue):
             self._queue[0] = start(self._queue[0])
 
 
-@dataclass
+@dataclass(slots=True)
 class Turn:
     """One context: text in, audio out, in order."""
 
@@ -115,9 +114,12 @@ class Turn:
     deferred: list[TextOp] | None = None
     prompt: tuple[np.ndarray, str] | None = None  # the next segment's continuation prompt: (latents, text)
     continues: bool = True  # later segments continue from the one before (off: setting, or a prompt voice)
-    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # _Packets | marks; bounded by the session
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new text: re-read the segmenter's deadline
+    # _Packets | marks waiting for the sender task, made with it (`_hand_over`); bounded by `pipeline_chunks`
+    frames: asyncio.Queue | None = None
+    pipeline_chunks: int = 16
+    tasks: list[asyncio.Task] = field(default_factory=list)  # the synthesis task; the sender task once started
+    timer: asyncio.TimerHandle | None = None  # the segmenter's next deadline (`TurnText._arm_timer`)
+    timer_at: float | None = None  # that deadline (session clock)
     text: str = ""  # everything appended
     ended: bool = False
     seq: int = 0
@@ -147,7 +149,7 @@ class Turn:
 
 
 class TurnPipeline:
-    """The turn tasks of a `Session` (it mixes this in): the segment timer and the synthesis task."""
+    """The synthesis task of a `Session`'s turns (it mixes this in)."""
 
     # the Session's attributes these methods use
     engine: Any
@@ -156,19 +158,6 @@ class TurnPipeline:
     model_rate: int
     id: str
     closed: bool
-
-    async def _segment_timer(self, turn: Turn) -> None:
-        """Let time-based segment boundaries fire (the first segment leaves after max_delay_ms without a clause)."""
-        while not turn.ended:
-            deadline = turn.segmenter.next_deadline()
-            turn.wake.clear()
-            timeout = None if deadline is None else max(0.0, deadline - self.clock())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await turn.wake.wait()
-            if deadline is not None and not turn.ended and self.clock() >= deadline:
-                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
-                self._release(turn, turn.segmenter.poll())
 
     async def _synthesise(self, turn: Turn) -> None:
         """Segments in order through the engine; encoded audio into the bounded frame queue."""
@@ -182,21 +171,21 @@ class TurnPipeline:
                 if isinstance(item, _FlushMark):
                     await self._drain(turn)
                     await self._release_held(turn)
-                    await turn.frames.put(item)
+                    await self._hand_over(turn, item)
                     continue
                 if isinstance(item, _EndMark):
                     await self._queue_packets(turn, await self._encode(turn, None), last=True)
-                    await turn.frames.put(item)
+                    await self._hand_over(turn, item)
                     return
                 if isinstance(item, _Started):  # its request went out when it was released
                     started = item
                     try:
-                        await turn.frames.put(_SegmentMark(item.segment, turn.fed_ms, item.t0))
+                        await self._hand_over(turn, _SegmentMark(item.segment, turn.fed_ms, item.t0))
                     except BaseException:  # stopped while the frame queue was full: nothing else will close it
                         await _aclose(item.stream)
                         raise
                 else:  # the mark first: a full frame queue (plenty queued for the listener) holds the request back
-                    await turn.frames.put(_SegmentMark(item, turn.fed_ms, self.clock()))
+                    await self._hand_over(turn, _SegmentMark(item, turn.fed_ms, self.clock()))
                     started = self._start(turn, item)
                 seg = started.segment
                 seg_audio = SegmentAudio(seg.text, turn.fed_ms)
@@ -341,24 +330,12 @@ class TurnPipeline:
         turn.held = None if last or more or not batch else batch.pop()
         if not batch:
             return
-        packets = _Packets(batch, last)
-        if not turn.sending and turn.frames.empty() and self._fits_now(turn, len(batch)):
-            # nothing is waiting ahead of these frames and the client has room: send them from here, which saves
-            # the sender task's wakeup (per chunk per stream) and, under a burst, lets each turn's audio leave
-            # right after its own encoding instead of after every turn's. Only this task queues items, so nothing
-            # can slip in between.
-            turn.sending = True
-            try:
-                await self._send_packets(turn, packets)
-            finally:
-                turn.sending = False
-        else:
-            await turn.frames.put(packets)
+        await self._hand_over(turn, _Packets(batch, last))
 
     async def _release_held(self, turn: Turn) -> None:
         if turn.held is not None:
             payload, turn.held = turn.held, None
-            await turn.frames.put(_Packets([payload]))
+            await self._hand_over(turn, _Packets([payload]))
 
 
 async def _aclose(stream: Any) -> None:

@@ -7,14 +7,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class SegmentAudio:
     text: str
     start_ms: float
     end_ms: float | None = None  # known once all its audio is queued
 
 
-@dataclass
+@dataclass(slots=True)
 class SegmentTiming:
     """Where one segment's synthesis sat in its turn, reported in `context.done` metrics as `segment_log`: tells a
     segment that was started too late (little `lead_ms`) from an engine that fell behind (`max_wait_ms`)."""

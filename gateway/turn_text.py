@@ -33,6 +33,7 @@ class TurnText:
 
     # the Session's attributes these methods use
     id: str
+    closed: bool
     clock: Callable[[], float]
     _release: Callable[[Turn, list[Segment]], None]
     _background: Callable[[Coroutine[Any, Any, None]], None]
@@ -62,17 +63,53 @@ class TurnText:
             self._release(turn, turn.segmenter.release())
             for op in ops:
                 self._text_op(turn, op)
+            self._arm_timer(turn)
         except Exception:  # a bug here must not leave the turn waiting for segments that never come
             log.exception("session %s context %s: cutting its text failed", self.id, turn.id)
             self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
                                                                   context_id=turn.id)))
 
     def _in_order(self, turn: Turn, op: TextOp) -> None:
-        """Do `op` now, or after the cuts `_push_text` held back if they are pending."""
+        """Do `op` now (and re-read the segmenter's deadline), or after the cuts `_push_text` held back if they are
+        pending."""
         if turn.deferred is None:
             self._text_op(turn, op)
+            if turn.deferred is None:  # else the cuts it held back are pending: `_cut_deferred` arms it
+                self._arm_timer(turn)
         else:
             turn.deferred.append(op)
+
+    def _arm_timer(self, turn: Turn) -> None:
+        """Time-based segment boundaries (the first segment leaves after max_delay_ms without a clause): a loop timer
+        at the segmenter's next deadline, none while it has none or once the turn is ended. A timer handle, not a
+        task per turn: most turns never need it, and re-arming it per text.append costs no task wakeup."""
+        deadline = None if turn.ended or self.closed else turn.segmenter.next_deadline()
+        if deadline == turn.timer_at and (deadline is None or turn.timer is not None):
+            return
+        self._stop_timer(turn)
+        if deadline is not None:
+            turn.timer_at = deadline
+            turn.timer = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()), self._on_deadline,
+                                                               turn)
+
+    def _stop_timer(self, turn: Turn) -> None:
+        if turn.timer is not None:
+            turn.timer.cancel()
+        turn.timer = turn.timer_at = None
+
+    def _on_deadline(self, turn: Turn) -> None:
+        deadline, turn.timer, turn.timer_at = turn.timer_at, None, None
+        if turn.ended or self.closed or turn.deferred is not None:
+            return
+        try:
+            if deadline is not None and self.clock() >= deadline:
+                turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
+                self._release(turn, turn.segmenter.poll())
+            self._arm_timer(turn)
+        except Exception:  # a bug here must not leave the turn waiting for segments that never come
+            log.exception("session %s context %s: its segment timer failed", self.id, turn.id)
+            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                                  context_id=turn.id)))
 
     def _text_op(self, turn: Turn, op: TextOp) -> None:
         if op.kind == "push":

@@ -2,7 +2,8 @@
 
 The connection is an asyncio protocol (no reader task): each read hands its whole frames to the `RemoteEngine`
 (chunks, refusals, pushed state) or to the call waiting for a reply. What the front sends in one pass of its event
-loop (a burst of turns' requests, buffer reports, cancels) leaves as one frame at the end of that pass.
+loop (a burst of turns' requests, cancels, calls) leaves as one frame at the end of that pass; buffered-audio
+reports alone wait a few milliseconds for company (`REPORT_DELAY_S`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from gateway.link.remote_engine import RemoteEngine, RemoteStream
 log = logging.getLogger("voxgate.link")
 
 CONNECT_TIMEOUT_S = 30.0  # the host binds its socket before its fronts start; this covers a slow start
+# A pass that queued only buffered-audio reports (advisory: the scheduler's deadline hint, sent every 100 ms per
+# request) flushes this much later, with whatever else comes by then: a front's turns send their chunks in many
+# passes (each as its encoding comes back), and a frame (a pickle and a socket write) per pass per report is most of
+# the link's cost per chunk. Anything else posted meanwhile flushes them at the end of its own pass.
+REPORT_DELAY_S = 0.005
 
 
 class _HostConnection(asyncio.Protocol):
@@ -40,6 +46,8 @@ class _HostConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.Reader()
         self.out: list[Any] = []
+        self.flush_at_pass_end = False  # a flush is queued for the end of this pass (`post`)
+        self.report_timer: asyncio.TimerHandle | None = None  # a flush for buffered-audio reports alone
         self.stamps: list[RemoteStream] = []  # requests in `out`: their send time is set when it leaves
         self.calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count()
@@ -52,14 +60,24 @@ class _HostConnection(asyncio.Protocol):
 
     # ---- out -----------------------------------------------------------------------------------------------
     def post(self, msg: Any) -> None:
-        if not self.out:
-            self.loop.call_soon(self.flush)
         self.out.append(msg)
+        if self.flush_at_pass_end:
+            return
+        if type(msg) is wire.Buffered:
+            if self.report_timer is None:
+                self.report_timer = self.loop.call_later(REPORT_DELAY_S, self.flush)
+            return
+        self.flush_at_pass_end = True
+        self.loop.call_soon(self.flush)
 
     def stamp(self, stream: RemoteStream) -> None:
         self.stamps.append(stream)
 
     def flush(self) -> None:
+        self.flush_at_pass_end = False
+        if self.report_timer is not None:
+            self.report_timer.cancel()
+            self.report_timer = None
         out, self.out = self.out, []
         if not out or self.transport is None or self.transport.is_closing():
             return

@@ -144,10 +144,29 @@ def parse_client_message(raw: str | bytes, limits: Limits = Limits()) -> ClientM
     kind = data.get("type")
     if not isinstance(kind, str):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message needs a string field 'type'")
+    valid = _valid_text_message(kind, data, limits)
+    if valid is not None:
+        return valid
     parser = _PARSERS.get(kind)
     if parser is None:
         return Unknown(kind)
     return parser(_Fields(kind, data, limits))
+
+
+def _valid_text_message(kind: str, data: dict[str, Any], limits: Limits) -> TextAppend | ContextEnd | None:
+    """A text.append or context.end that is valid as it is (a turn's text comes in these, many per second per
+    session), made without the field-by-field checks; None for every other message, and for any of these with
+    something to report, which the full parser then reports."""
+    cid = data.get("context_id")
+    if type(cid) is not str or not 0 < len(cid) <= limits.max_id_chars:
+        return None
+    if kind == "text.append" and len(data) == 3:
+        text = data.get("text")
+        if type(text) is str and len(text) <= limits.max_text_chars:
+            return TextAppend(cid, text)
+    elif kind == "context.end" and len(data) == 2:
+        return ContextEnd(cid)
+    return None
 
 
 def load_json(raw: str | bytes) -> Any:
@@ -158,7 +177,8 @@ def load_json(raw: str | bytes) -> Any:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
         raise ProtocolError(ErrorCode.BAD_JSON, f"invalid JSON: {e}") from None
-    where = first_invalid(data)
+    # a lone surrogate is either in the raw text or made by a `\u` escape: a document with neither needs no walk
+    where = None if type(raw) is str and "\\u" not in raw and is_text(raw) else first_invalid(data)
     if where is not None:
         cid = data.get("context_id") if isinstance(data, dict) else None
         raise ProtocolError(ErrorCode.INVALID_VALUE, f"field '{where or '(message)'}' is not valid Unicode text "

@@ -29,11 +29,19 @@ def pack_frame_header(kind: int, flags: int, index: int, seq: int, pts_ms: int) 
 def pack_frames(kind: int, index: int, seq: int, pts_ms: float, frame_ms: float, payloads: list[bytes],
                 last: bool = False) -> list[bytes]:
     """Consecutive frames of one turn, header + payload each: `payloads[i]` gets seq `seq + i` and pts `pts_ms + i *
-    frame_ms`; `last` flags the final one. The bytes of pack_frame_header per frame without its per-field checks
-    (this runs for every frame the gateway sends): kind comes from OutputFormat, the counters wrap."""
-    head, index, final = _HEADER.pack, index & 0xFFFF, len(payloads) - 1 if last else -1
+    frame_ms`; `last` flags the final one."""
+    return [head + payload for head, payload in zip(frame_headers(kind, index, seq, pts_ms, frame_ms, len(payloads),
+                                                                  last), payloads, strict=True)]
+
+
+def frame_headers(kind: int, index: int, seq: int, pts_ms: float, frame_ms: float, count: int,
+                  last: bool = False) -> list[bytes]:
+    """The headers of `pack_frames`, alone (a writer that gathers its parts copies each payload once). The bytes of
+    pack_frame_header per frame without its per-field checks (this runs for every frame the gateway sends): kind
+    comes from OutputFormat, the counters wrap."""
+    head, index, final = _HEADER.pack, index & 0xFFFF, count - 1 if last else -1
     return [head(FRAME_MAGIC, FRAME_VERSION, kind, FLAG_LAST if i == final else 0, index, (seq + i) & 0xFFFFFFFF,
-                 int(pts_ms + i * frame_ms) & 0xFFFFFFFF) + payload for i, payload in enumerate(payloads)]
+                 int(pts_ms + i * frame_ms) & 0xFFFFFFFF) for i in range(count)]
 
 
 def unpack_frame_header(data: bytes) -> tuple[int, int, int, int, int]:
@@ -90,6 +98,11 @@ class AudioPackets:
     def encode(self) -> list[bytes]:
         """The native WebSocket's binary messages: header + payload per frame."""
         return pack_frames(self.kind, self.index, self.seq, self.pts_ms, self.frame_ms, self.payloads, self.last)
+
+    def headers(self) -> list[bytes]:
+        """Each frame's header, in order (`encode` without the payloads)."""
+        return frame_headers(self.kind, self.index, self.seq, self.pts_ms, self.frame_ms, len(self.payloads),
+                             self.last)
 
 
 def pack_frame(kind: int, flags: int, index: int, seq: int, pts_ms: float, payload: bytes) -> bytes:
