@@ -14,8 +14,8 @@ import pytest_asyncio
 import torch
 
 from engine.errors import EngineOverloaded, InvalidParameter, TenantOverloaded, UnknownLoRA, UnknownVoice
-from gateway.link import EngineHost, HostLost, connect
-from gateway.link.remote_engine import RemoteEngine
+from gateway.link import EngineHost, HostLost, connect, wire
+from gateway.link.remote_engine import RemoteEngine, RemoteStream
 from gateway.store import Item, LocalStore
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -306,3 +306,37 @@ async def test_host_closing_fails_open_streams_typed_and_calls_on_lost(tiny_v2_d
     with pytest.raises(HostLost):
         front.engine.generate("After.")
     await settled(eng)
+
+
+async def test_a_steps_first_chunks_wake_their_turns_before_the_others(served):
+    """A step that brings some requests their first chunk and others a later one hands the first chunks over first
+    (their turns' first frames are the urgent work), each request's own chunks in order."""
+    _, _, one, _ = served
+    remote = one.engine
+    woke: list[tuple[str, int]] = []
+    streams = {rid: RemoteStream(rid) for rid in ("old1", "new1", "old2", "new2")}
+
+    async def reader(rid: str) -> None:
+        while (chunk := await streams[rid].queue.get()) is not None:
+            woke.append((rid, chunk.index))
+            if chunk.is_last:
+                return
+
+    remote._streams.update(streams)
+    try:
+        tasks = [asyncio.create_task(reader(rid)) for rid in streams]
+        await asyncio.sleep(0)  # every reader waits on its queue
+        audio = np.zeros(8, np.float32)
+        rows = [("old1", audio, 3, None, False, None, 9, None), ("new1", audio, 0, None, False, None, 9, None),
+                ("old2", audio, 5, None, True, "stop", 9, None), ("new2", audio, 0, None, False, None, 9, None),
+                ("new2", audio, 1, None, True, "stop", 9, None), ("new1", audio, 1, None, True, "stop", 9, None),
+                ("old1", audio, 4, None, True, "stop", 9, None)]
+        remote.on_chunks(wire.pack_chunks(rows))
+        await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
+        assert list(dict.fromkeys(rid for rid, _ in woke)) == ["new1", "new2", "old1", "old2"]  # the order they woke
+        for rid in streams:  # each request's chunks in their order
+            mine = [i for r, i in woke if r == rid]
+            assert mine == sorted(mine) and len(mine) == (1 if rid == "old2" else 2)
+    finally:
+        for rid in streams:
+            remote._streams.pop(rid, None)

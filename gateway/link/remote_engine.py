@@ -189,11 +189,16 @@ class RemoteEngine:
 
     # ---- what the host sends -------------------------------------------------------------------------------
     def on_chunks(self, msg: wire.Chunks) -> None:
-        """One worker step's chunks for this front."""
+        """One worker step's chunks for this front. Requests' first chunks are handed over first: their turns wake
+        first, so a new listener's first frame is not queued behind this step's chunks for listeners who have audio
+        left (a request's own chunks stay in order: its first comes before any other of its)."""
         now = time.monotonic()
         streams = self._streams
         rate = self.config.sample_rate
-        for rid, audio, index, latents, is_last, stop_reason, step, first in wire.unpack_chunks(msg):
+        rows = list(wire.unpack_chunks(msg))
+        if len(rows) > 1:
+            rows.sort(key=_not_first)  # stable
+        for rid, audio, index, latents, is_last, stop_reason, step, first in rows:
             stream = streams.get(rid)
             if stream is None:  # cancelled here while the chunk travelled
                 continue
@@ -285,3 +290,7 @@ class RemoteEngine:
     async def stop(self) -> None:
         """Close the link (the host owns the engine and keeps it running)."""
         await self._close()
+
+
+def _not_first(row: wire.ChunkRow) -> bool:
+    return row[2] != 0  # the chunk's index in its request
