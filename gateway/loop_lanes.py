@@ -6,9 +6,10 @@ wakes up behind everything the turns ahead of it queued: their context.started, 
 paragraphs, their synthesis tasks' first steps (an encoder opened, segment.started). None of that is needed for the
 next ~40 ms (the engine's TTFB), while every handler's engine request is. Work that can wait is handed to this lane
 instead (`defer`); the lane runs it when no socket has a message read and unhandled (`message_waiting` /
-`messages_handled`, kept by `gateway.sockets`), in slices of SLICE_S with the sockets polled between them, and an
-item older than BOUND_S runs whatever is waiting, so nothing starves. Without a burst (nothing waiting) an item runs
-on the loop's next turn, as `call_soon` would run it.
+`messages_handled`, kept by `gateway.sockets`), in slices of SLICE_S with the sockets polled between them (an item
+that starts a task is charged what the task's first step will cost, `queues_s`: that step runs first in, first out,
+after the slice), and an item older than BOUND_S runs whatever is waiting, so nothing starves. Without a burst
+(nothing waiting) an item runs on the loop's next turn, as `call_soon` would run it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ SLICE_S = 0.0005  # the lane's work between two polls of the sockets
 class Deferred:
     """A callback queued in the lane; `cancel()` drops it if it has not run."""
 
-    __slots__ = ("fn", "args", "at")
+    __slots__ = ("fn", "args", "at", "queues_s")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], at: float):
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], at: float, queues_s: float = 0.0):
         self.fn: Callable[..., Any] | None = fn
         self.args = args
         self.at = at
+        self.queues_s = queues_s
 
     def cancel(self) -> None:
         self.fn, self.args = None, ()
@@ -57,9 +59,10 @@ class Lane:
         self._run_at: float | None = None  # when the scheduled run is due (loop clock); None: none scheduled
         self._handle: asyncio.TimerHandle | None = None
 
-    def defer(self, fn: Callable[..., Any], *args: Any) -> Deferred:
-        """Run `fn(*args)` once no message waits for its handler (or BOUND_S from now at the latest)."""
-        item = Deferred(fn, args, time.monotonic())
+    def defer(self, fn: Callable[..., Any], *args: Any, queues_s: float = 0.0) -> Deferred:
+        """Run `fn(*args)` once no message waits for its handler (or BOUND_S from now at the latest); `queues_s`: the
+        loop time of what it queues (a task's first step), counted in the lane's slice as if it ran inside it."""
+        item = Deferred(fn, args, time.monotonic(), queues_s)
         if not self.enabled:  # off: as the loop would run it, first in first out
             self.loop.call_soon(self._run_one, item)
             return item
@@ -91,15 +94,18 @@ class Lane:
     def _run(self) -> None:
         self._run_at = self._handle = None
         start = now = time.monotonic()
+        queued = 0.0
         items = self._items
         while items:
             item = items[0]
             if self.waiting and now - item.at < BOUND_S:
                 break
             items.popleft()
+            if item.fn is not None:
+                queued += item.queues_s
             self._run_one(item)
             now = time.monotonic()
-            if now - start >= SLICE_S:
+            if now - start + queued >= SLICE_S:
                 break
         if items:
             self._schedule()

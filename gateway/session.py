@@ -34,6 +34,9 @@ from gateway.voices import stored_voices
 log = logging.getLogger("voxgate.session")
 
 TELEPHONY_FORMATS = ("mulaw", "alaw")
+# the loop time of a turn's synthesis task's first step (context.started, its encoder opened, segment.started, the
+# first engine read: most of bench/loop_cost.py's after_burst per turn), charged to the lane that starts it
+TASK_START_S = 100e-6
 
 
 # a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
@@ -308,7 +311,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
         finally:
             if opened:  # context.started and the turn's task after the engine request is out, in the loop's lane
                 self._unannounced.append(turn)
-                turn.begin = lane().defer(self._begin_turn, turn)
+                turn.begin = lane().defer(self._begin_turn, turn, queues_s=TASK_START_S)
 
     def _open_turn(self, context_id: str) -> Turn:
         if self.draining:
