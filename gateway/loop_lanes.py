@@ -5,11 +5,12 @@ Why: asyncio runs ready callbacks first in, first out. In a burst of new turns, 
 wakes up behind everything the turns ahead of it queued: their context.started, the cuts of the rest of their
 paragraphs, their synthesis tasks' first steps (an encoder opened, segment.started). None of that is needed for the
 next ~40 ms (the engine's TTFB), while every handler's engine request is. Work that can wait is handed to this lane
-instead (`defer`); the lane runs it when no socket has a message read and unhandled (`message_waiting` /
-`messages_handled`, kept by `gateway.sockets`), in slices of SLICE_S with the sockets polled between them (an item
-that starts a task is charged what the task's first step will cost, `queues_s`: that step runs first in, first out,
-after the slice), and an item older than BOUND_S runs whatever is waiting, so nothing starves. Without a burst
-(nothing waiting) an item runs on the loop's next turn, as `call_soon` would run it.
+instead (`defer`); the lane runs it when no socket has a message read and unhandled (`gateway.sockets` tells it when
+bytes come in, `read`, and when a handler asks for its next message, `handled`; a partial frame holds nothing back),
+in slices of SLICE_S with the sockets polled between them (an item that starts a task is charged what the task's
+first step will cost, `queues_s`: that step runs first in, first out, after the slice), and an item older than
+BOUND_S runs whatever is waiting, so nothing starves. Without a burst (nothing waiting) an item runs on the loop's
+next turn, as `call_soon` would run it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("voxgate.loop")
 
@@ -48,13 +49,23 @@ class Deferred:
         return self.fn is not None
 
 
+class Source(Protocol):
+    """A socket whose messages the lane lets go first (`gateway.sockets.ClientSocket`)."""
+
+    def has_message(self) -> bool:
+        """A message read off it waits for its handler."""
+        ...
+
+
 class Lane:
-    """One loop's lane (`lane()`): deferred callbacks, and the count of sockets with messages waiting."""
+    """One loop's lane (`lane()`): deferred callbacks, and the sockets that may have messages waiting."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool = True):
         self.loop = loop
         self.enabled = enabled
-        self.waiting = 0  # sockets with a message read off them and not yet handled
+        # sockets that read bytes since their handler last asked for a message: those whose bytes made a whole
+        # message have one waiting (`has_message`); a partial frame alone holds nothing back
+        self._read: set[Source] = set()
         self._items: deque[Deferred] = deque()
         self._run_at: float | None = None  # when the scheduled run is due (loop clock); None: none scheduled
         self._handle: asyncio.TimerHandle | None = None
@@ -70,15 +81,24 @@ class Lane:
         self._schedule()
         return item
 
-    def message_waiting(self) -> None:
-        """A socket has a message read off it that its handler has not taken yet."""
-        self.waiting += 1
+    def read(self, source: Source) -> None:
+        """Bytes came in on a socket: a message may wait for its handler."""
+        self._read.add(source)
 
-    def messages_handled(self) -> None:
-        """A socket counted by `message_waiting` has no message left for its handler."""
-        self.waiting = max(0, self.waiting - 1)
-        if not self.waiting and self._items:
+    def handled(self, source: Source) -> None:
+        """A socket's handler asks for its next message (or its reading ended)."""
+        self._read.discard(source)
+        if not self._read and self._items:
             self._schedule()
+
+    @property
+    def waiting(self) -> bool:
+        """Some socket has a message read off it that its handler has not taken yet."""
+        read = self._read
+        if read:
+            for source in [s for s in read if not s.has_message()]:
+                read.discard(source)
+        return bool(read)
 
     def _schedule(self) -> None:
         # a timer due now, not call_soon: timers join the ready queue after the sockets' reads of the same loop
@@ -95,10 +115,11 @@ class Lane:
         self._run_at = self._handle = None
         start = now = time.monotonic()
         queued = 0.0
+        waiting = self.waiting  # no socket is read while the lane runs
         items = self._items
         while items:
             item = items[0]
-            if self.waiting and now - item.at < BOUND_S:
+            if waiting and now - item.at < BOUND_S:
                 break
             items.popleft()
             if item.fn is not None:

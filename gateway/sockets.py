@@ -38,12 +38,11 @@ class ClientSocket(web.WebSocketResponse):
 
     `data_at`: when bytes last came in from the client (time.monotonic), stamped as the connection reads them, before
     any handler runs: under a burst, a message read now may wait for other sessions' handlers before its own runs.
-    `lane`: the loop's lane (`gateway.loop_lanes`) told that this socket has a message waiting for its handler, while
-    a `Messages` reads it."""
+    `lane`: the loop's lane (`gateway.loop_lanes`), told when bytes come in and when the handler asks for the next
+    message, while a `Messages` reads the socket."""
 
     data_at: float | None = None
     lane: Lane | None = None
-    _waiting = False  # counted in the lane's `waiting`
 
     def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
         super()._post_start(request, protocol, writer)
@@ -55,24 +54,23 @@ class ClientSocket(web.WebSocketResponse):
 
     def _data_received(self) -> None:
         self.data_at = time.monotonic()
-        if not self._waiting and self.lane is not None:
-            self._waiting = True
-            self.lane.message_waiting()
+        if self.lane is not None:
+            self.lane.read(self)
+
+    def has_message(self) -> bool:
+        """A message read off the socket waits for its handler (parsed, not yet taken)."""
+        return bool(getattr(self._reader, "_buffer", None))
 
     def handled(self) -> None:
-        """No message read off the socket is left for its handler (the lane may run its deferred work)."""
-        if self._waiting and self.lane is not None:
-            reader = self._reader
-            if reader is not None and getattr(reader, "_buffer", None):  # parsed, not yet taken
-                return
-            self._waiting = False
-            self.lane.messages_handled()
+        """The handler asks for the next message: unless one is parsed already, none waits."""
+        if self.lane is not None and not self.has_message():
+            self.lane.handled(self)
 
     def detach_lane(self) -> None:
-        """The socket's reading ends: it no longer counts as waiting."""
-        if self._waiting and self.lane is not None:
-            self.lane.messages_handled()
-        self._waiting, self.lane = False, None
+        """The socket's reading ends."""
+        if self.lane is not None:
+            self.lane.handled(self)
+        self.lane = None
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         request = self._req
