@@ -355,7 +355,7 @@ def _latency(turns: list[TurnResult]) -> dict:
         # --fronts: the link's share of the engine TTFB (request front -> host + first chunk host -> front)
         "link_ms_p50": _pct(link, 0.5), "link_ms_p90": _pct(link, 0.9),
         "link_request_ms_p50": _pct(link_request, 0.5), "link_request_ms_p90": _pct(link_request, 0.9),
-        "text_wait_ms_p50": _pct(text_wait, 0.5),
+        "text_wait_ms_p50": _pct(text_wait, 0.5), "text_wait_ms_p90": _pct(text_wait, 0.9),
         "server_overhead_after_text_ms_p50": _pct(after_text, 0.5),
         "server_overhead_after_text_ms_p90": _pct(after_text, 0.9),
         "server_gap_ms_p99": _pct(server_gaps, 0.99), "server_gap_ms_max": _pct(server_gaps, 1.0),

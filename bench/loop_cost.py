@@ -4,8 +4,11 @@ N sessions (the real `gateway.session.Session`, the paced stand-in engine of ben
 sink that serialises what it is given) each get a paragraph (bench/gateway_load.py's) in one text.append +
 context.end, all handled back to back as a burst's messages are. The loop thread's CPU (time.thread_time) is read
 per phase and divided by N:
-- handler: the burst's message handlers (what the k-th turn's text waits for, k handlers);
-- after_burst: what runs right after them (work the handlers queued, each turn's tasks' first steps);
+- handler: the burst's message handlers (what the k-th turn's text waits for, k handlers), split into pre_submit
+  (a text.append's handler up to its engine request's return from `generate`: parse, the turn opened, its first cut)
+  and post_submit (the rest of the handlers: the context.end's too);
+- after_burst: what runs right after them (work the handlers queued or deferred to the loop's lane,
+  `gateway.loop_lanes`, each turn's tasks' first steps);
 - first_chunk: one engine tick gives every turn its first chunk, until every turn's first frame is written;
 - later_chunk: per chunk, over a few ticks once the first chunks are out.
 The socket benchmark (gateway_load.py --spawn-server) measures latency end to end; this isolates the loop's work,
@@ -51,6 +54,7 @@ from gateway import protocol as p  # noqa: E402
 from gateway.audio import OutputFormat  # noqa: E402
 from gateway.encode_procs import EncodeProcs  # noqa: E402
 from gateway.encode_site import encode_site, start_encoders  # noqa: E402
+from gateway.loop_lanes import lane  # noqa: E402
 from gateway.session import Session, SessionConfig  # noqa: E402
 from gateway.text.segmenter import Segment, Segmenter  # noqa: E402
 
@@ -93,6 +97,31 @@ class Run:
     def __init__(self, sessions: int):
         self.waiting = sessions
         self.all_first = asyncio.Event()
+
+
+class SubmitClock:
+    """When the last engine request went out (loop-thread CPU, time.thread_time, after `Session._start` returned):
+    `Session._start` wrapped while a run lasts."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    @contextmanager
+    def installed(self) -> Iterator[SubmitClock]:
+        start = Session._start
+
+        @functools.wraps(start)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return start(*args, **kwargs)
+            finally:
+                self.at = time.thread_time()
+
+        Session._start = timed  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            Session._start = start  # type: ignore[method-assign]
 
 
 class SegmenterClock:
@@ -181,11 +210,18 @@ async def burst(sessions: int, fmt: str, host: tuple[str, Callable[[], None]] | 
     await asyncio.sleep(0.05)
     gc.collect()
     s0 = seg.total if seg else 0.0
-    c0 = time.thread_time()
-    for session, append in zip(clients, appends, strict=True):
-        await session.receive(append)
-        await session.receive(end)
-    c1, s1 = time.thread_time(), seg.total if seg else 0.0
+    pre_submit = 0.0
+    with SubmitClock().installed() as submit:
+        c0 = time.thread_time()
+        for session, append in zip(clients, appends, strict=True):
+            before = time.thread_time()
+            await session.receive(append)
+            pre_submit += submit.at - before
+            await session.receive(end)
+        c1, s1 = time.thread_time(), seg.total if seg else 0.0
+    deferred = lane()
+    while deferred._items:  # the work deferred to the loop's lane (all of it: no socket has a message waiting)
+        await asyncio.sleep(0)
     for _ in range(3):  # what the handlers queued, then the turns' tasks up to their first engine read
         await asyncio.sleep(0)
     c2, s2 = time.thread_time(), seg.total if seg else 0.0
@@ -206,7 +242,9 @@ async def burst(sessions: int, fmt: str, host: tuple[str, Callable[[], None]] | 
     if link is not None:
         await link.close()
     us = 1e6 / sessions
-    return {"handler_us_per_turn": round((c1 - c0) * us, 1), "after_burst_us_per_turn": round((c2 - c1) * us, 1),
+    return {"handler_us_per_turn": round((c1 - c0) * us, 1), "pre_submit_us_per_turn": round(pre_submit * us, 1),
+            "post_submit_us_per_turn": round((c1 - c0 - pre_submit) * us, 1),
+            "after_burst_us_per_turn": round((c2 - c1) * us, 1),
             "first_chunk_us_per_turn": round((c3 - c2) * us, 1),
             "later_chunk_us_per_chunk": round((c5 - c4) * us / LATER_TICKS, 1),
             "first_frame_ms_p50": round(firsts[len(firsts) // 2] * 1e3, 2),

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from gateway import protocol as p
 from gateway.audio import OutputFormat, opus_available
 from gateway.encode_site import encode_site
 from gateway.engine_contract import SessionEngine
+from gateway.loop_lanes import lane
 from gateway.metrics import GatewayMetrics
 from gateway.playout import TurnSender
 from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
@@ -33,6 +34,9 @@ from gateway.voices import stored_voices
 log = logging.getLogger("voxgate.session")
 
 TELEPHONY_FORMATS = ("mulaw", "alaw")
+# the loop time of a turn's synthesis task's first step (context.started, its encoder opened, segment.started, the
+# first engine read: most of bench/loop_cost.py's after_burst per turn), charged to the lane that starts it
+TASK_START_S = 100e-6
 
 
 # a session's view of the stored voices: the engine voice id its key may speak with, or None (unknown to it)
@@ -95,6 +99,9 @@ class Session(TurnPipeline, TurnSender, TurnText):
         # when the message being handled reached the gateway (`receive`): a turn's TTFB counts from there, so the
         # time a message waits behind other sessions' handlers (a burst of turns) is the server's, not "outside" it
         self._message_at = self.last_activity
+        # new turns whose context.started waits in the loop's lane (`_append`): sent before anything else the
+        # session sends, so a client still hears of a context before any error, audio or end of it
+        self._unannounced: deque[Turn] = deque()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -109,6 +116,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
             return
         self.closed = True
         self.metrics.sessions.dec()
+        self._unannounced.clear()
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
         for turn in list(self.turns.values()):
@@ -130,6 +138,7 @@ class Session(TurnPipeline, TurnSender, TurnText):
             # the client may not be reading: do not let the error report stall the close
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
+                    await self._announce()
                     await self.sink.message(error.to_message())
             await self.close(1008 if error.code != ErrorCode.SERVER_SHUTDOWN else 1001, str(error.code))
             return
@@ -300,8 +309,9 @@ class Session(TurnPipeline, TurnSender, TurnText):
             turn.text += m.text
             self._in_order(turn, TextOp("push", m.text))
         finally:
-            if opened:  # context.started (and the turn's tasks) only after the engine request is out
-                await self._begin_turn(turn)
+            if opened:  # context.started and the turn's task after the engine request is out, in the loop's lane
+                self._unannounced.append(turn)
+                turn.begin = lane().defer(self._begin_turn, turn, queues_s=TASK_START_S)
 
     def _open_turn(self, context_id: str) -> Turn:
         if self.draining:
@@ -323,11 +333,20 @@ class Session(TurnPipeline, TurnSender, TurnText):
         self.metrics.turns.inc()
         return turn
 
-    async def _begin_turn(self, turn: Turn) -> None:
-        """context.started, then the turn's synthesis task (so nothing of the turn can be sent before it); its
-        sender task starts when audio first has to wait for pacing (`_hand_over`)."""
-        await self._send(p.ContextStarted(turn.id, turn.index, _output_dict(turn.fmt)))
+    def _begin_turn(self, turn: Turn) -> None:
+        """The turn's synthesis task, which sends its context.started first (`_announce`; nothing of the turn can be
+        sent before it); its sender task starts when audio first has to wait for pacing (`_hand_over`). Deferred to
+        the loop's lane: in a burst of new turns, every turn's engine request goes out first."""
+        turn.begin = None
+        if self.closed or self.turns.get(turn.id) is not turn:  # stopped meanwhile (`_stop_turn`)
+            return
         turn.tasks.append(asyncio.create_task(self._synthesise(turn)))
+
+    async def _announce(self) -> None:
+        """The context.started messages still deferred, in the order their turns opened."""
+        while self._unannounced:
+            turn = self._unannounced.popleft()
+            await self._guard(self.sink.message(p.ContextStarted(turn.id, turn.index, _output_dict(turn.fmt))))
 
     def _release(self, turn: Turn, segments: list[Segment]) -> None:
         """Hand released segments to the synthesis task. When it is idle (the previous segment done, nothing
@@ -376,6 +395,9 @@ class Session(TurnPipeline, TurnSender, TurnText):
         """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
         self._settle(turn)
         self._stop_timer(turn)
+        if turn.begin is not None:  # its synthesis task was never started: nothing of it is left to run
+            turn.begin.cancel()
+            turn.begin = None
         me = asyncio.current_task()
         tasks = [t for t in turn.tasks if t is not me]
         for t in tasks:
@@ -435,6 +457,16 @@ class Session(TurnPipeline, TurnSender, TurnText):
         await self._guarded(self.sink.audio(packets))
 
     async def _guarded(self, send: Any) -> None:
+        """A send after the context.started messages still deferred (`_announce`)."""
+        if self._unannounced and not self.closed:
+            try:
+                await self._announce()
+            except BaseException:
+                send.close()
+                raise
+        await self._guard(send)
+
+    async def _guard(self, send: Any) -> None:
         """A send that cannot complete within the stall timeout means the client stopped reading."""
         if self.closed:
             send.close()

@@ -79,9 +79,18 @@ class GatewaySettings:
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)
+    burst_lane: bool = switch(
+        "VOXGATE_BURST_LANE", "1", "0 | 1", "in a burst of new turns, every turn's engine request goes out before work "
+        "that can wait a few ms (context.started, the rest of a paragraph's cuts, a turn's tasks: "
+        "`gateway.loop_lanes`); 0: that work runs first in, first out with the message handlers", on_unless_zero)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewaySettings:
         """The switches as the environment sets them now."""
         settings: GatewaySettings = read_env(cls, environ)
         return settings
+
+
+def burst_lane_enabled() -> bool:
+    """VOXGATE_BURST_LANE, read once per event loop (`gateway.loop_lanes.lane`)."""
+    return GatewaySettings.from_env().burst_lane

@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
+from gateway.loop_lanes import Lane, lane
+
 log = logging.getLogger("voxgate.sockets")
 
 # after close 1009 the client is often still sending the rest of its oversized message: the server keeps reading (and
@@ -35,9 +37,12 @@ class ClientSocket(web.WebSocketResponse):
     parsing), until the client closes or LINGER_S passes.
 
     `data_at`: when bytes last came in from the client (time.monotonic), stamped as the connection reads them, before
-    any handler runs: under a burst, a message read now may wait for other sessions' handlers before its own runs."""
+    any handler runs: under a burst, a message read now may wait for other sessions' handlers before its own runs.
+    `lane`: the loop's lane (`gateway.loop_lanes`), told when bytes come in and when the handler asks for the next
+    message, while a `Messages` reads the socket."""
 
     data_at: float | None = None
+    lane: Lane | None = None
 
     def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
         super()._post_start(request, protocol, writer)
@@ -49,6 +54,23 @@ class ClientSocket(web.WebSocketResponse):
 
     def _data_received(self) -> None:
         self.data_at = time.monotonic()
+        if self.lane is not None:
+            self.lane.read(self)
+
+    def has_message(self) -> bool:
+        """A message read off the socket waits for its handler (parsed, not yet taken)."""
+        return bool(getattr(self._reader, "_buffer", None))
+
+    def handled(self) -> None:
+        """The handler asks for the next message: unless one is parsed already, none waits."""
+        if self.lane is not None and not self.has_message():
+            self.lane.handled(self)
+
+    def detach_lane(self) -> None:
+        """The socket's reading ends."""
+        if self.lane is not None:
+            self.lane.handled(self)
+        self.lane = None
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         request = self._req
@@ -105,11 +127,15 @@ class Messages:
 
     async def __aenter__(self) -> Messages:
         self._probe = asyncio.create_task(self._watch())
+        if isinstance(self.ws, ClientSocket):  # its reads tell the loop's lane that a message waits
+            self.ws.lane = lane()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._probe is not None:
             self._probe.cancel()
+        if isinstance(self.ws, ClientSocket):
+            self.ws.detach_lane()
         # control frames still being sent end with the connection (held in _sends until then)
 
     def __aiter__(self) -> Messages:
@@ -122,6 +148,8 @@ class Messages:
                 timeout = self._deadline - asyncio.get_running_loop().time()
                 if timeout <= 0:
                     raise FirstMessageTimeout
+            if isinstance(self.ws, ClientSocket):
+                self.ws.handled()  # the previous message's handler is done
             try:
                 msg = await self.ws.receive(timeout=timeout)
             except TimeoutError:

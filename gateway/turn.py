@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ from engine import errors as engine_errors
 from gateway import protocol as p
 from gateway.audio import OutputFormat
 from gateway.encode_site import ON_LOOP, EncodeSite, TurnEncoder
+from gateway.loop_lanes import Deferred
 from gateway.metrics import GatewayMetrics
 from gateway.playout_model import Playout
 from gateway.protocol import ErrorCode, ProtocolError
@@ -118,6 +119,7 @@ class Turn:
     frames: asyncio.Queue | None = None
     pipeline_chunks: int = 16
     tasks: list[asyncio.Task] = field(default_factory=list)  # the synthesis task; the sender task once started
+    begin: Deferred | None = None  # the synthesis task's start, waiting in the loop's lane (`Session._begin_turn`)
     timer: asyncio.TimerHandle | None = None  # the segmenter's next deadline (`TurnText._arm_timer`)
     timer_at: float | None = None  # that deadline (session clock)
     text: str = ""  # everything appended
@@ -158,10 +160,13 @@ class TurnPipeline:
     model_rate: int
     id: str
     closed: bool
+    _announce: Callable[[], Coroutine[Any, Any, None]]
 
     async def _synthesise(self, turn: Turn) -> None:
-        """Segments in order through the engine; encoded audio into the bounded frame queue."""
+        """The turn's context.started (if not sent yet), then segments in order through the engine; encoded audio
+        into the bounded frame queue."""
         try:
+            await self._announce()
             turn.encoder = turn.encode_site.open(turn.fmt, self.model_rate)
             while True:
                 if turn.segments.empty():

@@ -1,8 +1,9 @@
 """A turn's text through its segmenter, in message order: text.append, text.flush and context.end (`TextOp`s), and
 the segments they release handed to the turn (`Session._release`). A new turn's first text.append cuts and starts only
-its first segment; the rest of that text is cut in a callback after every handler ready now, and text work of the
-turn's later messages queues behind it: in a burst of new turns, each handler cuts one segment, not a paragraph,
-before the next turn's text is read. `TurnText` is a part of `Session`."""
+its first segment; the rest of that text is cut in the loop's lane (`gateway.loop_lanes`: once no message read off a
+socket waits for its handler), and text work of the turn's later messages (a context.end's cuts) queues behind it: in
+a burst of new turns, each handler cuts one segment, not a paragraph, before the next turn's text is handled.
+`TurnText` is a part of `Session`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.loop_lanes import lane
 from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment
 from gateway.turn import Turn, _EndMark, _FlushMark
@@ -41,18 +43,19 @@ class TurnText:
 
     def _push_text(self, turn: Turn, text: str) -> None:
         """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
-        the rest of the text that released it is cut in a callback after every handler ready now: in a burst of new
-        turns, each handler cuts one segment, not a whole paragraph, before the next turn's text is read."""
+        the rest of the text that released it is cut in the loop's lane, after the handlers of the messages waiting:
+        in a burst of new turns, each handler cuts one segment, not a whole paragraph, before the next turn's text is
+        handled."""
         turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
         first = not turn.segmenter.segments
         segments = turn.segmenter.push(text, limit=1 if first else None)
         self._release(turn, segments)  # a first segment's engine request leaves here
         if first and segments:
-            # Exact: until the callback, this turn's segmenter is touched by nothing but `_in_order` (which queues
-            # behind it), and its listener's queued audio (which decides cuts) stays 0: no chunk of the turn can be
-            # handled before a callback queued now.
+            # Exact: until the deferred cut runs, this turn's segmenter is touched by nothing but `_in_order` (which
+            # queues behind it), and its listener's queued audio (which decides cuts) stays 0: the turn's synthesis
+            # task starts from the lane after it (`Session._begin_turn`, deferred after it).
             turn.deferred = []
-            asyncio.get_running_loop().call_soon(self._cut_deferred, turn)
+            lane().defer(self._cut_deferred, turn)
 
     def _cut_deferred(self, turn: Turn) -> None:
         """The cuts `_push_text` held back, then the turn's text work queued behind them, in order."""
