@@ -80,14 +80,15 @@ async def test_each_turn_is_submitted_before_the_next_message_is_handled(engine)
             await session.receive(json.dumps({"type": "text.append", "context_id": cid,
                                               "text": "Hello there, how are you today?"}))
             await session.receive(json.dumps({"type": "context.end", "context_id": cid}))
-        log = list(events.log)
+        assert [e for e in events.log if e[0] == "submit"] == [("submit", "a"), ("submit", "b")], events.log
         for cid in ("a", "b"):
             sink.done.setdefault(cid, asyncio.Event())
             await asyncio.wait_for(sink.done[cid].wait(), 60)
         await session.close()
-    # turn a's request was out before turn b's message was handled (b's context.started is sent by its handler),
-    # and each turn's request went out before its own context.started
-    assert log.index(("submit", "a")) < log.index(("context.started", "a")) < log.index(("submit", "b")) \
+    log = events.log
+    # turn a's request was out before turn b's message was handled, and both before either context.started: that
+    # waits for the loop's low-priority lane (`gateway.loop_lanes`), in the turns' order
+    assert log.index(("submit", "a")) < log.index(("submit", "b")) < log.index(("context.started", "a")) \
         < log.index(("context.started", "b")), log
 
 
@@ -178,7 +179,11 @@ async def test_a_new_turns_later_segments_are_cut_after_the_handlers_ready_now_i
     # each handler cut and started its turn's first segment only
     assert len(recorded.streams) == 2
     assert [len(session.turns[cid].segmenter.segments) for cid in ("a", "b")] == [1, 1]
-    await asyncio.sleep(0)  # the held-back cuts, then the ends queued behind them
+    # the held-back cuts, then the ends queued behind them: soon after (the lane runs them on the loop's next turns)
+    for _ in range(20):
+        if all(session.turns[cid].segmenter.ended for cid in ("a", "b")):
+            break
+        await asyncio.sleep(0)
     assert all(session.turns[cid].segmenter.ended for cid in ("a", "b"))
     for cid in ("a", "b"):
         sink.done.setdefault(cid, asyncio.Event())
