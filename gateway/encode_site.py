@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from typing import Protocol
 
 import numpy as np
@@ -13,7 +11,7 @@ import numpy as np
 from gateway.audio import Encoder, OutputFormat
 from gateway.encode_procs import shared_procs
 from gateway.offload import OffloadPool, shared_pool, three_quarters_of_cores
-from gateway.settings import GatewaySettings
+from gateway.settings import loop_settings
 
 # Formats whose encoding is worth a hop off the loop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz). PCM and G.711
 # cost ~0.05 ms per chunk: cheaper on the loop than any hop.
@@ -122,18 +120,10 @@ def start_encoders() -> None:
         shared_procs(procs).start()
 
 
-# the running loop's Opus encoder process count (0: the thread pool), read from the environment once per loop: a new
-# turn must not parse every gateway switch (~10 us of the loop per Opus turn)
-_procs_of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = weakref.WeakKeyDictionary()
-
-
 def _opus_procs() -> int:
-    loop = asyncio.get_running_loop()
-    procs = _procs_of_loop.get(loop)
-    if procs is None:
-        setting = GatewaySettings.from_env().encode_procs
-        procs = _procs_of_loop[loop] = three_quarters_of_cores() if setting is None else setting
-    return procs
+    """The running loop's Opus encoder processes (0: the thread pool)."""
+    setting = loop_settings().encode_procs
+    return three_quarters_of_cores() if setting is None else setting
 
 
 def encode_site(fmt: OutputFormat) -> EncodeSite:

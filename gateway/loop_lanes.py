@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from gateway.settings import loop_settings
+
 log = logging.getLogger("voxgate.loop")
 
 BOUND_S = 0.005  # an item deferred this long runs even while messages wait: the lane never starves
@@ -146,12 +148,10 @@ class Lane:
 _lanes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Lane] = weakref.WeakKeyDictionary()
 
 
-def lane(loop: asyncio.AbstractEventLoop | None = None) -> Lane:
+def lane() -> Lane:
     """The running loop's lane (made on first use; `gateway.settings` says whether it defers)."""
-    loop = loop or asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
     found = _lanes.get(loop)
     if found is None:
-        from gateway.settings import burst_lane_enabled
-
-        found = _lanes[loop] = Lane(loop, burst_lane_enabled())
+        found = _lanes[loop] = Lane(loop, loop_settings().burst_lane)
     return found

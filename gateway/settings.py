@@ -1,10 +1,13 @@
 """The gateway's environment switches, defined once in the engine's style (`engine.settings`).
 
-Read when they are used (`GatewaySettings.from_env()`), so a test may set a variable first.
+Read when they are used (`GatewaySettings.from_env()`), so a test may set a variable first; what a serving loop's
+hot path reads comes from `loop_settings()`, read once per event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -91,6 +94,14 @@ class GatewaySettings:
         return settings
 
 
-def burst_lane_enabled() -> bool:
-    """VOXGATE_BURST_LANE, read once per event loop (`gateway.loop_lanes.lane`)."""
-    return GatewaySettings.from_env().burst_lane
+_of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, GatewaySettings] = weakref.WeakKeyDictionary()
+
+
+def loop_settings() -> GatewaySettings:
+    """The switches as the environment set them when the running event loop first asked: what runs per turn (its
+    encoder's place, the loop's lane) must not parse every switch each time (~10 us of the loop per turn)."""
+    loop = asyncio.get_running_loop()
+    found = _of_loop.get(loop)
+    if found is None:
+        found = _of_loop[loop] = GatewaySettings.from_env()
+    return found
