@@ -12,7 +12,6 @@ from typing import Any
 
 from gateway import protocol as p
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ErrorCode, ProtocolError
 from gateway.turn import SessionClosed, Turn, _EndMark, _FlushMark, _Packets, _SegmentMark
 from gateway.turn_report import _round
 
@@ -28,6 +27,7 @@ class TurnSender:
     clock: Callable[[], float]
     metrics: GatewayMetrics
     id: str
+    _turn_failed: Callable[[Turn, str], None]
 
     async def _hand_over(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
         """The synthesis task's next item for the listener, in order. With nothing waiting ahead of it and room at the
@@ -70,9 +70,7 @@ class TurnSender:
         except SessionClosed:
             pass
         except Exception:  # a bug here must not leave the client waiting for audio that never comes
-            log.exception("session %s context %s: sending failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
+            self._turn_failed(turn, "sending")
 
     async def _deliver(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
         """Send one item: a batch of frames (paced), a segment's or a flush's message, or the turn's end."""

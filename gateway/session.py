@@ -379,6 +379,13 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
             played_source="client" if turn.playout.client_reported else "estimate", text_spoken=spoken,
             text_remaining=remaining))
 
+    def _turn_failed(self, turn: Turn, part: str) -> None:
+        """A bug in one of the turn's parts (called from its `except`): logged, and the turn ends with internal_error;
+        the session and its other turns go on, and its client is not left waiting for audio that never comes."""
+        log.exception("session %s context %s: %s failed", self.id, turn.id, part)
+        self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
+                                                              context_id=turn.id)))
+
     async def _abort_turn(self, turn: Turn, error: ProtocolError) -> None:
         await self._stop_turn(turn)
         self.metrics.turns_done.labels(outcome="error").inc()

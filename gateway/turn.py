@@ -161,6 +161,7 @@ class TurnPipeline:
     id: str
     closed: bool
     _announce: Callable[[], Coroutine[Any, Any, None]]
+    _turn_failed: Callable[[Turn, str], None]
 
     async def _synthesise(self, turn: Turn) -> None:
         """The turn's context.started (if not sent yet), then segments in order through the engine; encoded audio
@@ -203,9 +204,7 @@ class TurnPipeline:
         except SessionClosed:
             pass
         except Exception:
-            log.exception("session %s context %s: synthesis failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
+            self._turn_failed(turn, "synthesis")
         finally:
             if turn.encoder is not None:  # ended, cancelled or failed: an encoder process frees its state
                 turn.encoder.close()

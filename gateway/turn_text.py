@@ -8,17 +8,12 @@ a burst of new turns, each handler cuts one segment, not a paragraph, before the
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.loop_lanes import lane
-from gateway.protocol import ErrorCode, ProtocolError
 from gateway.text.segmenter import Segment
 from gateway.turn import Turn, _EndMark, _FlushMark
-
-log = logging.getLogger("voxgate.session")
 
 
 @dataclass(frozen=True)
@@ -38,8 +33,7 @@ class TurnText:
     closed: bool
     clock: Callable[[], float]
     _release: Callable[[Turn, list[Segment]], None]
-    _background: Callable[[Coroutine[Any, Any, None]], None]
-    _abort_turn: Callable[[Turn, ProtocolError], Coroutine[Any, Any, None]]
+    _turn_failed: Callable[[Turn, str], None]
 
     def _push_text(self, turn: Turn, text: str) -> None:
         """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
@@ -68,9 +62,7 @@ class TurnText:
                 self._text_op(turn, op)
             self._arm_timer(turn)
         except Exception:  # a bug here must not leave the turn waiting for segments that never come
-            log.exception("session %s context %s: cutting its text failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
+            self._turn_failed(turn, "cutting its text")
 
     def _in_order(self, turn: Turn, op: TextOp) -> None:
         """Do `op` now (and re-read the segmenter's deadline), or after the cuts `_push_text` held back if they are
@@ -110,9 +102,7 @@ class TurnText:
                 self._release(turn, turn.segmenter.poll())
             self._arm_timer(turn)
         except Exception:  # a bug here must not leave the turn waiting for segments that never come
-            log.exception("session %s context %s: its segment timer failed", self.id, turn.id)
-            self._background(self._abort_turn(turn, ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error",
-                                                                  context_id=turn.id)))
+            self._turn_failed(turn, "its segment timer")
 
     def _text_op(self, turn: Turn, op: TextOp) -> None:
         if op.kind == "push":
