@@ -501,6 +501,8 @@ def _gateway_summary(gateway: dict | None, audio_s: float, stream_s: float) -> d
 
 def _client_proc(conn: Any, url: str, indexes: list[int], level: Level, args: argparse.Namespace) -> None:
     """--client-procs: one process's share of the sessions; its turns go back through `conn`."""
+    if args.client_nice:  # the load stands in for clients on other machines: it yields the cores to the gateway
+        os.nice(args.client_nice)
 
     async def run() -> list[list[TurnResult]]:
         return await asyncio.gather(*(_session(url, i, level, args) for i in indexes))
@@ -672,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key")
     ap.add_argument("--client-procs", type=int, default=0, help="run the sessions in this many client processes "
                     "(default 0: in this process, sharing the event loop with an in-process gateway)")
+    ap.add_argument("--client-nice", type=int, default=0, help="--client-procs: run them this many nice levels below "
+                    "the gateway (0..19), so that clients sharing the gateway's machine, which stand in for clients "
+                    "on other machines, take the cores the gateway leaves idle rather than its own share")
     ap.add_argument("--sessions", type=parse_levels, default=parse_levels("1,4"),
                     help="comma-separated levels: N (all at once), closed:N (closed loop), optionally :whole, :llm "
                     "or :mix (default: --mode) and a format (default: --format), e.g. 64,256:pcm_s16le,closed:400:mix")
