@@ -322,6 +322,7 @@ def _summary(level: Level, turns: list[TurnResult], wall_s: float, cpu_s: float,
         # an at-once level's first turns should start together: how far apart they went out
         "first_turn_start_spread_ms": round(1000.0 * (max(starts) - min(starts)), 1) if starts else None,
         "underrun_detail": _underrun_detail(ok), "segment_detail": _segment_detail(ok),
+        "waves": None if level.closed else _waves(timed),
         "audio_s": round(audio_s, 2), "stream_s": round(stream_s, 2), "wall_s": round(wall_s, 2),
         "streams_mean": round(stream_s / wall_s, 1) if wall_s else None,
         "audio_s_per_s": round(audio_s / wall_s, 2) if wall_s else None,
@@ -363,6 +364,32 @@ def _latency(turns: list[TurnResult]) -> dict:
         "late_frames": sum(t.underruns for t in turns), "late_ms_total": round(sum(t.underrun_ms for t in turns)),
         "underrun_turns": sum(t.underruns > 0 for t in turns),
     }
+
+
+def _waves(turns: list[TurnResult], gap_ms: float = 10.0) -> list[dict]:
+    """An at-once level's turns grouped by the engine step that gave them their first chunk: the engine admits a
+    burst in one prefill step or spreads it over several (its timing decides), and a front's k-th first chunk of one
+    step waits for the k - 1 ahead of it, so the gateway's share is compared wave by wave. A turn's first chunk
+    reached its front at about its text's send time + the text's wait + the engine's TTFB (one clock for every
+    client process); a pause of over `gap_ms` between two of them starts a new wave."""
+    at = sorted((t.start_s * 1000.0 + t.server_metrics["segment_log"][0]["submit_ms"]
+                 + t.server_metrics["engine_ttfb_ms"], t) for t in turns if t.server_metrics.get("segment_log"))
+    waves: list[list[TurnResult]] = []
+    last = None
+    for ms, t in at:
+        if last is None or ms - last > gap_ms:
+            waves.append([])
+        waves[-1].append(t)
+        last = ms
+    out = []
+    for wave in waves:
+        m = [t.server_metrics for t in wave]
+        out.append({"turns": len(wave), "engine_ttfb_ms_p50": _pct([x["engine_ttfb_ms"] for x in m], 0.5),
+                    "server_overhead_ms_p50": _pct([x["ttfb_ms"] - x["engine_ttfb_ms"] for x in m], 0.5),
+                    "text_wait_ms_p50": _pct([x["segment_log"][0]["submit_ms"] for x in m], 0.5),
+                    "after_text_ms_p50": _pct([x["ttfb_ms"] - x["engine_ttfb_ms"] - x["segment_log"][0]["submit_ms"]
+                                               for x in m], 0.5)})
+    return out
 
 
 def _underrun_detail(turns: list[TurnResult], max_turns: int = 40) -> dict:
