@@ -24,9 +24,10 @@ chunk was still out when the next came (late), and the time one chunk and one he
 `--pattern burst-heads`: one front's share of the H200's 256 sessions opened at once (issue 34), through ONE encoder
 process. `--turns` turns, their encoders opened, get their first chunk in one loop iteration (one engine step): each
 asks for its head (`encode_head`, urgency 0), and once it is back for the rest of the chunk (urgency: the head's
-20 ms), as `gateway.turn` does; `--later-ms` later `--later-heads` more turns start the same way while the first
-ones' rests are being encoded. Reported: the heads' latency (call -> answer) p50 / p90 / max, for the burst's heads
-and the later ones apart, and the first chunks' (head call -> rest answered); each the median of `--repeats` runs.
+20 ms), as `gateway.turn` does (`--turn-us`: the loop's work for a turn before it asks, so the heads come that far
+apart); `--later-ms` later `--later-heads` more turns start the same way while the first ones' rests are being
+encoded. Reported: the heads' latency (call -> answer) p50 / p90 / max, for the burst's heads and the later ones
+apart, and the first chunks' (head call -> rest answered); each the median of `--repeats` runs.
 
     python bench/encode_hop.py --pattern burst-heads --turns 32 --later-heads 8 --later-ms 10 [--repeats 20]
 """
@@ -171,6 +172,9 @@ async def run_burst_heads(procs: EncodeProcs, args: argparse.Namespace, pcm: np.
     chunk_ms: list[float] = []
 
     async def first_chunk(encoder: ProcEncoder, piece: np.ndarray, group: str) -> None:
+        busy_until = time.perf_counter() + args.turn_us / 1e6
+        while time.perf_counter() < busy_until:  # the loop's own work for the turn before it asks (it holds the loop)
+            pass
         t = time.perf_counter()
         head, used = await encoder.encode_head(piece, 1, FRAME, 0.0)
         head_ms[group].append((time.perf_counter() - t) * 1000.0)
@@ -220,7 +224,8 @@ async def one_process_main(args: argparse.Namespace, pcm: np.ndarray) -> dict[st
         shape = {"turns": args.turns, "heads": args.heads, "steps": args.steps, "step_ms": args.step_ms,
                  "spread_ms": args.spread_ms}
     else:
-        shape = {"turns": args.turns, "later_heads": args.later_heads, "later_ms": args.later_ms}
+        shape = {"turns": args.turns, "later_heads": args.later_heads, "later_ms": args.later_ms,
+                 "turn_us": args.turn_us}
     return {"pattern": args.pattern, **shape, "repeats": args.repeats, **encode_costs(pcm),
             "results": median_of(runs), "runs": runs}
 
@@ -238,6 +243,9 @@ async def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spread-ms", type=float, default=20.0,
                     help="a head comes this long or less after its step's chunks (steps)")
     ap.add_argument("--later-heads", type=int, default=8, help="turns starting after the burst (burst-heads)")
+    ap.add_argument("--turn-us", type=float, default=0.0,
+                    help="the loop's work per turn before its head is asked for: the burst's heads come this far apart"
+                         " (burst-heads)")
     ap.add_argument("--later-ms", type=float, default=10.0, help="when they start after it (burst-heads)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each place, interleaved")
     ap.add_argument("--json", help="write the results here")
