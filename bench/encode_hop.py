@@ -211,7 +211,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def one_process_main(args: argparse.Namespace, pcm: np.ndarray) -> dict[str, Any]:
     """The `steps` or `burst-heads` pattern `--repeats` times through one encoder process."""
-    procs = EncodeProcs(1)
+    procs = EncodeProcs(1, nice=args.nice)
     runs = []
     try:
         procs.start()
@@ -247,6 +247,8 @@ async def main(argv: list[str] | None = None) -> None:
                     help="the loop's work per turn before its head is asked for: the burst's heads come this far apart"
                          " (burst-heads)")
     ap.add_argument("--later-ms", type=float, default=10.0, help="when they start after it (burst-heads)")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="the encoder process's priority below ours (steps, burst-heads; default: the gateway's)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each place, interleaved")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
