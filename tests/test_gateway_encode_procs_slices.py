@@ -10,8 +10,10 @@ import time
 import numpy as np
 import pytest
 
+from gateway import encode_wire as w
 from gateway.audio import Encoder, OutputFormat
 from gateway.audio.formats import FORMATS
+from gateway.encode_child import Call, Pending
 from gateway.encode_procs import EncodeProcs
 from tests.test_gateway_encode_procs import RATE, speech
 from tests.test_gateway_encode_procs_order import FRAME, piece, warm
@@ -43,6 +45,24 @@ def test_the_slices_of_an_encode_are_its_bytes(name: str, rate: int) -> None:
         got += packets
     assert list(sliced.encode_slices(np.zeros(0, dtype=np.float32), 2)) == [(whole.encode(np.zeros(0)), False)]
     assert got + sliced.finish() == want + whole.finish()
+
+
+def test_a_call_served_in_part_keeps_its_place_before_its_encoders_next_call() -> None:
+    """Between two slices, another encoder's call with an earlier deadline goes first; a later call of the same encoder
+    never does, whatever its deadline (an encoder is a stream)."""
+    pending = Pending()
+    empty = memoryview(b"")
+    pending.push(100.0, Call(w.ENCODE, False, 1, 7, 0, 0, empty))
+    key, long_call = pending.pop()  # being served: a slice done
+    pending.push(0.0, Call(w.HEAD, True, 2, 7, 1, 960, empty))  # same encoder, earlier deadline
+    pending.push(50.0, Call(w.HEAD, True, 3, 8, 1, 960, empty))  # another encoder, earlier deadline
+    pending.requeue(key, long_call)
+    order = []
+    while pending:
+        _, call = pending.pop()
+        order.append(call.call_id)
+        pending.done(call)
+    assert order == [3, 1, 2]
 
 
 async def test_a_first_frame_asked_for_mid_encode_is_answered_before_that_encode_ends():
