@@ -20,6 +20,16 @@ chunk was still out when the next came (late), and the time one chunk and one he
 (the queueing arithmetic's inputs); each the median of `--repeats` runs.
 
     python bench/encode_hop.py --pattern steps --turns 32 --heads 4 --steps 100 [--repeats 5] [--json out.json]
+
+`--pattern burst-heads`: one front's share of the H200's 256 sessions opened at once (issue 34), through ONE encoder
+process. `--turns` turns, their encoders opened, get their first chunk in one loop iteration (one engine step): each
+asks for its head (`encode_head`, urgency 0), and once it is back for the rest of the chunk (urgency: the head's
+20 ms), as `gateway.turn` does (`--turn-us`: the loop's work for a turn before it asks, so the heads come that far
+apart); `--later-ms` later `--later-heads` more turns start the same way while the first ones' rests are being
+encoded. Reported: the heads' latency (call -> answer) p50 / p90 / max, for the burst's heads and the later ones
+apart, and the first chunks' (head call -> rest answered); each the median of `--repeats` runs.
+
+    python bench/encode_hop.py --pattern burst-heads --turns 32 --later-heads 8 --later-ms 10 [--repeats 20]
 """
 
 from __future__ import annotations
@@ -154,6 +164,39 @@ async def run_steps(procs: EncodeProcs, args: argparse.Namespace, pcm: np.ndarra
             "heads": len(head_ms), "chunks": len(chunk_ms)}
 
 
+async def run_burst_heads(procs: EncodeProcs, args: argparse.Namespace, pcm: np.ndarray) -> dict[str, Any]:
+    """The `burst-heads` pattern once (see the module's doc)."""
+    loop = asyncio.get_running_loop()
+    chunks = len(pcm) // CHUNK
+    head_ms: dict[str, list[float]] = {"burst": [], "later": []}
+    chunk_ms: list[float] = []
+
+    async def first_chunk(encoder: ProcEncoder, piece: np.ndarray, group: str) -> None:
+        busy_until = time.perf_counter() + args.turn_us / 1e6
+        while time.perf_counter() < busy_until:  # the loop's own work for the turn before it asks (it holds the loop)
+            pass
+        t = time.perf_counter()
+        head, used = await encoder.encode_head(piece, 1, FRAME, 0.0)
+        head_ms[group].append((time.perf_counter() - t) * 1000.0)
+        await encoder.encode(piece[used:], len(head) * 20.0)
+        chunk_ms.append((time.perf_counter() - t) * 1000.0)
+
+    burst = [procs.open(OutputFormat(), RATE) for _ in range(args.turns)]
+    later = [procs.open(OutputFormat(), RATE) for _ in range(args.later_heads)]
+    await procs.open_counts()  # every encoder made in the process before the burst, as a turn's is at its start
+    await asyncio.sleep(0.05)  # the process idle, as it is between two engine steps
+    tasks = [loop.create_task(first_chunk(e, pcm[(i % chunks) * CHUNK:(i % chunks + 1) * CHUNK], "burst"))
+             for i, e in enumerate(burst)]
+    await asyncio.sleep(args.later_ms / 1000.0)
+    tasks += [loop.create_task(first_chunk(e, pcm[(i % chunks) * CHUNK:(i % chunks + 1) * CHUNK], "later"))
+              for i, e in enumerate(later)]
+    await asyncio.gather(*tasks)
+    for encoder in [*burst, *later]:
+        encoder.close()
+    return {"head_ms": percentiles(head_ms["burst"]), "later_head_ms": percentiles(head_ms["later"]),
+            "first_chunk_ms": percentiles(chunk_ms), "heads": len(head_ms["burst"]) + len(head_ms["later"])}
+
+
 async def _after(seconds: float, work: Awaitable[None]) -> None:
     await asyncio.sleep(seconds)
     await work
@@ -166,23 +209,32 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
             else round(statistics.median(r[k] for r in runs), 3) for k in first}
 
 
-async def steps_main(args: argparse.Namespace, pcm: np.ndarray) -> dict[str, Any]:
-    procs = EncodeProcs(1)
+async def one_process_main(args: argparse.Namespace, pcm: np.ndarray) -> dict[str, Any]:
+    """The `steps` or `burst-heads` pattern `--repeats` times through one encoder process."""
+    procs = EncodeProcs(1, nice=args.nice)
     runs = []
     try:
+        procs.start()
+        await procs.open_counts()  # the process started and its imports done
         for _ in range(args.repeats):
-            runs.append(await run_steps(procs, args, pcm))
+            runs.append(await (run_steps if args.pattern == "steps" else run_burst_heads)(procs, args, pcm))
     finally:
         procs.close()
-    return {"pattern": "steps", "turns": args.turns, "heads": args.heads, "steps": args.steps, "step_ms": args.step_ms,
-            "spread_ms": args.spread_ms, "repeats": args.repeats, **encode_costs(pcm), "results": median_of(runs),
-            "runs": runs}
+    if args.pattern == "steps":
+        shape = {"turns": args.turns, "heads": args.heads, "steps": args.steps, "step_ms": args.step_ms,
+                 "spread_ms": args.spread_ms}
+    else:
+        shape = {"turns": args.turns, "later_heads": args.later_heads, "later_ms": args.later_ms,
+                 "turn_us": args.turn_us}
+    return {"pattern": args.pattern, **shape, "repeats": args.repeats, **encode_costs(pcm),
+            "results": median_of(runs), "runs": runs}
 
 
 async def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pattern", choices=("burst", "steps"), default="burst")
-    ap.add_argument("--turns", type=int, default=64, help="turns at once (burst), streaming turns (steps)")
+    ap.add_argument("--pattern", choices=("burst", "steps", "burst-heads"), default="burst")
+    ap.add_argument("--turns", type=int, default=64,
+                    help="turns at once (burst, burst-heads), streaming turns (steps)")
     ap.add_argument("--chunks", type=int, default=20, help="160 ms chunks per turn (burst)")
     ap.add_argument("--workers", type=int, default=2, help="encode threads, and encoder processes (burst)")
     ap.add_argument("--heads", type=int, default=4, help="new turns' first frames per step (steps)")
@@ -190,6 +242,13 @@ async def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-ms", type=float, default=40.0, help="time between engine steps (steps)")
     ap.add_argument("--spread-ms", type=float, default=20.0,
                     help="a head comes this long or less after its step's chunks (steps)")
+    ap.add_argument("--later-heads", type=int, default=8, help="turns starting after the burst (burst-heads)")
+    ap.add_argument("--turn-us", type=float, default=0.0,
+                    help="the loop's work per turn before its head is asked for: the burst's heads come this far apart"
+                         " (burst-heads)")
+    ap.add_argument("--later-ms", type=float, default=10.0, help="when they start after it (burst-heads)")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="the encoder process's priority below ours (steps, burst-heads; default: the gateway's)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each place, interleaved")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -197,8 +256,8 @@ async def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     t = np.arange(args.chunks * CHUNK) / RATE
     pcm = (0.3 * np.sin(2 * np.pi * 140 * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
-    if args.pattern == "steps":
-        report(command, await steps_main(args, pcm), args.json)
+    if args.pattern != "burst":
+        report(command, await one_process_main(args, pcm), args.json)
         return
     pool = OffloadPool(threads=args.workers)
     procs = EncodeProcs(args.workers)

@@ -2,12 +2,14 @@
 (framing: `gateway.encode_wire`). It holds no GIL the gateway's event loop needs. It exits when the gateway closes its
 end of the socket (or dies: the same end of file).
 
-It serves the calls it holds earliest deadline first, one at a time, and reads what the socket brought (without
-waiting) before each: a turn's first frame, sent past the gateway's window the moment it is asked for, waits for the
-one encode in progress, not for the chunks that came before it. One encoder's calls stay in the order they came (an
-encoder is a stream). Opening, closing and counting are done as they are read: a call read after an open finds its
-encoder, and a turn closed while its call waits here (cancelled) costs no encode: the call fails at once, and no one
-is waiting for it."""
+It serves the calls it holds earliest deadline first, and reads what the socket brought (without waiting) between
+two steps of work: a call, or a slice of SLICE_FRAMES frames of a chunk's ENCODE (its answer is still one response
+with all its packets, the same bytes as one uninterrupted encode). A turn's first frame, sent past the gateway's
+window the moment it is asked for, waits for the slice in progress and the first frames ahead of it, not for the
+chunks that came before it nor for the rest of the one being encoded. One encoder's calls stay in the order they came
+(an encoder is a stream; another encoder's call between two slices does not touch its state). Opening, closing and
+counting are done as they are read: a call read after an open finds its encoder, and a turn closed while its call
+waits here (cancelled) costs no further encode: the call fails at once, and no one is waiting for it."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import itertools
 import mmap
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -27,6 +31,23 @@ from gateway import encode_wire as w
 from gateway.audio import Encoder
 
 READ_BYTES = 1 << 20
+# an ENCODE is served this many frames at a time (~130 us each on the 2-core VM): a call that comes meanwhile with an
+# earlier deadline (a turn's first frame) waits for one slice, not for a whole chunk; each slice costs a poll of the
+# socket and a turn of the heap (a few us)
+SLICE_FRAMES = 1
+
+
+class Call:
+    """One encoder call read off the socket, and how far it is served (an ENCODE goes a slice at a time)."""
+
+    __slots__ = ("op", "urgent", "call_id", "encoder_id", "a1", "a2", "payload", "slices", "packets")
+
+    def __init__(self, op: int, urgent: bool, call_id: int, encoder_id: int, a1: int, a2: int,
+                 payload: memoryview) -> None:
+        self.op, self.urgent, self.call_id, self.encoder_id = op, urgent, call_id, encoder_id
+        self.a1, self.a2, self.payload = a1, a2, payload
+        self.slices: Iterator[tuple[list[bytes], bool]] | None = None  # an ENCODE begun: its slices to come
+        self.packets: list[bytes] = []  # the slices' packets so far
 
 
 class Encoders:
@@ -48,60 +69,70 @@ class Encoders:
             return None
         return w.response(call_id, [], len(self.open))  # COUNT
 
-    def handle(self, op: int, call_id: int, encoder_id: int, a1: int, a2: int, payload: memoryview) -> bytes:
-        """One encoder call -> its whole response."""
-        encoder = self.open.get(encoder_id)
+    def serve(self, call: Call) -> bytes | None:
+        """Serve `call` one step further -> its whole response once it is done (None: an ENCODE has slices left).
+        A call whose encoder was closed (its turn is over) fails at once, between two slices too: nobody waits."""
+        encoder = self.open.get(call.encoder_id)
         if encoder is None:
-            return w.failure(call_id, f"no encoder {encoder_id} in this process (closed, or never opened)")
+            return w.failure(call.call_id, f"no encoder {call.encoder_id} in this process (closed, or never opened)")
         if isinstance(encoder, str):
-            return w.failure(call_id, encoder)
+            return w.failure(call.call_id, encoder)
         try:
-            pcm = np.frombuffer(payload, dtype=np.float32)
-            if op == w.ENCODE:
-                return w.response(call_id, encoder.encode(pcm))
-            if op == w.HEAD:
-                packets, used = encoder.encode_head(pcm, a1, a2)
-                return w.response(call_id, packets, used)
-            if op == w.DRAIN:
+            if call.op == w.ENCODE:
+                if call.slices is None:  # reads the payload (resamples it all): its slot is free to reuse after
+                    call.slices = encoder.encode_slices(np.frombuffer(call.payload, dtype=np.float32), SLICE_FRAMES)
+                packets, more = next(call.slices)
+                call.packets += packets
+                return None if more else w.response(call.call_id, call.packets)
+            if call.op == w.HEAD:
+                packets, used = encoder.encode_head(np.frombuffer(call.payload, dtype=np.float32), call.a1, call.a2)
+                return w.response(call.call_id, packets, used)
+            if call.op == w.DRAIN:
                 packets, padding = encoder.drain()
-                return w.response(call_id, packets, padding)
-            if op == w.FINISH:
-                return w.response(call_id, encoder.finish())
+                return w.response(call.call_id, packets, padding)
+            if call.op == w.FINISH:
+                return w.response(call.call_id, encoder.finish())
         except Exception as e:  # the turn's call raises it, as the thread pool hands back an encoder's exception
-            return w.failure(call_id, f"{type(e).__name__}: {e}")
-        return w.failure(call_id, f"unknown op {op}")
+            return w.failure(call.call_id, f"{type(e).__name__}: {e}")
+        return w.failure(call.call_id, f"unknown op {call.op}")
 
 
-_Call = tuple[int, bool, int, int, int, int, memoryview]  # op, urgent, call id, encoder, a1, a2, payload
+_Key = tuple[float, int]  # a call's place in the heap: deadline, order read
 
 
 class Pending:
-    """The calls read but not served yet: earliest deadline first, then in the order read; a call never goes before an
-    earlier one of its encoder (it takes that one's deadline if its own is earlier)."""
+    """The calls read and not done yet: earliest deadline first, then in the order read; a call never goes before an
+    earlier one of its encoder (it takes that one's deadline if its own is earlier), one being served included."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, _Call]] = []
+        self._heap: list[tuple[float, int, Call]] = []
         self._order = itertools.count()
-        self._last: dict[int, tuple[float, int]] = {}  # encoder id -> (its newest call's deadline here, its calls here)
+        self._last: dict[int, tuple[float, int]] = {}  # encoder id -> (its newest call's deadline, its calls not done)
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, deadline: float, call: _Call) -> None:
-        encoder_id = call[3]
-        before, count = self._last.get(encoder_id, (deadline, 0))
+    def push(self, deadline: float, call: Call) -> None:
+        before, count = self._last.get(call.encoder_id, (deadline, 0))
         deadline = max(deadline, before)
-        self._last[encoder_id] = (deadline, count + 1)
+        self._last[call.encoder_id] = (deadline, count + 1)
         heapq.heappush(self._heap, (deadline, next(self._order), call))
 
-    def pop(self) -> _Call:
-        call = heapq.heappop(self._heap)[2]
-        deadline, count = self._last[call[3]]
+    def pop(self) -> tuple[_Key, Call]:
+        """The next call to serve, and its place: `requeue` it there if it is not done, else `done`."""
+        deadline, order, call = heapq.heappop(self._heap)
+        return (deadline, order), call
+
+    def requeue(self, key: _Key, call: Call) -> None:
+        """A call served in part goes back to its place: only a call that comes before it there goes first."""
+        heapq.heappush(self._heap, (key[0], key[1], call))
+
+    def done(self, call: Call) -> None:
+        deadline, count = self._last[call.encoder_id]
         if count == 1:
-            del self._last[call[3]]
+            del self._last[call.encoder_id]
         else:
-            self._last[call[3]] = (deadline, count - 1)
-        return call
+            self._last[call.encoder_id] = (deadline, count - 1)
 
 
 def read_requests(buf: bytes, shared: memoryview, encoders: Encoders, pending: Pending, out: list[bytes]) -> int:
@@ -125,33 +156,45 @@ def read_requests(buf: bytes, shared: memoryview, encoders: Encoders, pending: P
             if answer is not None:
                 out.append(answer)
         else:
-            pending.push(deadline, (op, bool(urgent), call_id, encoder_id, a1, a2, payload))
+            pending.push(deadline, Call(op, bool(urgent), call_id, encoder_id, a1, a2, payload))
     return pos
 
 
 def serve(sock: socket.socket, shared: memoryview) -> None:
-    """Answer requests until the gateway's end closes. Responses to urgent calls go at once; the rest together when
-    nothing is left to serve (one wakeup of the gateway's loop for several)."""
+    """Answer requests until the gateway's end closes. Between two steps of work (a call, or a slice of an ENCODE)
+    what the socket brought is read, and the earliest deadline goes next. Responses to urgent calls go at once; the
+    rest together when nothing is left to serve (one wakeup of the gateway's loop for several)."""
     encoders = Encoders()
     pending = Pending()
+    readable = select.poll()
+    readable.register(sock, select.POLLIN)
+    # read into one buffer made once: `recv(READ_BYTES)` allocates READ_BYTES a call (~16 us on the 2-core VM, a
+    # turn's first frame ~130), and a burst's first frames come a read each
+    space = bytearray(READ_BYTES)
     buf = b""
     out: list[bytes] = []
     while True:
-        try:  # with calls to serve, only what has come already: the next call is chosen among all of them
-            data = sock.recv(READ_BYTES, socket.MSG_DONTWAIT if pending else 0)
-        except BlockingIOError:
-            data = None
-        except ConnectionError:
-            return
-        if data is not None:
-            if not data:
+        # with calls to serve, only what has come already (a poll costs less than a recv that finds nothing)
+        if not pending or readable.poll(0):
+            try:
+                size = sock.recv_into(space, READ_BYTES, socket.MSG_DONTWAIT if pending else 0)
+            except BlockingIOError:
+                size = -1
+            except ConnectionError:
                 return
-            buf = buf + data if buf else data
-            buf = buf[read_requests(buf, shared, encoders, pending, out):]
+            if size == 0:
+                return
+            if size > 0:  # a copy: a waiting call's inline payload is a view of `buf`
+                buf = buf + space[:size] if buf else bytes(space[:size])
+                buf = buf[read_requests(buf, shared, encoders, pending, out):]
         if pending:
-            op, urgent, call_id, encoder_id, a1, a2, payload = pending.pop()
-            answer = encoders.handle(op, call_id, encoder_id, a1, a2, payload)
-            if urgent:  # first of what goes: the gateway hands answers over in order, so its turn runs first
+            key, call = pending.pop()
+            answer = encoders.serve(call)
+            if answer is None:
+                pending.requeue(key, call)
+                continue
+            pending.done(call)
+            if call.urgent:  # first of what goes: the gateway hands answers over in order, so its turn runs first
                 out.insert(0, answer)
             else:
                 out.append(answer)

@@ -15,10 +15,10 @@ Earliest deadline first, as the thread pool (`gateway.offload`): each process's 
 (queued at + urgency), and only WINDOW of them are in the process at a time, so a chunk queued for a listener with
 audio left can still be overtaken here. An urgent call (its listener runs out within `URGENT` ms: a turn's first frame
 has no audio before it) goes straight into the process, past the window, and the process serves the calls it holds
-earliest deadline first (`gateway.encode_child`): a first frame waits for the one encode in progress there, not for a
-free place in the window and the chunks ahead of it. A turn is placed on the process with the fewest open encoders.
-A process that dies (or answers nothing for STALL_S) fails its own turns' calls (`EncoderProcessLost`, a protocol error
-the turn ends with) and is replaced; the others go on.
+earliest deadline first, a chunk a frame at a time (`gateway.encode_child`): a first frame waits for the frame being
+encoded there, not for a free place in the window, the chunks ahead of it or the rest of the one in progress. A turn
+is placed on the process with the fewest open encoders. A process that dies (or answers nothing for STALL_S) fails its
+own turns' calls (`EncoderProcessLost`, a protocol error the turn ends with) and is replaced; the others go on.
 """
 
 from __future__ import annotations

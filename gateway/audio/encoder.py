@@ -4,6 +4,8 @@ flush everything so the ending is never cut off."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from gateway.audio.codecs import CODECS, Codec
@@ -33,6 +35,22 @@ class Encoder:
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
         """float32 mono samples at the input rate -> zero or more frames (or container byte chunks)."""
+        return self._emit(self._take(pcm), end=False)
+
+    def encode_slices(self, pcm: np.ndarray, frames: int) -> Iterator[tuple[list[bytes], bool]]:
+        """`encode(pcm)` a slice of `frames` frames at a time (an encoder process serves a more urgent call between
+        two): (a slice's packets, whether slices follow); all the slices' packets, in order, are `encode(pcm)`'s. The
+        formats of a packet per frame (those with a binary header kind) are cut between frames, which changes no byte;
+        the others come in one slice (a container writes a page or chunk per call). The encoder takes no other call
+        until the last slice is out."""
+        block = self._take(pcm)
+        step = max(frames * self.frame_samples if self.kind else len(block), 1)
+        for start in range(0, max(len(block), 1), step):
+            yield self._emit(block[start:start + step], end=False), start + step < len(block)
+
+    def _take(self, pcm: np.ndarray) -> np.ndarray:
+        """Resample `pcm` -> what is ready to encode: whole frames (the remainder kept for the next call) in the
+        framed formats, all of it in the others."""
         if self._finished:
             raise RuntimeError("Encoder.encode() after finish()")
         pcm = np.asarray(pcm)
@@ -42,11 +60,11 @@ class Encoder:
         self._produced += len(out)
         self._drained = self._drained and not len(pcm)
         if not self.framed:
-            return self._emit(out, end=False)
-        buf = np.concatenate([self._pending, out])
+            return out
+        buf = np.concatenate([self._pending, out]) if len(self._pending) else out
         n = len(buf) // self.frame_samples * self.frame_samples
         self._pending = buf[n:]
-        return self._emit(buf[:n], end=False)
+        return buf[:n]
 
     def encode_head(self, pcm: np.ndarray, frames: int, step: int) -> tuple[list[bytes], int]:
         """The start of `pcm` until `frames` frames came out (or `pcm` ended), `step` input samples (one frame's time)
