@@ -5,6 +5,7 @@ mode: each front's /metrics then reports the whole node (every front's counts, t
 from __future__ import annotations
 
 import asyncio
+import atexit
 import weakref
 from typing import Any
 
@@ -55,6 +56,9 @@ def flush_held() -> None:
     """Put every held observation in its histogram now."""
     for loop in list(_held):
         _flush(loop)
+
+
+atexit.register(flush_held)  # a process that stops within HOLD_S of its last observations still counts them
 
 
 class GatewayMetrics:
