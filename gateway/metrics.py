@@ -4,6 +4,9 @@ mode: each front's /metrics then reports the whole node (every front's counts, t
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import weakref
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -13,6 +16,49 @@ from prometheus_client.multiprocess import MultiProcessCollector
 # latency buckets (seconds) around what voice agents care about: tens to hundreds of milliseconds
 _LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+# Latency observations are held back this long and put in the histograms together, one pass per event loop for every
+# `GatewayMetrics` on it: observed where they are measured (a turn's first chunk, its first frame), each costs several
+# microseconds of cold-cache loop time on the way to that turn's audio, and in a burst the next turn's first frame
+# waits for it. A scrape of this process's metrics puts in what is held first.
+HOLD_S = 0.05
+
+_held: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[tuple[Histogram, float]]] = (
+    weakref.WeakKeyDictionary())
+
+
+class HeldHistogram:
+    """A prometheus `Histogram` (`histogram`) whose `observe` on an event loop holds the value back (`HOLD_S`)."""
+
+    __slots__ = ("histogram",)
+
+    def __init__(self, histogram: Histogram):
+        self.histogram = histogram
+
+    def observe(self, value: float) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.histogram.observe(value)
+            return
+        held = _held.get(loop)
+        if held is None:
+            held = _held[loop] = []
+            loop.call_later(HOLD_S, _flush, loop)
+        held.append((self.histogram, value))
+
+
+def _flush(loop: asyncio.AbstractEventLoop) -> None:
+    for histogram, value in _held.pop(loop, ()):
+        histogram.observe(value)
+
+
+def flush_held() -> None:
+    """Put every held observation in its histogram now."""
+    for loop in list(_held):
+        _flush(loop)
+
+
+atexit.register(flush_held)  # a process that stops within HOLD_S of its last observations still counts them
 
 
 class GatewayMetrics:
@@ -27,13 +73,14 @@ class GatewayMetrics:
         self.sessions = Gauge("voxgate_sessions", "Open WebSocket sessions", registry=r, multiprocess_mode="livesum")
         self.turns = Counter("voxgate_turns", "Turns (contexts) opened", registry=r)
         self.turns_done = Counter("voxgate_turns_finished", "Turns finished, by outcome", ["outcome"], registry=r)
-        self.ttfb = Histogram("voxgate_ttfb_seconds", "First text of a turn -> first audio frame sent",
-                              buckets=_LATENCY, registry=r)
-        self.engine_ttfb = Histogram("voxgate_engine_ttfb_seconds", "Engine request -> first audio chunk",
-                                     buckets=_LATENCY, registry=r)
-        self.gap = Histogram("voxgate_playout_gap_seconds", "Estimated mid-turn silences the gateway caused",
-                             buckets=_LATENCY, registry=r)
-        self.rtf = Histogram("voxgate_turn_rtf", "Engine time / audio time per turn", buckets=_RTF, registry=r)
+        self.ttfb = HeldHistogram(Histogram("voxgate_ttfb_seconds", "First text of a turn -> first audio frame sent",
+                                            buckets=_LATENCY, registry=r))
+        self.engine_ttfb = HeldHistogram(Histogram("voxgate_engine_ttfb_seconds", "Engine request -> first audio chunk",
+                                                   buckets=_LATENCY, registry=r))
+        self.gap = HeldHistogram(Histogram("voxgate_playout_gap_seconds", "Estimated mid-turn silences the gateway "
+                                           "caused", buckets=_LATENCY, registry=r))
+        self.rtf = HeldHistogram(Histogram("voxgate_turn_rtf", "Engine time / audio time per turn", buckets=_RTF,
+                                           registry=r))
         self.errors = Counter("voxgate_errors", "Errors sent to clients, by code", ["code"], registry=r)
         self.http_requests = Counter("voxgate_http_requests", "HTTP API requests", ["route", "status"], registry=r)
 
@@ -56,6 +103,7 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text: this process's metrics, or with `node_dir` every front's (and the engine's once)."""
+        flush_held()
         if self.node_dir is None:
             return generate_latest(self.registry)
         node = CollectorRegistry()

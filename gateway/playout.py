@@ -37,11 +37,12 @@ class TurnSender:
         Only the synthesis task hands items over, so nothing can slip in between."""
         frames = turn.frames
         if not turn.sending and (frames is None or frames.empty()):
-            if isinstance(item, _Packets):
-                if turn.playout.fits(len(item.payloads), self.clock()):  # all of it may go now: one write
+            if type(item) is _Packets:
+                now = self.clock()
+                if turn.playout.fits(len(item.payloads), now):  # all of it may go now: one write
                     turn.sending = True
                     try:
-                        await self._write(turn, item.payloads, item.last)
+                        await self._write(turn, item.payloads, item.last, now)
                     finally:
                         turn.sending = False
                     return
@@ -95,10 +96,10 @@ class TurnSender:
             done += n
             await self._write(turn, part, item.last and done == total)
 
-    async def _write(self, turn: Turn, payloads: list[bytes], last: bool) -> None:
-        """One write of frames that may go now."""
+    async def _write(self, turn: Turn, payloads: list[bytes], last: bool, now: float | None = None) -> None:
+        """One write of frames that may go now (`now`: the clock read that decided so)."""
         playout, fmt = turn.playout, turn.fmt
-        self._track_playout(turn, self.clock())
+        self._track_playout(turn, self.clock() if now is None else now)
         await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, fmt.kind, turn.seq, playout.sent_ms,
                                                       fmt.frame_ms, payloads, last))
         n = len(payloads)
@@ -123,10 +124,9 @@ class TurnSender:
             self.metrics.gap.observe(start.gap_ms / 1000.0)
 
     def _report_buffered(self, turn: Turn, force: bool = False) -> None:
-        now = self.clock()
         if turn.request_id is None:
             return
-        buffered = turn.playout.report(now, force)
+        buffered = turn.playout.report(self.clock(), force)
         if buffered is None:
             return
         turn.segmenter.set_queued_audio_ms(buffered)

@@ -37,6 +37,11 @@ class SendStart:
     gap_ms: float = 0.0
 
 
+# the answers of `Playout.sending` without a gap, made once (it answers every write of every turn)
+_FIRST = SendStart(first_audio=True)
+_PLAYING = SendStart(first_audio=False)
+
+
 @dataclass(frozen=True)
 class TurnFigures:
     """A finished turn's playout figures (unrounded): `context.done`'s audio_ms and metrics."""
@@ -82,10 +87,10 @@ class Playout:
         if self.t_play is None:
             self.first_audio_at = now
             self.t_play, self.play_base_ms = now, 0.0
-            return SendStart(first_audio=True)
+            return _FIRST
         dry_since = self.t_play + (self.sent_ms - self.play_base_ms) / 1000.0
         if now <= dry_since:
-            return SendStart(first_audio=False)
+            return _PLAYING
         # only count silence the gateway caused, not time spent waiting for the client's text
         waited_from = max(dry_since, self.segment_released_at)
         gap_ms = max(0.0, (now - waited_from) * 1000.0)

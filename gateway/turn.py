@@ -180,7 +180,8 @@ class TurnPipeline:
                     await self._hand_over(turn, item)
                     continue
                 if isinstance(item, _EndMark):
-                    await self._queue_packets(turn, await self._encode(turn, None), last=True)
+                    assert turn.encoder is not None  # made above, before anything is encoded
+                    await self._queue_packets(turn, await turn.encoder.finish(self._urgency(turn)), last=True)
                     await self._hand_over(turn, item)
                     return
                 if isinstance(item, _Started):  # its request went out when it was released
@@ -221,24 +222,23 @@ class TurnPipeline:
         try:
             if started.error is not None:
                 raise started.error
-            first = True
+            clock, ms_per_sample = self.clock, 1000.0 / self.model_rate
+            # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the first
+            # chunk is waited for since the request went out
+            t0 = started.t0
             while True:
-                # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the
-                # first chunk is waited for since the request went out
-                t0 = started.t0 if first else self.clock()
                 try:
                     chunk = await anext(stream)
                 except StopAsyncIteration:
                     break
                 finally:
-                    t1 = self.clock()
+                    t1 = clock()
                     turn.engine_s += t1 - t0
                 wait_ms = (t1 - t0) * 1000.0
                 timing.patches += 1
                 if chunk.is_last:
                     timing.done_ms = self._turn_ms(turn, t1)
-                if first:
-                    first = False
+                if timing.patches == 1:
                     timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
                         turn.engine_ttfb_ms = wait_ms
@@ -253,8 +253,9 @@ class TurnPipeline:
                     latents.append(np.asarray(chunk.latents))
                 if chunk.is_last:
                     self._start_next(turn, seg, latents)
-                turn.fed_ms += len(chunk.audio) * 1000.0 / self.model_rate
+                turn.fed_ms += len(chunk.audio) * ms_per_sample
                 await self._encode_chunk(turn, chunk.audio, segment_start=timing.patches == 1)
+                t0 = clock()
         except engine_errors.InvalidRequest as e:
             code = ErrorCode.UNKNOWN_VOICE if isinstance(e, engine_errors.UnknownVoice) else ErrorCode.INVALID_VALUE
             raise ProtocolError(code, f"segment {seg.index} ({seg.text[:40]!r}): {e}") from None
@@ -279,27 +280,23 @@ class TurnPipeline:
         """Milliseconds since the turn's first text (the origin of its TTFB)."""
         return (now - turn.t_first_text) * 1000.0 if turn.t_first_text is not None else 0.0
 
-    async def _encode(self, turn: Turn, pcm: np.ndarray | None) -> list[bytes]:
-        """One engine chunk (None: the turn's end) -> frames, wherever the turn's encoder runs (`encode_site`): Opus
-        off the loop, one hop per chunk (a chunk that starts the listener's audio takes two: `_encode_chunk`); the
-        cheap formats right here."""
-        encoder = turn.encoder
-        assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        urgency = turn.playout.buffered_ms(self.clock())
-        return await (encoder.finish(urgency) if pcm is None else encoder.encode(pcm, urgency))
+    def _urgency(self, turn: Turn) -> float:
+        """An encoder call's urgency: the audio (ms) its listener has before running dry."""
+        return turn.playout.buffered_ms(self.clock())
 
     async def _drain(self, turn: Turn) -> None:
         """A flush: the audio still inside the encoder (resampler tail, partial frame) queued before the flush's
         answer, so text.flushed follows the flush's last audio; the silence padding the last frame counts as fed."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        frames, padding = await encoder.drain(turn.playout.buffered_ms(self.clock()))
+        frames, padding = await encoder.drain(self._urgency(turn))
         turn.fed_ms += padding * 1000.0 / turn.fmt.sample_rate
         await self._queue_packets(turn, frames)
 
     async def _encode_chunk(self, turn: Turn, pcm: np.ndarray, segment_start: bool = False) -> None:
-        """One engine chunk -> its frames queued. Off the loop, a chunk that starts the listener's audio is two calls,
-        one after the other (the encoder is a stream): its first frame, sent as soon as it is encoded, then the rest.
+        """One engine chunk -> its frames, wherever the turn's encoder runs (`encode_site`: Opus off the loop, the
+        cheap formats right here), queued. Off the loop, a chunk that starts the listener's audio is two calls, one
+        after the other (the encoder is a stream): its first frame, sent as soon as it is encoded, then the rest.
         A burst of new turns arrives in one engine step and the pool (or encoder process) runs the most urgent call
         queued first, so every new turn's first frame is encoded before anyone's rest, and every rest before the
         chunks of listeners with audio queued."""
@@ -307,11 +304,13 @@ class TurnPipeline:
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
         if not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
-            await self._queue_packets(turn, await self._encode(turn, pcm))
+            batch = self._batch(turn, await encoder.encode(pcm, self._urgency(turn)))
+            if batch is not None:
+                await self._hand_over(turn, batch)
             return
-        buffered = turn.playout.buffered_ms(self.clock())
+        buffered = self._urgency(turn)
         head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
-        # what the listener has once the head is out; counted before `_queue_packets` takes the list over
+        # what the listener has once the head is out; counted before `_batch` takes the list over
         urgency = buffered + len(head) * turn.fmt.frame_ms
         # the rest of the chunk follows, so none of the head is the turn's last frame: nothing is held back
         await self._queue_packets(turn, head, more=used < len(pcm))
@@ -326,15 +325,20 @@ class TurnPipeline:
         return segment_start and turn.playout.buffered_ms(self.clock()) <= turn.fmt.frame_ms
 
     async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False, more: bool = False) -> None:
-        """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
-        known) so the turn's last frame can carry FLAG_LAST; `more`: more audio follows for certain, nothing is held.
-        Frames are whole: the encoder pads the end."""
+        """Queue the chunk's frames as one batch (`_batch`)."""
+        batch = self._batch(turn, payloads, last, more)
+        if batch is not None:
+            await self._hand_over(turn, batch)
+
+    @staticmethod
+    def _batch(turn: Turn, payloads: list[bytes], last: bool = False, more: bool = False) -> _Packets | None:
+        """The chunk's frames counted as queued and made one batch (None: nothing to send yet), holding the newest
+        frame back (until the next chunk or the end is known) so the turn's last frame can carry FLAG_LAST; `more`:
+        more audio follows for certain, nothing is held. Frames are whole: the encoder pads the end."""
         turn.playout.queued(len(payloads))
         batch = payloads if turn.held is None else [turn.held, *payloads]
         turn.held = None if last or more or not batch else batch.pop()
-        if not batch:
-            return
-        await self._hand_over(turn, _Packets(batch, last))
+        return _Packets(batch, last) if batch else None
 
     async def _release_held(self, turn: Turn) -> None:
         if turn.held is not None:

@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import EngineOverloaded, InvalidParameter, TenantOverloaded, UnknownLoRA, UnknownVoice
 from gateway.link import EngineHost, HostLost, connect, wire
-from gateway.link.remote_engine import RemoteEngine, RemoteStream
+from gateway.link.remote_engine import ChunkQueue, RemoteEngine, RemoteStream
 from gateway.store import Item, LocalStore
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -340,3 +340,27 @@ async def test_a_steps_first_chunks_wake_their_turns_before_the_others(served):
     finally:
         for rid in streams:
             remote._streams.pop(rid, None)
+
+
+async def test_a_streams_queue_hands_chunks_over_in_order_and_survives_a_cancelled_reader():
+    """`ChunkQueue`, what a front's request reads its chunks from: items that came first are read at once and in order,
+    one that comes while the reader waits wakes it, and a reader cancelled while waiting loses nothing after it."""
+    queue = ChunkQueue()
+    queue.put_nowait(1)
+    queue.put_nowait(2)
+    assert [await queue.get(), await queue.get()] == [1, 2]
+    waiting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    waiting.cancel()
+    queue.put_nowait(3)  # after the reader's cancel: kept for the next read
+    reader = asyncio.create_task(_read(queue))
+    await asyncio.sleep(0)
+    queue.put_nowait(None)
+    assert await asyncio.wait_for(reader, 2.0) == 3
+    assert await asyncio.wait_for(queue.get(), 2.0) is None
+    assert queue.empty()
+
+
+async def _read(queue: ChunkQueue) -> object:
+    return await queue.get()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,46 @@ Post = Callable[[Any], None]
 CallHost = Callable[..., Awaitable[Any]]
 
 
+_Item = AudioChunk | BaseException | None
+
+
+class ChunkQueue:
+    """A request's chunks (or its error, or None when cancelled) on their way to the one task that reads them: what
+    `ChunkIterator` uses of `asyncio.Queue` (`put_nowait`, `get`), unbounded and with one reader. A chunk that comes
+    while the reader waits is handed to it directly: one future and one wakeup a chunk, and no coroutine nor
+    asyncio.Queue's bookkeeping for bounds, joins and many getters."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[_Item] | None = None
+
+    def put_nowait(self, item: _Item) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: its reader was cancelled
+                waiter.set_result(item)
+                return
+        self._items.append(item)
+
+    def get(self) -> asyncio.Future[_Item]:
+        """The next item, to await: at once if one is here, else when it comes."""
+        fut: asyncio.Future[_Item] = asyncio.get_running_loop().create_future()
+        if self._items:
+            fut.set_result(self._items.popleft())
+        else:
+            self._waiter = fut
+        return fut
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
 class RemoteStream:
     """The front's side of one request: the queue its chunks (or its error, or None when cancelled) go to."""
 
@@ -43,7 +84,7 @@ class RemoteStream:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue()
+        self.queue = ChunkQueue()
         self.sent_at: float | None = None  # when its request left for the host (time.monotonic)
         self.request_ms: float | None = None  # the request's way front -> host
         self.chunk_ms: float | None = None  # its first chunk's way host -> front
@@ -77,7 +118,7 @@ class RemoteGeneration(ChunkIterator):
         """(request front -> host, first chunk host -> front)."""
         return self._stream.request_ms, self._stream.chunk_ms
 
-    def _queue(self) -> asyncio.Queue:
+    def _queue(self) -> ChunkQueue:  # type: ignore[override]  # ChunkIterator uses what it has of asyncio.Queue
         return self._stream.queue
 
     async def _send_first(self) -> None:

@@ -26,6 +26,9 @@ from engine.worker_process import shared_file
 
 log = logging.getLogger("voxgate.link")
 
+# A new ring's pages are made and mapped on both sides when the link opens, not by the first pass of audio through
+# it: there, each 4 KiB page costs a page fault to the host's write and another to the front's read (a step of 32
+# streams is ~250 pages), on the event loops that relay a burst's first chunks.
 RING = b"R"
 NO_RING = b"-"
 # seconds of audio per stream of a front's share of the engine's slots. The front copies each step out as it
@@ -48,6 +51,7 @@ def offer(sock: socket.socket, floats: int) -> AudioRing | None:
         try:
             fd, shared = shared_file(AudioRing.size_for(floats))
             ring = AudioRing(shared)
+            ring.buf.fill(0.0)  # every page made and mapped now (see RING)
         except OSError as e:  # no memory for it: the link still works, inline
             log.warning("no audio ring for a front link (%s): its audio travels inline", e)
             if fd is not None:
@@ -84,7 +88,8 @@ async def receive(sock: socket.socket) -> AudioRing | None:
             raise ConnectionResetError("the engine host closed the link before its handshake")
         if data != RING or not fds:
             return None
-        return AudioRing(mmap.mmap(fds[0], os.fstat(fds[0]).st_size))
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: mapped now (see RING)
+        return AudioRing(mmap.mmap(fds[0], os.fstat(fds[0]).st_size, flags=mmap.MAP_SHARED | populate))
     finally:
         for fd in fds:
             os.close(fd)
