@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
         with contextlib.suppress(OSError):  # not permitted: encode at the gateway's priority
             os.nice(nice)
     sock = socket.socket(fileno=fd)
-    shared = mmap.mmap(shared_fd, 0)
+    shared = mmap.mmap(shared_fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # as the gateway's side
     try:
         with contextlib.suppress(ConnectionError):  # the gateway went away mid-answer: nobody to answer to
             serve(sock, memoryview(shared))

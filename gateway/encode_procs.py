@@ -56,6 +56,7 @@ WINDOW = 4  # calls in one process at a time: enough to keep it busy while its r
 # one, so its turns end with an error instead of waiting for ever
 STALL_S = 5.0
 READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 # an encoder process runs no BLAS: numpy need not start a thread per core in each of them
 CHILD_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -82,7 +83,8 @@ class _Process:
         mine, theirs = socket.socketpair()
         shared_fd = _shared_file(w.SLOTS * w.SLOT_BYTES)
         try:
-            self.shared = mmap.mmap(shared_fd, w.SLOTS * w.SLOT_BYTES)
+            # mapped now (Linux), not a page fault per 4 KiB on a slot's first use, which a burst's first chunks make
+            self.shared = mmap.mmap(shared_fd, w.SLOTS * w.SLOT_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
             self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
                 [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],
                 pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL, env={**child_env(), **CHILD_THREADS})

@@ -20,7 +20,7 @@ import struct
 REQUEST = struct.Struct("<BBbIIiiId")
 INLINE = -1
 SLOT_BYTES = 128 << 10  # a slot holds 1 s of float32 samples at 32 kHz (a 160 ms chunk at 48 kHz is 30 kB)
-SLOTS = 16  # the window's calls and the urgent ones sent past it (`gateway.encode_procs`); pages used only if touched
+SLOTS = 16  # the window's calls and the urgent ones sent past it (`gateway.encode_procs`); 2 MiB mapped a process
 # response: call id, packet count (ERROR: the payload is the failure's text), an int result, payload bytes
 RESPONSE = struct.Struct("<IiiI")
 ERROR = -1
