@@ -151,6 +151,8 @@ class TurnSender:
                    "text_queued_ms": _round(turn.text_queued_ms), "segments": len(turn.audio),
                    "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None,
                    "segment_log": [t.to_dict() for t in turn.segment_log]}
+        if turn.first_encode_ms is not None:  # its first frame went through an offloaded encoder (Opus)
+            metrics["first_encode_ms"] = _round(turn.first_encode_ms, 2)
         if turn.link_ms is not None:  # a front process's turn: the engine is in the host (`gateway.link`)
             metrics["link_ms"] = _round(turn.link_ms, 2)
             metrics["link_request_ms"] = _round(turn.link_request_ms, 2)

@@ -137,6 +137,7 @@ class Turn:
     engine_ttfb_ms: float | None = None
     link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
     link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
+    first_encode_ms: float | None = None  # its first frame's encode call, asked -> answered (off the loop: the hop too)
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
@@ -309,7 +310,10 @@ class TurnPipeline:
                 await self._hand_over(turn, batch)
             return
         buffered = self._urgency(turn)
+        t0 = self.clock()
         head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
+        if turn.first_encode_ms is None:
+            turn.first_encode_ms = (self.clock() - t0) * 1000.0
         # what the listener has once the head is out; counted before `_batch` takes the list over
         urgency = buffered + len(head) * turn.fmt.frame_ms
         # the rest of the chunk follows, so none of the head is the turn's last frame: nothing is held back

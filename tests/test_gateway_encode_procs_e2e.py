@@ -55,6 +55,8 @@ async def test_opus_through_encoder_processes(engine, monkeypatch):
         assert len(got) == len(reference)
         corr = float(np.dot(got, reference) / (np.linalg.norm(got) * np.linalg.norm(reference) + 1e-12))
         assert corr > 0.9, f"decoded Opus does not match the engine's audio (correlation {corr:.3f})"
+        metrics = utt.done["metrics"]  # the first frame's encode call is part of what the server adds to first audio
+        assert 0 < metrics["first_encode_ms"] <= metrics["ttfb_ms"] - metrics["engine_ttfb_ms"], metrics
 
         # a turn whose encoder process dies ends with a typed error; another session's turn goes on
         async with await started(url) as a, await started(url) as b:
