@@ -29,6 +29,14 @@ def procs_count(raw: str) -> int | None:
     return value
 
 
+def head_complexity(raw: str) -> int:
+    """An Opus complexity, 0..10."""
+    value = int(raw)
+    if not 0 <= value <= 10:
+        raise ValueError("must be an integer in 0..10")
+    return value
+
+
 def fronts_count(raw: str) -> int | None:
     """auto: None (sized from the cores: `gateway.fronts.front_count`); else an integer, at least 1."""
     if raw == "auto":
@@ -82,6 +90,11 @@ class GatewaySettings:
     opus_batch: bool = switch(
         "VOXGATE_OPUS_BATCH", "1", "0 | 1", "encode a chunk's Opus frames in one C call; 0: frame by frame through "
         "opuslib", on_unless_zero)
+    opus_head_complexity: int = switch(
+        "VOXGATE_OPUS_HEAD_COMPLEXITY", "0", "0..10", "the Opus complexity, at most, of the frame that starts a "
+        "listener's audio (a turn's first, `gateway.turn.HEAD_FRAMES`): in a burst of new turns each first frame "
+        "waits for those ahead of it in its encoder, and complexity 0 halves libopus's time for it; the frames after "
+        "it take the format's complexity; 10: as the rest", head_complexity)
     burst_lane: bool = switch(
         "VOXGATE_BURST_LANE", "1", "0 | 1", "in a burst of new turns, every turn's engine request goes out before work "
         "that can wait a few ms (context.started, the rest of a paragraph's cuts, a turn's tasks: "

@@ -1,6 +1,7 @@
 """First frame first: a turn's first Opus chunk is encoded as two pool calls, its first frame (sent as soon as it is
 encoded) then the rest; in a burst every new turn's first frame goes before anyone's rest. The bytes are those of
-one call per chunk; later chunks are one call each."""
+one call per chunk (with the head coded at the format's complexity: `tests/test_opus_head_complexity.py` covers the
+cheaper head); later chunks are one call each."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ pytestmark = pytest.mark.timeout(60)
 
 RATE = 48000  # VoxCPM2's, and Opus's default: no resampling in the session tests
 CHUNK = RATE * 160 // 1000  # one 160 ms patch
+
+
+@pytest.fixture(autouse=True)
+def head_as_the_rest(monkeypatch):
+    """The split and its order are what is tested here: a head coded as the rest makes the bytes one call's."""
+    monkeypatch.setenv("VOXGATE_OPUS_HEAD_COMPLEXITY", "10")
 
 
 def speech(seconds: float, rate: int, seed: int = 0) -> np.ndarray:

@@ -15,7 +15,8 @@ from gateway.audio.pcm import float_to_int16
 
 
 class Codec(Protocol):
-    """What `Encoder` needs of a format."""
+    """What `Encoder` needs of a format. A codec may also have `emit_head(block, produced)`: the frames that start a
+    listener's audio, coded for speed (`Encoder.encode_head`); without it they are `emit`'s."""
 
     framed: bool  # fixed-size frames (Opus, PCM, G.711, Ogg Opus); WAV/MP3/FLAC/AAC stream whatever arrives
     lookahead: int  # output-rate samples of codec delay before the first real sample (Opus pre-skip)
@@ -65,9 +66,18 @@ class OpusPackets:
     def __init__(self, fmt: OutputFormat):
         self._opus = OpusFrames(fmt)
         self.lookahead: int = self._opus.lookahead
+        self._head_complexity: int | None = None  # read on the first head (in the encoder's process or thread)
 
     def emit(self, block: np.ndarray, end: bool, produced: int) -> list[bytes]:
         return self._opus.encode(block)
+
+    def emit_head(self, block: np.ndarray, produced: int) -> list[bytes]:
+        """At VOXGATE_OPUS_HEAD_COMPLEXITY, or the format's complexity when that is lower."""
+        if self._head_complexity is None:
+            from gateway.settings import GatewaySettings
+
+            self._head_complexity = min(self._opus.complexity, GatewaySettings.from_env().opus_head_complexity)
+        return self._opus.encode(block, self._head_complexity)
 
 
 class _Container:

@@ -69,14 +69,19 @@ class Encoder:
     def encode_head(self, pcm: np.ndarray, frames: int, step: int) -> tuple[list[bytes], int]:
         """The start of `pcm` until `frames` frames came out (or `pcm` ended), `step` input samples (one frame's time)
         at a time past the first try: (those frames, input samples used). A resampler's output comes in blocks, so how
-        much input that takes is only known by trying; the state carries on, so the head plus `encode(pcm[used:])` are
-        the same bytes as one `encode(pcm)`."""
-        out = self.encode(pcm[:frames * step])
+        much input that takes is only known by trying; the state carries on into `encode(pcm[used:])`. The head is
+        coded as the codec codes a listener's first frames (`Codec`'s `emit_head`: Opus at its head complexity), else
+        the head plus `encode(pcm[used:])` are the same bytes as one `encode(pcm)`."""
+        out = self._emit_head(self._take(pcm[:frames * step]))
         used = frames * step
         while len(out) < frames and used < len(pcm):
-            out += self.encode(pcm[used:used + step])
+            out += self._emit_head(self._take(pcm[used:used + step]))
             used += step
         return out, min(used, len(pcm))
+
+    def _emit_head(self, block: np.ndarray) -> list[bytes]:
+        emit_head = getattr(self._codec, "emit_head", None)
+        return self._emit(block, end=False) if emit_head is None else emit_head(block, self._produced)
 
     def finish(self) -> list[bytes]:
         """The tail: flush the resampler, pad the last frame (past the codec delay), flush the codec."""

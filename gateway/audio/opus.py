@@ -46,14 +46,31 @@ class OpusFrames:
         opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_dtx, 0)
         opuslib.api.encoder.encoder_ctl(enc.encoder_state, opuslib.api.ctl.set_complexity, fmt.complexity)
         self._encoder = enc  # owns the libopus state the addresses below point into
+        self.complexity = fmt.complexity
         self.lookahead: int = enc.lookahead
         self.frame_samples = fmt.frame_samples
         self._batch = _opus_batch_encoder()
         self._addresses = (ctypes.cast(opuslib.api.libopus.opus_encode_float, ctypes.c_void_p).value,
                            ctypes.cast(enc.encoder_state, ctypes.c_void_p).value)
 
-    def encode(self, block: np.ndarray) -> list[bytes]:
-        """float32 samples, a whole number of frames -> one Opus packet per frame."""
+    def encode(self, block: np.ndarray, complexity: int | None = None) -> list[bytes]:
+        """float32 samples, a whole number of frames -> one Opus packet per frame; `complexity`: these frames' own
+        (libopus reads it per frame: the stream goes on at the format's after them)."""
+        if complexity is None or complexity == self.complexity:
+            return self._encode(block)
+        self._set_complexity(complexity)
+        try:
+            return self._encode(block)
+        finally:
+            self._set_complexity(self.complexity)
+
+    def _set_complexity(self, complexity: int) -> None:
+        import opuslib.api.ctl
+        import opuslib.api.encoder
+
+        opuslib.api.encoder.encoder_ctl(self._encoder.encoder_state, opuslib.api.ctl.set_complexity, complexity)
+
+    def _encode(self, block: np.ndarray) -> list[bytes]:
         block = np.ascontiguousarray(block, dtype=np.float32)
         n = self.frame_samples
         if len(block) % n:
