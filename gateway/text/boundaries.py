@@ -281,6 +281,8 @@ def _depth(text: str, end: int) -> int:
 def speak(text: str, mode: str, lang: spoken.Lang) -> str:
     """`text` normalised sentence by sentence (the official normaliser's unit: its grammar reads a number differently
     with other sentences around it)."""
+    if mode == "auto" and lang == "en" and spoken.as_written(text):
+        return text
     out, pos, budget = [], 0, spoken.Budget()
     for cut in [*_sentence_ends(text), len(text)]:
         piece, pos = text[pos:cut], cut

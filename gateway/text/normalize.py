@@ -257,6 +257,13 @@ def normalize(text: str, mode: str = "auto", lang: Lang | None = None, budget: B
     return said if said.strip() else text  # all of it was markup to the official cleaner: say it as written
 
 
+def as_written(text: str) -> bool:
+    """Whether `normalize(sentence, "auto", "en")` gives every sentence of `text` back as it is: no token needs words
+    (`_TRIGGER`, searched once over the whole text: a match inside one of its sentences is a match in it) and no
+    newline or tab, which the official cleaner turns into spaces. Most English segments: no grammar, no split."""
+    return "\n" not in text and "\t" not in text and _TRIGGER.search(text) is None
+
+
 def _guarded(convert: Callable[[str, Lang], str], text: str, lang: Lang) -> str:
     """`convert(text, lang)`; where the grammar fails on a text (the official code raises), its digits as words."""
     try:
