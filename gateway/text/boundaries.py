@@ -41,12 +41,12 @@ _BEFORE_NUMBERS = {"no", "nos", "nr", "fig", "figs", "vol", "ch", "pp", "p", "ar
 
 def weight(text: str) -> int:
     """Characters, counting CJK/wide characters twice (one hanzi carries about two Latin letters of speech)."""
-    return len(text) + len(_WIDE.findall(text))
+    return len(text) if text.isascii() else len(text) + len(_WIDE.findall(text))
 
 
 def prefix_weights(text: str) -> list[int] | range:
     """weights[i] == weight(text[:i])."""
-    if not _WIDE.search(text):  # the common case: no list to build
+    if text.isascii() or not _WIDE.search(text):  # the common case: no list to build
         return range(len(text) + 1)
     wide = {m.start() for m in _WIDE.finditer(text)}
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
@@ -135,7 +135,7 @@ class BoundaryScan:
     def weights(self, text: str) -> list[int] | range:
         """`prefix_weights(text)`, extended from the last call's."""
         if self._weights is None:
-            if not _WIDE.search(text, self._weighed):  # no wide character yet: no list to build
+            if text.isascii() or not _WIDE.search(text, self._weighed):  # no wide character yet: no list to build
                 self._weighed = len(text)
                 return range(len(text) + 1)
             self._weights = list(prefix_weights(text))

@@ -48,7 +48,7 @@ GRAMMAR_BUDGET_CHARS = 160  # per segment: at most ~7 ms of grammar for text, ~4
 
 def contains_chinese(text: str) -> bool:
     """The official language test: any character in U+4E00..U+9FFF."""
-    return _CHINESE.search(text) is not None
+    return not text.isascii() and _CHINESE.search(text) is not None  # isascii: O(1), a regex scans every character
 
 
 def check_mode(value: Any) -> str:
