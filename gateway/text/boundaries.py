@@ -92,7 +92,22 @@ class BoundaryScan:
         self._see(text)
         i, words_after = 0, 0
         while True:
-            more = i < len(self._marks) or self._next_mark(text)
+            if i < len(self._marks):
+                more = True
+            else:
+                # the word boundaries before the next mark go first, before that mark is judged: a caller that cuts
+                # at one of them (a turn's first segment, most often) never needs its verdict, which a cut drops
+                ahead = self._next_candidate(text) if max(words_after, words_from) < len(text) else None
+                if ahead is not None:
+                    lo = max(words_after, words_from)
+                    for pos in self._word_candidates(text, lo, ahead) if lo < ahead else ():
+                        ok = self._word_verdict(text, pos)
+                        if ok is None:
+                            return
+                        if ok:
+                            yield pos, "word"
+                    words_after = max(words_after, ahead)
+                more = self._next_mark(text)
             start, cut, kind = self._marks[i] if more else (self._boundaries_end, 0, "")
             lo = max(words_after, words_from)
             for pos in self._word_candidates(text, lo, start) if lo < start else ():
@@ -188,6 +203,13 @@ class BoundaryScan:
                 return True
         self._ran_out_at = self._boundaries_end = len(text)
         return False
+
+    def _next_candidate(self, text: str) -> int | None:
+        """Where the next mark not judged yet starts (None: none is left to judge): a search, no verdict."""
+        if self._ran_out_at == len(text):
+            return None
+        hit = _MARK_CHAR.search(text, self._marks_from)
+        return None if hit is None else hit.start()
 
     def _word_verdict(self, text: str, pos: int) -> bool | None:
         ok = self._word_ok.get(pos)
