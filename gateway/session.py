@@ -254,7 +254,7 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
                 raise ProtocolError(ErrorCode.BUFFER_FULL, f"more than {self.limits.max_buffered_chars} characters "
                                     "waiting to be spoken in this context; send more once audio has gone out",
                                     context_id=m.context_id)
-            if turn.t_first_text is None and m.text.strip():
+            if turn.t_first_text is None and m.text and not m.text.isspace():  # (no stripped copy)
                 turn.t_first_text = self._message_at
                 turn.text_queued_ms = (self.last_activity - self._message_at) * 1000.0
             turn.text += m.text

@@ -277,9 +277,9 @@ class Segmenter:
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         if self._ended:
             raise ValueError("text: the turn has ended")
-        was_empty = not self.pending_text
+        was_empty = not (self._buf or self._norm.raw)  # (`pending_text` without joining the two)
         self._append(self._norm.feed(text))
-        if was_empty and self.pending_text:
+        if was_empty and (self._buf or self._norm.raw):
             self._since = self._clock()
         if limit is None:
             return self._release(complete=False)
