@@ -231,15 +231,28 @@ class BoundaryScan:
         if self._words_lo == self._words_hi:
             self._words_lo = self._words_hi = lo
         if lo < self._words_lo:
-            self._words[:0] = [m.start() for m in _WORD.finditer(text, lo, self._words_lo)]
+            self._words[:0] = _word_starts(text, lo, self._words_lo)
             self._words_lo = lo
         if hi > self._words_hi:
-            self._words += [m.start() for m in _WORD.finditer(text, self._words_hi, hi)]
+            self._words += _word_starts(text, self._words_hi, hi)
             self._words_hi = hi
         return self._words[bisect_left(self._words, lo):bisect_left(self._words, hi)]
 
 
 _NOT_A_CUT = -1
+
+
+def _word_starts(text: str, lo: int, hi: int) -> list[int]:
+    """Where `_WORD` matches in [lo, hi); in ASCII text (O(1) to tell) that is at its spaces, found by `str.find`
+    (the regex tries its lookahead at every position)."""
+    if not text.isascii():
+        return [m.start() for m in _WORD.finditer(text, lo, hi)]
+    found = []
+    at = text.find(" ", lo, hi)
+    while at >= 0:
+        found.append(at)
+        at = text.find(" ", at + 1, hi)
+    return found
 
 
 def _mark_cut(buf: str, m: re.Match[str], line_start: bool) -> int | None:
