@@ -261,6 +261,7 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
             self._in_order(turn, TextOp("push", m.text))
         finally:
             if opened:  # context.started and the turn's task after the engine request is out, in the loop's lane
+                self.metrics.turns.inc()  # counted once the request is out (a Prometheus inc takes a lock)
                 self._unannounced.append(turn)
                 turn.begin = self._loop_lane().defer(self._begin_turn, turn, queues_s=TASK_START_S)
 
@@ -281,7 +282,6 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
                     encode_site=self._encode_site())
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started
-        self.metrics.turns.inc()
         return turn
 
     def _encode_site(self) -> EncodeSite:
