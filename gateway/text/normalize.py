@@ -364,8 +364,11 @@ def cut_state(text: str, pos: int, word: bool = True, at_end: bool = False) -> b
         if len(text) - pos < _ZH_CONTEXT and not at_end:
             return None
         return not _triggers(text[max(0, pos - _ZH_CONTEXT):pos + _ZH_CONTEXT])
-    # either of the two tokens before (of the 40 characters before, as a token may be longer)
-    if _triggers(" ".join(text[max(0, end - 40):end].split()[-_EN_AFTER:])):
+    # either of the two tokens before (of the 40 characters before, as a token may be longer); those 40 without a
+    # character any trigger holds (most words) need no tokens split off
+    window = max(0, end - 40)
+    if _TRIGGER_CHAR.search(text, window, end) is not None \
+            and _triggers(" ".join(text[window:end].split()[-_EN_AFTER:])):
         return False
     if not first:  # a timeout: the next word is unknown; a month name waits for its day ("on March" + "5, 1990")
         return _MONTH.fullmatch(text[max(0, end - 12):end].split()[-1]) is None if at_end and end else None
