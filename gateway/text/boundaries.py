@@ -62,14 +62,16 @@ class BoundaryScan:
     Sentence and clause marks and word candidates are scanned apart (`_MARK`, `_WORD`: together, the candidates of one
     scan with both, as no match of either starts inside one of the other) and merged by position."""
 
-    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ran_out_at", "_boundaries_end", "_unsettled",
-                 "_text_len", "_settled_before", "_words", "_words_lo", "_words_hi", "_word_ok", "_weights", "_weighed")
+    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ahead", "_ran_out_at", "_boundaries_end",
+                 "_unsettled", "_text_len", "_settled_before", "_words", "_words_lo", "_words_hi", "_word_ok",
+                 "_weights", "_weighed")
 
     def __init__(self, line_start: bool, normalizing: bool) -> None:
         self.line_start = line_start  # the text starts a line (a numbered list item may begin it)
         self.normalizing = normalizing  # no cut through a unit the normaliser reads as one (else: braces only)
         self._marks: list[tuple[int, int, str]] = []  # (mark's start, cut, kind) of each mark that is a boundary
         self._marks_from = 0  # where the mark scan goes on (past every mark decided so far)
+        self._ahead: tuple[int, int] | None = None  # (from, where the first mark character from there is): `_mark_at`
         self._ran_out_at = -1  # the text's length when the mark scan last ran out (no mark left, or one undecided)
         self._boundaries_end = 0  # ... and where the boundaries ended then (the undecided mark's start, or the end)
         # A verdict is final once a visible character follows the cut (`cut_state` reads the next one); one judged
@@ -184,10 +186,10 @@ class BoundaryScan:
         if self._ran_out_at == len(text):
             return False
         pos = self._marks_from
-        while (hit := _MARK_CHAR.search(text, pos)) is not None:  # (the matches `_MARK.finditer` would give)
-            m = _MARK.match(text, hit.start())
+        while (at := self._mark_at(text, pos)) is not None:  # (the matches `_MARK.finditer` would give)
+            m = _MARK.match(text, at)
             if m is None:  # a hyphen that is no dash
-                pos = hit.start() + 1
+                pos = at + 1
                 continue
             cut = _mark_cut(text, m, self.line_start)
             ok = None if cut is None else cut != _NOT_A_CUT and self._judge(text, cut, word=False)
@@ -206,10 +208,19 @@ class BoundaryScan:
 
     def _next_candidate(self, text: str) -> int | None:
         """Where the next mark not judged yet starts (None: none is left to judge): a search, no verdict."""
-        if self._ran_out_at == len(text):
+        return None if self._ran_out_at == len(text) else self._mark_at(text, self._marks_from)
+
+    def _mark_at(self, text: str, pos: int) -> int | None:
+        """Where the first mark character at or after `pos` is: searched once for both `_next_candidate` and
+        `_next_mark` (a find stays right as the text grows: it only grows at its end)."""
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == pos:
+            return ahead[1]
+        hit = _MARK_CHAR.search(text, pos)
+        if hit is None:
             return None
-        hit = _MARK_CHAR.search(text, self._marks_from)
-        return None if hit is None else hit.start()
+        self._ahead = (pos, hit.start())
+        return hit.start()
 
     def _word_verdict(self, text: str, pos: int) -> bool | None:
         ok = self._word_ok.get(pos)
