@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.loop_lanes import lane
+from gateway.loop_lanes import Lane
 from gateway.text.segmenter import Segment
 from gateway.turn import Turn, _EndMark, _FlushMark
 
@@ -34,14 +34,16 @@ class TurnText:
     clock: Callable[[], float]
     _release: Callable[[Turn, list[Segment]], None]
     _turn_failed: Callable[[Turn, str], None]
+    _loop_lane: Callable[[], Lane]
 
     def _push_text(self, turn: Turn, text: str) -> None:
         """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
         the rest of the text that released it is cut in the loop's lane, after the handlers of the messages waiting:
         in a burst of new turns, each handler cuts one segment, not a whole paragraph, before the next turn's text is
         handled."""
-        turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
         first = not turn.segmenter.segments
+        if not first:  # before its first segment a turn has no audio: the segmenter's queued audio is 0 already
+            turn.segmenter.set_queued_audio_ms(turn.playout.buffered_ms(self.clock()))
         segments = turn.segmenter.push(text, limit=1 if first else None)
         self._release(turn, segments)  # a first segment's engine request leaves here
         if first and segments:
@@ -49,7 +51,7 @@ class TurnText:
             # queues behind it), and its listener's queued audio (which decides cuts) stays 0: the turn's synthesis
             # task starts from the lane after it (`Session._begin_turn`, deferred after it).
             turn.deferred = []
-            lane().defer(self._cut_deferred, turn)
+            self._loop_lane().defer(self._cut_deferred, turn)
 
     def _cut_deferred(self, turn: Turn) -> None:
         """The cuts `_push_text` held back, then the turn's text work queued behind them, in order."""

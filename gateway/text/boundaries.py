@@ -41,12 +41,12 @@ _BEFORE_NUMBERS = {"no", "nos", "nr", "fig", "figs", "vol", "ch", "pp", "p", "ar
 
 def weight(text: str) -> int:
     """Characters, counting CJK/wide characters twice (one hanzi carries about two Latin letters of speech)."""
-    return len(text) + len(_WIDE.findall(text))
+    return len(text) if text.isascii() else len(text) + len(_WIDE.findall(text))
 
 
 def prefix_weights(text: str) -> list[int] | range:
     """weights[i] == weight(text[:i])."""
-    if not _WIDE.search(text):  # the common case: no list to build
+    if text.isascii() or not _WIDE.search(text):  # the common case: no list to build
         return range(len(text) + 1)
     wide = {m.start() for m in _WIDE.finditer(text)}
     return list(accumulate((2 if i in wide else 1 for i in range(len(text))), initial=0))
@@ -62,14 +62,16 @@ class BoundaryScan:
     Sentence and clause marks and word candidates are scanned apart (`_MARK`, `_WORD`: together, the candidates of one
     scan with both, as no match of either starts inside one of the other) and merged by position."""
 
-    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ran_out_at", "_boundaries_end", "_unsettled",
-                 "_text_len", "_settled_before", "_words", "_words_lo", "_words_hi", "_word_ok", "_weights", "_weighed")
+    __slots__ = ("line_start", "normalizing", "_marks", "_marks_from", "_ahead", "_ran_out_at", "_boundaries_end",
+                 "_unsettled", "_text_len", "_settled_before", "_words", "_words_lo", "_words_hi", "_word_ok",
+                 "_weights", "_weighed")
 
     def __init__(self, line_start: bool, normalizing: bool) -> None:
         self.line_start = line_start  # the text starts a line (a numbered list item may begin it)
         self.normalizing = normalizing  # no cut through a unit the normaliser reads as one (else: braces only)
         self._marks: list[tuple[int, int, str]] = []  # (mark's start, cut, kind) of each mark that is a boundary
         self._marks_from = 0  # where the mark scan goes on (past every mark decided so far)
+        self._ahead: tuple[int, int] | None = None  # (from, where the first mark character from there is): `_mark_at`
         self._ran_out_at = -1  # the text's length when the mark scan last ran out (no mark left, or one undecided)
         self._boundaries_end = 0  # ... and where the boundaries ended then (the undecided mark's start, or the end)
         # A verdict is final once a visible character follows the cut (`cut_state` reads the next one); one judged
@@ -92,7 +94,22 @@ class BoundaryScan:
         self._see(text)
         i, words_after = 0, 0
         while True:
-            more = i < len(self._marks) or self._next_mark(text)
+            if i < len(self._marks):
+                more = True
+            else:
+                # the word boundaries before the next mark go first, before that mark is judged: a caller that cuts
+                # at one of them (a turn's first segment, most often) never needs its verdict, which a cut drops
+                ahead = self._next_candidate(text) if max(words_after, words_from) < len(text) else None
+                if ahead is not None:
+                    lo = max(words_after, words_from)
+                    for pos in self._word_candidates(text, lo, ahead) if lo < ahead else ():
+                        ok = self._word_verdict(text, pos)
+                        if ok is None:
+                            return
+                        if ok:
+                            yield pos, "word"
+                    words_after = max(words_after, ahead)
+                more = self._next_mark(text)
             start, cut, kind = self._marks[i] if more else (self._boundaries_end, 0, "")
             lo = max(words_after, words_from)
             for pos in self._word_candidates(text, lo, start) if lo < start else ():
@@ -135,7 +152,7 @@ class BoundaryScan:
     def weights(self, text: str) -> list[int] | range:
         """`prefix_weights(text)`, extended from the last call's."""
         if self._weights is None:
-            if not _WIDE.search(text, self._weighed):  # no wide character yet: no list to build
+            if text.isascii() or not _WIDE.search(text, self._weighed):  # no wide character yet: no list to build
                 self._weighed = len(text)
                 return range(len(text) + 1)
             self._weights = list(prefix_weights(text))
@@ -169,10 +186,10 @@ class BoundaryScan:
         if self._ran_out_at == len(text):
             return False
         pos = self._marks_from
-        while (hit := _MARK_CHAR.search(text, pos)) is not None:  # (the matches `_MARK.finditer` would give)
-            m = _MARK.match(text, hit.start())
+        while (at := self._mark_at(text, pos)) is not None:  # (the matches `_MARK.finditer` would give)
+            m = _MARK.match(text, at)
             if m is None:  # a hyphen that is no dash
-                pos = hit.start() + 1
+                pos = at + 1
                 continue
             cut = _mark_cut(text, m, self.line_start)
             ok = None if cut is None else cut != _NOT_A_CUT and self._judge(text, cut, word=False)
@@ -188,6 +205,22 @@ class BoundaryScan:
                 return True
         self._ran_out_at = self._boundaries_end = len(text)
         return False
+
+    def _next_candidate(self, text: str) -> int | None:
+        """Where the next mark not judged yet starts (None: none is left to judge): a search, no verdict."""
+        return None if self._ran_out_at == len(text) else self._mark_at(text, self._marks_from)
+
+    def _mark_at(self, text: str, pos: int) -> int | None:
+        """Where the first mark character at or after `pos` is: searched once for both `_next_candidate` and
+        `_next_mark` (a find stays right as the text grows: it only grows at its end)."""
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == pos:
+            return ahead[1]
+        hit = _MARK_CHAR.search(text, pos)
+        if hit is None:
+            return None
+        self._ahead = (pos, hit.start())
+        return hit.start()
 
     def _word_verdict(self, text: str, pos: int) -> bool | None:
         ok = self._word_ok.get(pos)
@@ -209,15 +242,28 @@ class BoundaryScan:
         if self._words_lo == self._words_hi:
             self._words_lo = self._words_hi = lo
         if lo < self._words_lo:
-            self._words[:0] = [m.start() for m in _WORD.finditer(text, lo, self._words_lo)]
+            self._words[:0] = _word_starts(text, lo, self._words_lo)
             self._words_lo = lo
         if hi > self._words_hi:
-            self._words += [m.start() for m in _WORD.finditer(text, self._words_hi, hi)]
+            self._words += _word_starts(text, self._words_hi, hi)
             self._words_hi = hi
         return self._words[bisect_left(self._words, lo):bisect_left(self._words, hi)]
 
 
 _NOT_A_CUT = -1
+
+
+def _word_starts(text: str, lo: int, hi: int) -> list[int]:
+    """Where `_WORD` matches in [lo, hi); in ASCII text (O(1) to tell) that is at its spaces, found by `str.find`
+    (the regex tries its lookahead at every position)."""
+    if not text.isascii():
+        return [m.start() for m in _WORD.finditer(text, lo, hi)]
+    found = []
+    at = text.find(" ", lo, hi)
+    while at >= 0:
+        found.append(at)
+        at = text.find(" ", at + 1, hi)
+    return found
 
 
 def _mark_cut(buf: str, m: re.Match[str], line_start: bool) -> int | None:
@@ -281,6 +327,8 @@ def _depth(text: str, end: int) -> int:
 def speak(text: str, mode: str, lang: spoken.Lang) -> str:
     """`text` normalised sentence by sentence (the official normaliser's unit: its grammar reads a number differently
     with other sentences around it)."""
+    if mode == "auto" and lang == "en" and spoken.as_written(text):
+        return text
     out, pos, budget = [], 0, spoken.Budget()
     for cut in [*_sentence_ends(text), len(text)]:
         piece, pos = text[pos:cut], cut

@@ -110,6 +110,7 @@ _LINK = re.compile(r"\[([^\[\]\n]{0,200})\]\(([^()\s]{0,500})\)")  # [text](url)
 _LINK_PREFIX = re.compile(r"\[[^\[\]\n]{0,200}(?:\](?:\([^()\s]{0,500})?)?")
 # every character _strip treats specially (markup, emoji, the newline that starts a line); text without any passes as is
 _MARKUP_OR_EMOJI = re.compile("[*`_!\\[\n" + _EMOJI.pattern[1:])
+_LINE_MARK_START = " \t#-*+>"  # what a line mark (or its prefix) starts with
 _ODD_SPACE = re.compile(r"[^\S ]| {2}")  # whitespace other than a lone " " (newline, tab, nbsp, a run of spaces)
 
 
@@ -133,7 +134,9 @@ class _Normalizer:
 
     def _strip(self, final: bool) -> str:
         raw = self.raw
-        if not self._line_start and not _MARKUP_OR_EMOJI.search(raw):
+        if self._line_start and raw and raw[0] not in _LINE_MARK_START:
+            self._line_start = False  # no line mark here, nor the start of one: as the loop below decides at raw[0]
+        if not self._line_start and not _markup_or_emoji(raw):
             self.raw = ""  # plain text (the usual LLM piece): nothing below would change or hold back any of it
             return raw
         i, out = 0, []
@@ -211,6 +214,14 @@ class _Normalizer:
         return "".join(out)
 
 
+def _markup_or_emoji(text: str) -> bool:
+    """`_MARKUP_OR_EMOJI.search(text)` finds something; ASCII text (O(1) to tell) by a few substring searches, each
+    far cheaper than the regex's scan of every character against its class."""
+    if text.isascii():
+        return "*" in text or "`" in text or "_" in text or "!" in text or "[" in text or "\n" in text
+    return _MARKUP_OR_EMOJI.search(text) is not None
+
+
 def normalize(text: str) -> str:
     """The text a turn's segments add up to: markdown markup, emoji and extra whitespace removed."""
     return _Normalizer().feed(text, final=True)
@@ -266,9 +277,9 @@ class Segmenter:
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         if self._ended:
             raise ValueError("text: the turn has ended")
-        was_empty = not self.pending_text
+        was_empty = not (self._buf or self._norm.raw)  # (`pending_text` without joining the two)
         self._append(self._norm.feed(text))
-        if was_empty and self.pending_text:
+        if was_empty and (self._buf or self._norm.raw):
             self._since = self._clock()
         if limit is None:
             return self._release(complete=False)
