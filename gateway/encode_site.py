@@ -10,7 +10,7 @@ import numpy as np
 
 from gateway.audio import Encoder, OutputFormat
 from gateway.encode_procs import shared_procs
-from gateway.offload import OffloadPool, shared_pool, three_quarters_of_cores
+from gateway.offload import OffloadPool, default_encode_procs, shared_pool
 from gateway.settings import loop_settings
 
 # Formats whose encoding is worth a hop off the loop (libopus: ~0.9 ms per 160 ms chunk at 48 kHz). PCM and G.711
@@ -123,7 +123,7 @@ def start_encoders() -> None:
 def _opus_procs() -> int:
     """The running loop's Opus encoder processes (0: the thread pool)."""
     setting = loop_settings().encode_procs
-    return three_quarters_of_cores() if setting is None else setting
+    return default_encode_procs() if setting is None else setting
 
 
 def encode_site(fmt: OutputFormat) -> EncodeSite:

@@ -73,6 +73,13 @@ def three_quarters_of_cores() -> int:
     return max(1, min(12, cores - cores // 4) // _processes_sharing_cores)
 
 
+def default_encode_procs() -> int:
+    """Encoder processes of this front (VOXGATE_ENCODE_PROCS=auto): `three_quarters_of_cores`, and at least two where
+    the front has two cores of its own. A burst's first frames, one per new turn, each wait for those ahead of them in
+    their process: two processes serve them two at a time."""
+    return max(three_quarters_of_cores(), min(2, usable_cores() // _processes_sharing_cores))
+
+
 def lower_thread_priority(increment: int) -> None:
     """Lower the calling thread's CPU priority by `increment` nice levels (Linux, where a nice value is per thread).
     A no-op for 0, elsewhere, or where it is not permitted: encoding then runs at the process's priority."""

@@ -75,7 +75,8 @@ class GatewaySettings:
         "most 12)", optional_threads)
     encode_procs: int | None = switch(
         "VOXGATE_ENCODE_PROCS", "auto", "0 | integer | auto", "Opus encoding in this many child processes, each with "
-        "a GIL of its own (auto: 3 per 4 cores, at most 12; 0: in the gateway process's thread pool)", procs_count)
+        "a GIL of its own (auto: 3 per 4 cores, at most 12, shared among the fronts, and at least 2 a front where it "
+        "has 2 cores; 0: in the gateway process's thread pool)", procs_count)
     encode_nice: int = switch(
         "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' (or processes') CPU priority below the rest of "
         "the gateway (Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine "

@@ -46,3 +46,14 @@ def test_each_front_sizes_its_encode_workers_to_its_share(monkeypatch):
         assert offload.three_quarters_of_cores() == 1  # at least one each
     finally:
         offload.share_cores(1)
+
+
+@pytest.mark.parametrize("cores, fronts, procs", [(16, 1, 12), (16, 4, 3), (16, 8, 2), (16, 16, 1), (2, 1, 2),
+                                                   (1, 1, 1), (64, 8, 2)])
+def test_each_front_has_two_encoder_processes_where_it_has_two_cores(monkeypatch, cores, fronts, procs):
+    monkeypatch.setattr(offload, "usable_cores", lambda: cores)
+    try:
+        offload.share_cores(fronts)
+        assert offload.default_encode_procs() == procs
+    finally:
+        offload.share_cores(1)
