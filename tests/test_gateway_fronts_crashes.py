@@ -77,3 +77,41 @@ async def test_fronts_are_restarted_below_the_crash_limit_and_past_it_the_node_s
         assert not [line for line in node.log if "Traceback" in line or "did not exit in time" in line]
     finally:
         await stop_node(node)
+
+
+async def _front_replaced(node: Node, front: int, pid: int, within_s: float = 60) -> None:
+    """`front` serves again under a pid other than `pid`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        await asyncio.sleep(0.3)
+        try:
+            now = await fronts_by_pid(node.port, tries=16)
+        except aiohttp.ClientConnectionError:  # no front listens for the moment
+            now = {}
+        if now.get(front, pid) != pid:
+            return
+        assert time.monotonic() < deadline, f"front {front} not back: {now}"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_crashes_older_than_the_window_no_longer_count(tiny_v2_dir, tmp_path):
+    """One crash allowed within 3 s: a front killed, then the other once that crash is over 3 s old, is restarted
+    too (two crashes in all, never two within the window), and the node goes on serving."""
+    env = {**ENV, "VOXGATE_FRONT_CRASHES": "1/3"}
+    node = await start_node(tiny_v2_dir, tmp_path, "--shutdown-timeout", "5", env=env)
+    try:
+        first = await fronts_by_pid(node.port)
+        t0 = time.monotonic()
+        os.kill(first[0], signal.SIGKILL)
+        await _front_replaced(node, 0, first[0])
+        await asyncio.sleep(max(0.0, t0 + 4.0 - time.monotonic()))  # the first crash ages out of the 3 s window
+        os.kill(first[1], signal.SIGKILL)
+        await _front_replaced(node, 1, first[1])
+        assert node.proc.returncode is None
+        restarted = [line for line in node.log if "exited with code -9; restarting it" in line]
+        assert len(restarted) == 2, node.log
+        async with await VoxgateClient.connect(node.url) as client:
+            await client.start(output={"format": "pcm_s16le"})
+            assert (await client.speak("Still here.", "s")).done["audio_ms"] > 0
+    finally:
+        await stop_node(node)
