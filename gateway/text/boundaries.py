@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from itertools import accumulate
 
 from gateway.text import normalize as spoken
@@ -101,23 +101,13 @@ class BoundaryScan:
                 # at one of them (a turn's first segment, most often) never needs its verdict, which a cut drops
                 ahead = self._next_candidate(text) if max(words_after, words_from) < len(text) else None
                 if ahead is not None:
-                    lo = max(words_after, words_from)
-                    for pos in self._word_candidates(text, lo, ahead) if lo < ahead else ():
-                        ok = self._word_verdict(text, pos)
-                        if ok is None:
-                            return
-                        if ok:
-                            yield pos, "word"
+                    if (yield from self._word_cuts(text, max(words_after, words_from), ahead)):
+                        return
                     words_after = max(words_after, ahead)
                 more = self._next_mark(text)
             start, cut, kind = self._marks[i] if more else (self._boundaries_end, 0, "")
-            lo = max(words_after, words_from)
-            for pos in self._word_candidates(text, lo, start) if lo < start else ():
-                ok = self._word_verdict(text, pos)
-                if ok is None:
-                    return
-                if ok:
-                    yield pos, "word"
+            if (yield from self._word_cuts(text, max(words_after, words_from), start)):
+                return
             if not more:
                 return
             yield cut, kind
@@ -221,6 +211,17 @@ class BoundaryScan:
             return None
         self._ahead = (pos, hit.start())
         return hit.start()
+
+    def _word_cuts(self, text: str, lo: int, hi: int) -> Generator[tuple[int, str], None, bool]:
+        """Yield the word boundaries in [lo, hi) a segment may end at, in order; -> True when one's verdict waits for
+        text still to come (the scan stops there)."""
+        for pos in self._word_candidates(text, lo, hi) if lo < hi else ():
+            ok = self._word_verdict(text, pos)
+            if ok is None:
+                return True
+            if ok:
+                yield pos, "word"
+        return False
 
     def _word_verdict(self, text: str, pos: int) -> bool | None:
         ok = self._word_ok.get(pos)
