@@ -21,6 +21,9 @@
 #   CPU_CHECK=1 PY=.venv/bin/python PLAN=gateway_e2e GATEWAY_E2E_LEVELS=4:whole,closed:4:mix (no GPU: the plumbing of
 #   the named stages on the tiny random model, written on the CPU; no smoke run)
 #   GATEWAY_E2E_ARGS="--cushion-ms 100" (gateway_e2e; ARGS come after bench/gateway_load.py's own, so they win)
+#   SMOKE=0 (no smoke run: ~40 s more for the stages, e.g. a gateway A/B
+#   PLAN=gateway_e2e GATEWAY_E2E_LEVELS=64:whole,256:whole,256:whole,256:whole,closed:400:mix GATEWAY_E2E_DURATION=15
+#   GATEWAY_E2E_VARIANTS="default VOXGATE_ENCODE_PROCS=1", ~170 s a variant)
 #   stages: mixed_settings bisect race pdl_gemm persistent fp8 profile_burst bursts_fp8 fp8_ab quick_sweep sweep capacity vae_ab bursts prefill_attention profile profile_lora tests lora lora_nomerge lora_ab lora_variants lora256 lora_step lora_kernels gateway gateway_e2e gateway_capacity v15 kernels two_key soak
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +80,7 @@ BENCH="$PY bench/engine_bench.py --model $V2 --patches 60 --timesteps 10 --promp
 # Smoke: a few short requests. If the fused kernels or the graphs fail here, fall back so the numbers still come.
 smoke() { timeout 90 $BENCH --concurrency 1,4 --patches 8 --requests 4 --max-num-seqs 16 2>>"$OUT/smoke.log" | tail -4; }
 if [ "${CPU_CHECK:-0}" = 1 ]; then step "CPU check: no smoke run"
+elif [ "${SMOKE:-1}" = 0 ]; then step "SMOKE=0: no smoke run (the defaults are known to work on this device)"
 elif step "smoke run (fused kernels + CUDA graphs)"; ! smoke; then
     export VOXGATE_FUSED_KERNELS=0; step "smoke failed: again without the fused kernels"
     if ! smoke; then export VOXGATE_CUDA_GRAPHS=0; step "smoke failed: again without CUDA graphs"; smoke; fi
