@@ -30,15 +30,22 @@ from engine.process_env import child_env
 ENTRY = "from engine.worker_process import worker_main; worker_main()"
 
 
-def shared_file(size: int) -> tuple[int, mmap.mmap]:
-    """An anonymous file of `size` bytes that a child can map by inheriting its descriptor, and this side's map."""
+def shared_file(size: int, name: str = "voxgate-ring", populate: bool = False) -> tuple[int, mmap.mmap]:
+    """An anonymous file of `size` bytes that a child can map by inheriting its descriptor (`pass_fds`), and this
+    side's map (`map_shared`)."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("voxgate-ring", os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
     else:  # no memfd (macOS): an unlinked temporary file serves the same way
         with tempfile.TemporaryFile() as f:
             fd = os.dup(f.fileno())
     os.ftruncate(fd, size)
-    return fd, mmap.mmap(fd, size)
+    return fd, map_shared(fd, size, populate)
+
+
+def map_shared(fd: int, size: int = 0, populate: bool = False) -> mmap.mmap:
+    """`fd`'s memory (`size` 0: all of it), shared; `populate`: every page made and mapped now where the system can
+    (Linux), so that no first use pays a page fault per 4 KiB (on an event loop relaying a burst, each one counts)."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
 
 
 class WorkerProcess:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import mmap
 import os
 import pickle
 import select
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from engine.worker_process import map_shared
 from gateway import encode_wire as w
 from gateway.audio import Encoder
 
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
         with contextlib.suppress(OSError):  # not permitted: encode at the gateway's priority
             os.nice(nice)
     sock = socket.socket(fileno=fd)
-    shared = mmap.mmap(shared_fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # as the gateway's side
+    shared = map_shared(shared_fd, populate=True)  # as the gateway's side
     try:
         with contextlib.suppress(ConnectionError):  # the gateway went away mid-answer: nobody to answer to
             serve(sock, memoryview(shared))

@@ -29,13 +29,11 @@ import contextlib
 import heapq
 import itertools
 import logging
-import mmap
 import os
 import pickle
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from typing import Any
@@ -43,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from engine.process_env import child_env
+from engine.worker_process import shared_file
 from gateway import encode_wire as w
 from gateway.audio import OutputFormat
 from gateway.offload import URGENT
@@ -56,7 +55,6 @@ WINDOW = 4  # calls in one process at a time: enough to keep it busy while its r
 # one, so its turns end with an error instead of waiting for ever
 STALL_S = 5.0
 READ_BYTES = 1 << 16  # many responses (a chunk's ~1-3 kB); more would make each read allocate a large block
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 # an encoder process runs no BLAS: numpy need not start a thread per core in each of them
 CHILD_THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -81,10 +79,9 @@ class _Process:
     def __init__(self, host: EncodeProcs, loop: asyncio.AbstractEventLoop):
         self.host, self.loop = host, loop
         mine, theirs = socket.socketpair()
-        shared_fd = _shared_file(w.SLOTS * w.SLOT_BYTES)
+        # mapped now: a slot's first use (a burst's first chunks) takes no page fault per 4 KiB
+        shared_fd, self.shared = shared_file(w.SLOTS * w.SLOT_BYTES, "voxgate-encode-slots", populate=True)
         try:
-            # mapped now (Linux), not a page fault per 4 KiB on a slot's first use, which a burst's first chunks make
-            self.shared = mmap.mmap(shared_fd, w.SLOTS * w.SLOT_BYTES, flags=mmap.MAP_SHARED | _POPULATE)
             self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
                 [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],
                 pass_fds=(theirs.fileno(), shared_fd), stdin=subprocess.DEVNULL, env={**child_env(), **CHILD_THREADS})
@@ -419,17 +416,6 @@ class EncodeProcs:
         for p in processes:
             p.kill(max(0.0, deadline - time.monotonic()))
             p.fail_calls("the gateway is shutting down")
-
-
-def _shared_file(size: int) -> int:
-    """A file descriptor of `size` bytes of memory to share with a child (memfd on Linux, a deleted file elsewhere)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("voxgate-encode-slots")
-    else:
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
-    return fd
 
 
 _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EncodeProcs] = weakref.WeakKeyDictionary()

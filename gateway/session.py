@@ -19,9 +19,9 @@ from typing import Any
 
 from gateway import protocol as p
 from gateway.audio import OutputFormat
-from gateway.encode_site import EncodeSite, encode_site
+from gateway.encode_site import encode_site
 from gateway.engine_contract import SessionEngine
-from gateway.loop_lanes import Lane, lane
+from gateway.loop_lanes import lane
 from gateway.metrics import GatewayMetrics
 from gateway.playout import TurnSender
 from gateway.protocol import AudioPackets, ErrorCode, EventSink, ProtocolError
@@ -102,8 +102,6 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
         # new turns whose context.started waits in the loop's lane (`_append`): sent before anything else the
         # session sends, so a client still hears of a context before any error, audio or end of it
         self._unannounced: deque[Turn] = deque()
-        self._site: tuple[OutputFormat, EncodeSite] | None = None  # (format, where its turns encode): `_encode_site`
-        self._lane: Lane | None = None  # the loop's lane (`_loop_lane`)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -263,7 +261,7 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
             if opened:  # context.started and the turn's task after the engine request is out, in the loop's lane
                 self.metrics.turns.inc()  # counted once the request is out (a Prometheus inc takes a lock)
                 self._unannounced.append(turn)
-                turn.begin = self._loop_lane().defer(self._begin_turn, turn, queues_s=TASK_START_S)
+                turn.begin = lane().defer(self._begin_turn, turn, queues_s=TASK_START_S)
 
     def _open_turn(self, context_id: str) -> Turn:
         if self.draining:
@@ -279,24 +277,10 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
                     segmenter=Segmenter(self.chunking, self.clock, self.generation.normalize, self.rewrite),
                     max_lead_ms=lead,
                     pipeline_chunks=self.config.pipeline_chunks,
-                    encode_site=self._encode_site())
+                    encode_site=encode_site(self.fmt))
         self.finished.pop(context_id, None)
         self.turns[context_id] = turn  # from here on, closing the session cancels what the turn started
         return turn
-
-    def _encode_site(self) -> EncodeSite:
-        """Where a new turn in the session's format encodes (`encode_site`, which reads the loop's switches and the
-        cores each call): looked up again when the format changes, or when the encoder processes it named closed."""
-        site = self._site
-        if site is None or site[0] is not self.fmt or getattr(site[1], "closed", False):
-            site = self._site = (self.fmt, encode_site(self.fmt))
-        return site[1]
-
-    def _loop_lane(self) -> Lane:
-        """The session's loop's lane (`lane()`, found once: a session lives in one loop)."""
-        if self._lane is None:
-            self._lane = lane()
-        return self._lane
 
     def _begin_turn(self, turn: Turn) -> None:
         """The turn's synthesis task, which sends its context.started first (`_announce`; nothing of the turn can be

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.settings import on_unless_zero, read_env, switch
@@ -26,14 +26,6 @@ def procs_count(raw: str) -> int | None:
     value = int(raw)
     if value < 0:
         raise ValueError("must be auto or an integer >= 0")
-    return value
-
-
-def head_complexity(raw: str) -> int:
-    """An Opus complexity, 0..10."""
-    value = int(raw)
-    if not 0 <= value <= 10:
-        raise ValueError("must be an integer in 0..10")
     return value
 
 
@@ -58,12 +50,14 @@ def crash_limit(raw: str) -> tuple[int, float]:
     return limit, window_s
 
 
-def nice_increment(raw: str) -> int:
-    """0 (off) to 19: how much lower than the rest of the process a thread's CPU priority is."""
-    value = int(raw)
-    if not 0 <= value <= 19:
-        raise ValueError("must be in 0..19")
-    return value
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """A parser of an integer in lo..hi."""
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if not lo <= value <= hi:
+            raise ValueError(f"must be in {lo}..{hi}")
+        return value
+    return parse
 
 
 @dataclass(frozen=True)
@@ -80,7 +74,7 @@ class GatewaySettings:
     encode_nice: int = switch(
         "VOXGATE_ENCODE_NICE", "5", "0..19", "the Opus encode threads' (or processes') CPU priority below the rest of "
         "the gateway (Linux per-thread nice; 0: the same), so in a burst of encoding the event loop and the engine "
-        "worker's host thread get a core first", nice_increment)
+        "worker's host thread get a core first", int_in(0, 19))
     fronts: int | None = switch(
         "VOXGATE_FRONTS", "auto", "auto | integer >= 1", "gateway front processes sharing the port over one engine "
         "(`voxgate serve --fronts` overrides it; auto: 1 below 8 cores, else cores // 2, at most 8)", fronts_count)
@@ -95,7 +89,7 @@ class GatewaySettings:
         "VOXGATE_OPUS_HEAD_COMPLEXITY", "0", "0..10", "the Opus complexity, at most, of the frame that starts a "
         "listener's audio (a turn's first, `gateway.turn.HEAD_FRAMES`): in a burst of new turns each first frame "
         "waits for those ahead of it in its encoder, and complexity 0 halves libopus's time for it; the frames after "
-        "it take the format's complexity; 10: as the rest", head_complexity)
+        "it take the format's complexity; 10: as the rest", int_in(0, 10))
     burst_lane: bool = switch(
         "VOXGATE_BURST_LANE", "1", "0 | 1", "in a burst of new turns, every turn's engine request goes out before work "
         "that can wait a few ms (context.started, the rest of a paragraph's cuts, a turn's tasks: "

@@ -305,16 +305,14 @@ class TurnPipeline:
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
         step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
         if not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
-            batch = self._batch(turn, await encoder.encode(pcm, self._urgency(turn)))
-            if batch is not None:
-                await self._hand_over(turn, batch)
+            await self._queue_packets(turn, await encoder.encode(pcm, self._urgency(turn)))
             return
-        buffered = self._urgency(turn)
         t0 = self.clock()
+        buffered = turn.playout.buffered_ms(t0)
         head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
         if turn.first_encode_ms is None:
             turn.first_encode_ms = (self.clock() - t0) * 1000.0
-        # what the listener has once the head is out; counted before `_batch` takes the list over
+        # what the listener has once the head is out; counted before `_queue_packets` takes the list over
         urgency = buffered + len(head) * turn.fmt.frame_ms
         # the rest of the chunk follows, so none of the head is the turn's last frame: nothing is held back
         await self._queue_packets(turn, head, more=used < len(pcm))
@@ -329,20 +327,14 @@ class TurnPipeline:
         return segment_start and turn.playout.buffered_ms(self.clock()) <= turn.fmt.frame_ms
 
     async def _queue_packets(self, turn: Turn, payloads: list[bytes], last: bool = False, more: bool = False) -> None:
-        """Queue the chunk's frames as one batch (`_batch`)."""
-        batch = self._batch(turn, payloads, last, more)
-        if batch is not None:
-            await self._hand_over(turn, batch)
-
-    @staticmethod
-    def _batch(turn: Turn, payloads: list[bytes], last: bool = False, more: bool = False) -> _Packets | None:
-        """The chunk's frames counted as queued and made one batch (None: nothing to send yet), holding the newest
-        frame back (until the next chunk or the end is known) so the turn's last frame can carry FLAG_LAST; `more`:
-        more audio follows for certain, nothing is held. Frames are whole: the encoder pads the end."""
+        """Queue the chunk's frames as one batch, holding the newest frame back (until the next chunk or the end is
+        known) so the turn's last frame can carry FLAG_LAST; `more`: more audio follows for certain, nothing is held.
+        Frames are whole: the encoder pads the end."""
         turn.playout.queued(len(payloads))
         batch = payloads if turn.held is None else [turn.held, *payloads]
         turn.held = None if last or more or not batch else batch.pop()
-        return _Packets(batch, last) if batch else None
+        if batch:
+            await self._hand_over(turn, _Packets(batch, last))
 
     async def _release_held(self, turn: Turn) -> None:
         if turn.held is not None:

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.loop_lanes import Lane
+from gateway.loop_lanes import lane
 from gateway.text.segmenter import Segment
 from gateway.turn import Turn, _EndMark, _FlushMark
 
@@ -34,7 +34,6 @@ class TurnText:
     clock: Callable[[], float]
     _release: Callable[[Turn, list[Segment]], None]
     _turn_failed: Callable[[Turn, str], None]
-    _loop_lane: Callable[[], Lane]
 
     def _push_text(self, turn: Turn, text: str) -> None:
         """A text.append's text into the turn's segmenter. The turn's first segment goes to the engine right here;
@@ -51,7 +50,7 @@ class TurnText:
             # queues behind it), and its listener's queued audio (which decides cuts) stays 0: the turn's synthesis
             # task starts from the lane after it (`Session._begin_turn`, deferred after it).
             turn.deferred = []
-            self._loop_lane().defer(self._cut_deferred, turn)
+            lane().defer(self._cut_deferred, turn)
 
     def _cut_deferred(self, turn: Turn) -> None:
         """The cuts `_push_text` held back, then the turn's text work queued behind them, in order."""

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import mmap
 import os
 import socket
 
 from engine.ipc import AudioRing
-from engine.worker_process import shared_file
+from engine.worker_process import map_shared, shared_file
 
 log = logging.getLogger("voxgate.link")
 
@@ -49,9 +48,8 @@ def offer(sock: socket.socket, floats: int) -> AudioRing | None:
     ring = fd = None
     if floats > 0:
         try:
-            fd, shared = shared_file(AudioRing.size_for(floats))
+            fd, shared = shared_file(AudioRing.size_for(floats), populate=True)  # see RING
             ring = AudioRing(shared)
-            ring.buf.fill(0.0)  # every page made and mapped now (see RING)
         except OSError as e:  # no memory for it: the link still works, inline
             log.warning("no audio ring for a front link (%s): its audio travels inline", e)
             if fd is not None:
@@ -88,8 +86,7 @@ async def receive(sock: socket.socket) -> AudioRing | None:
             raise ConnectionResetError("the engine host closed the link before its handshake")
         if data != RING or not fds:
             return None
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: mapped now (see RING)
-        return AudioRing(mmap.mmap(fds[0], os.fstat(fds[0]).st_size, flags=mmap.MAP_SHARED | populate))
+        return AudioRing(map_shared(fds[0], os.fstat(fds[0]).st_size, populate=True))  # see RING
     finally:
         for fd in fds:
             os.close(fd)
