@@ -109,7 +109,8 @@ _LINE_MARK_PREFIX = re.compile(r"[ \t]*(?:#{1,6}|[-*+]|>)?")  # could still beco
 _LINK = re.compile(r"\[([^\[\]\n]{0,200})\]\(([^()\s]{0,500})\)")  # [text](url) and, after "!", images
 _LINK_PREFIX = re.compile(r"\[[^\[\]\n]{0,200}(?:\](?:\([^()\s]{0,500})?)?")
 # every character _strip treats specially (markup, emoji, the newline that starts a line); text without any passes as is
-_MARKUP_OR_EMOJI = re.compile("[*`_!\\[\n" + _EMOJI.pattern[1:])
+_MARKUP_CHARS = "*`_![\n"  # the ASCII ones (`_markup_or_emoji`)
+_MARKUP_OR_EMOJI = re.compile("[" + re.escape(_MARKUP_CHARS) + _EMOJI.pattern[1:])
 _LINE_MARK_START = " \t#-*+>"  # what a line mark (or its prefix) starts with
 _ODD_SPACE = re.compile(r"[^\S ]| {2}")  # whitespace other than a lone " " (newline, tab, nbsp, a run of spaces)
 
@@ -218,7 +219,7 @@ def _markup_or_emoji(text: str) -> bool:
     """`_MARKUP_OR_EMOJI.search(text)` finds something; ASCII text (O(1) to tell) by a few substring searches, each
     far cheaper than the regex's scan of every character against its class."""
     if text.isascii():
-        return "*" in text or "`" in text or "_" in text or "!" in text or "[" in text or "\n" in text
+        return any(c in text for c in _MARKUP_CHARS)
     return _MARKUP_OR_EMOJI.search(text) is not None
 
 
