@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import InitVar, dataclass, field
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine import errors as engine_errors
+from engine.api import AudioChunk
 from gateway import protocol as p
 from gateway.audio import OutputFormat
 from gateway.encode_site import ON_LOOP, EncodeSite, TurnEncoder
@@ -67,6 +69,15 @@ class _Started:
     t0: float
     lead_ms: float
     error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
+
+
+@dataclass(slots=True)
+class _HeadCall:
+    """A turn's first frame's encode call, made as the engine delivered its first chunk (`TurnPipeline._head_now`)."""
+
+    pcm: np.ndarray  # the chunk's audio
+    future: asyncio.Future  # gives what `TurnEncoder.encode_head` returns
+    urgency: float  # what the listener had (ms) when it was made
 
 
 # segments: items from the message handlers to a turn's synthesis task, in text order
@@ -127,6 +138,7 @@ class Turn:
     seq: int = 0
     request_id: str | None = None
     held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
+    head: _HeadCall | None = None  # its first frame's encode call, out since its chunk came, until the task takes it
     sending: bool = False  # an item of `frames` (or a batch the synthesis task sends itself) is being sent
     fed_ms: float = 0.0  # audio produced by the engine so far
     audio: list[SegmentAudio] = field(default_factory=list)
@@ -137,7 +149,9 @@ class Turn:
     engine_ttfb_ms: float | None = None
     link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
     link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
-    first_encode_ms: float | None = None  # its first frame's encode call, asked -> answered (off the loop: the hop too)
+    # its first frame's encode call, asked -> answered (off the loop: the hop too); asked: by the synthesis task, with
+    # the chunk in hand (a call made as the chunk was delivered, `_head_now`, counts from then on, not from its start)
+    first_encode_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
@@ -223,6 +237,7 @@ class TurnPipeline:
         try:
             if started.error is not None:
                 raise started.error
+            self._arm_head(turn, stream)
             clock, ms_per_sample = self.clock, 1000.0 / self.model_rate
             # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the first
             # chunk is waited for since the request went out
@@ -267,7 +282,49 @@ class TurnPipeline:
         except engine_errors.EngineError as e:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
+            self._drop_head(turn, stream)
             await _aclose(stream)  # cancels the engine request when we stop early
+
+    def _arm_head(self, turn: Turn, stream: Any) -> None:
+        """A turn's first chunk: its first frame's encode call goes out as the engine delivers the chunk (`_head_now`,
+        called with the rest of the step's chunks), not when this task gets round to it. A burst's engine step brings
+        a front tens of first chunks at once, and their tasks then run one after another, each with its bookkeeping
+        before its call: the calls made at delivery are all in the encoder processes before the first task runs."""
+        encoder = turn.encoder
+        if (encoder is None or not encoder.offloaded or turn.engine_ttfb_ms is not None or turn.playout.queued_ms
+                or turn.held is not None):
+            return
+        on_next_chunk = getattr(stream, "on_next_chunk", None)  # an engine's `ChunkIterator`
+        if on_next_chunk is not None:
+            on_next_chunk(functools.partial(self._head_now, turn))
+
+    def _head_now(self, turn: Turn, chunk: AudioChunk) -> None:
+        """The engine delivers the turn's first chunk (its task waits for it, so the encoder has no call out and the
+        chunk's is the next it gets): its head's call is made now (`_encode_chunk` awaits it), if the chunk is split
+        at all. It runs in the engine's delivery callback: it never raises (the task then makes the call itself)."""
+        encoder = turn.encoder
+        step = self._frame_step(turn)
+        if self.closed or encoder is None or len(chunk.audio) <= HEAD_FRAMES * step:
+            return
+        urgency = self._urgency(turn)
+        try:
+            future = encoder.head_now(chunk.audio, HEAD_FRAMES, step, urgency)
+        except Exception:
+            log.exception("session %s: the first frame's encode call could not be made early", self.id)
+            return
+        if future is not None:
+            turn.head = _HeadCall(chunk.audio, future, urgency)
+
+    @staticmethod
+    def _drop_head(turn: Turn, stream: Any) -> None:
+        """The segment's stream is done with: no hook left on it, and a head call its task did not take (stopped or
+        failed before it did) is given up (the encoder's close still follows: `_synthesise`)."""
+        on_next_chunk = getattr(stream, "on_next_chunk", None)
+        if on_next_chunk is not None:
+            on_next_chunk(None)
+        head, turn.head = turn.head, None
+        if head is not None and not head.future.cancel():  # answered already: an error in it is seen, and dropped
+            head.future.exception()
 
     def _start_next(self, turn: Turn, seg: Segment, latents: list[np.ndarray]) -> None:
         """The segment after `seg` is done at the engine: its continuation prompt is known, so the next released
@@ -303,13 +360,20 @@ class TurnPipeline:
         chunks of listeners with audio queued."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
-        if not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
+        early, turn.head = turn.head, None
+        assert early is None or early.pcm is pcm  # made for the turn's first chunk, which this task took first
+        step = self._frame_step(turn)
+        if early is None and (not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step
+                              or not self._starts_audio(turn, segment_start)):
             await self._queue_packets(turn, await encoder.encode(pcm, self._urgency(turn)))
             return
         t0 = self.clock()
-        buffered = turn.playout.buffered_ms(t0)
-        head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
+        if early is None:
+            buffered = self._urgency(turn)
+            head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
+        else:
+            buffered = early.urgency
+            head, used = await early.future
         if turn.first_encode_ms is None:
             turn.first_encode_ms = (self.clock() - t0) * 1000.0
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over
@@ -318,6 +382,10 @@ class TurnPipeline:
         await self._queue_packets(turn, head, more=used < len(pcm))
         if used < len(pcm):
             await self._queue_packets(turn, await encoder.encode(pcm[used:], urgency))
+
+    def _frame_step(self, turn: Turn) -> int:
+        """One frame's time in model-rate samples."""
+        return max(1, self.model_rate * turn.fmt.frame_ms // 1000)
 
     def _starts_audio(self, turn: Turn, segment_start: bool) -> bool:
         """The chunk starts the listener's audio: nothing encoded or held yet (a turn's first chunk, or the first
