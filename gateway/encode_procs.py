@@ -324,6 +324,12 @@ class ProcEncoder:
             return None
         return self._submit(w.HEAD, pcm, urgency, frames, step)
 
+    def collect(self) -> None:
+        """Take what the process has answered so far, now, without waiting for the loop's next look at its socket:
+        a burst's tasks all run in one loop iteration, and answers that came meanwhile are read only after it."""
+        if self._process.alive:
+            self._process._readable()
+
     async def encode(self, pcm: np.ndarray, urgency: float) -> list[bytes]:
         packets, _ = await self._call(w.ENCODE, pcm, urgency)
         return packets

@@ -34,6 +34,9 @@ class TurnEncoder(Protocol):
         """`encode_head`'s call made synchronously (no task step in between): its future, which gives what
         `encode_head` returns; None where the encoder cannot (on the loop, the thread pool) or cannot now."""
 
+    def collect(self) -> None:
+        """Answers to calls made by `head_now` taken now if they are here (no wait)."""
+
     async def drain(self, urgency: float) -> tuple[list[bytes], int]: ...
 
     async def finish(self, urgency: float) -> list[bytes]: ...
@@ -64,6 +67,9 @@ class LoopEncoder:
     def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
         return None
 
+    def collect(self) -> None:
+        pass
+
     async def drain(self, urgency: float) -> tuple[list[bytes], int]:
         return self.encoder.drain()
 
@@ -93,6 +99,9 @@ class PooledEncoder:
 
     def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
         return None  # a pool call starts in a task step
+
+    def collect(self) -> None:
+        pass
 
     async def drain(self, urgency: float) -> tuple[list[bytes], int]:
         drained: tuple[list[bytes], int] = await self.pool.run(self.encoder.drain, urgency=urgency)

@@ -373,6 +373,8 @@ class TurnPipeline:
             head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
         else:
             buffered = early.urgency
+            if not early.future.done():  # answered since, but not read yet: the tasks of a step's chunks run back
+                encoder.collect()  # to back, and the loop reads the encoder's socket only after the last of them
             head, used = await early.future
         if turn.first_encode_ms is None:
             turn.first_encode_ms = (self.clock() - t0) * 1000.0
