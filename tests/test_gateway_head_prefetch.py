@@ -1,7 +1,8 @@
 """A new turn's first frame's encode call goes out as the engine delivers its first chunk (the first-chunk hook of
 `engine.generation.ChunkQueue`, `gateway.turn.TurnPipeline._head_now`), in the callback that delivers the step's
 chunks, before any turn's task runs; the frames are those of one call per chunk. A turn stopped between the delivery
-and its task's step leaves no call and no encoder behind. Real encoder processes, real sessions; the engine is a
+and its task's step leaves no call and no encoder behind. A task takes an answer already in its encoder's socket
+without waiting for the loop's next look at it. Real encoder processes, real sessions; the engine is a
 stand-in whose streams are the engine's own `ChunkIterator` over a `ChunkQueue`, a step's chunks all handed over in one
 callback."""
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -187,3 +189,25 @@ async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_bef
     finally:
         close_shared()
         await asyncio.sleep(0)
+
+
+async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_loop_iteration():
+    engine = TickEngine(chunks=3)
+    log: list[tuple] = []
+    sinks = [Sink(str(i), log) for i in range(4)]
+    sessions = [await open_turn(engine, sink) for sink in sinks]
+    try:
+        engine.tick()
+        time.sleep(0.3)  # the loop is busy: the processes answer every head meanwhile, and nothing reads them
+        await asyncio.sleep(0)  # one loop iteration: every turn's task takes its chunk
+        # each task found its head answered (`ProcEncoder.collect`) and sent it, without waiting for another iteration
+        assert all(len(sink.frames) == 1 for sink in sinks)
+        for _ in range(2):
+            engine.tick()
+        await until(lambda: all(sink.got("context.done") for sink in sinks))
+        for session in sessions:
+            await session.close()
+        for sink in sinks:
+            check_frames(sink.frames, 3)
+    finally:
+        close_shared()
