@@ -198,7 +198,7 @@ async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_
     sessions = [await open_turn(engine, sink) for sink in sinks]
     try:
         engine.tick()
-        time.sleep(0.3)  # the loop is busy: the processes answer every head meanwhile, and nothing reads them
+        time.sleep(1.0)  # the loop is busy: the processes answer every head meanwhile, and nothing reads them
         await asyncio.sleep(0)  # one loop iteration: every turn's task takes its chunk
         # each task found its head answered (`ProcEncoder.collect`) and sent it, without waiting for another iteration
         assert all(len(sink.frames) == 1 for sink in sinks)
