@@ -324,8 +324,8 @@ class TurnPipeline:
         if on_next_chunk is not None:
             on_next_chunk(None)
         head, turn.head = turn.head, None
-        if head is not None and not head.future.cancel():  # answered already: an error in it is seen, and dropped
-            head.future.exception()
+        if head is not None and not head.future.cancel() and not head.future.cancelled():
+            head.future.exception()  # answered already: an error in it is seen, and dropped
 
     def _start_next(self, turn: Turn, seg: Segment, latents: list[np.ndarray]) -> None:
         """The segment after `seg` is done at the engine: its continuation prompt is known, so the next released
