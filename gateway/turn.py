@@ -69,6 +69,7 @@ class _Started:
     t0: float
     lead_ms: float
     error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
+    chunk_at: float | None = None  # when the engine delivered its first chunk to this process (`_first_chunk`)
 
 
 @dataclass(slots=True)
@@ -238,7 +239,8 @@ class TurnPipeline:
         try:
             if started.error is not None:
                 raise started.error
-            self._arm_head(turn, stream)
+            if self._head_due(turn):
+                self.arm_first_chunk(turn, started, head=True)
             clock, ms_per_sample = self.clock, 1000.0 / self.model_rate
             # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the first
             # chunk is waited for since the request went out
@@ -256,6 +258,8 @@ class TurnPipeline:
                 if chunk.is_last:
                     timing.done_ms = self._turn_ms(turn, t1)
                 if timing.patches == 1:
+                    if started.chunk_at is not None:  # the engine's share ends where it delivered the chunk
+                        wait_ms = (started.chunk_at - started.t0) * 1000.0
                     timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
                         turn.engine_ttfb_ms = wait_ms
@@ -286,18 +290,27 @@ class TurnPipeline:
             self._drop_head(turn, stream)
             await _aclose(stream)  # cancels the engine request when we stop early
 
-    def _arm_head(self, turn: Turn, stream: Any) -> None:
-        """A turn's first chunk: its first frame's encode call goes out as the engine delivers the chunk (`_head_now`,
-        called with the rest of the step's chunks), not when this task gets round to it. A burst's engine step brings
-        a front tens of first chunks at once, and their tasks then run one after another, each with its bookkeeping
-        before its call: the calls made at delivery are all in the encoder processes before the first task runs."""
-        encoder = turn.encoder
-        if (encoder is None or not encoder.offloaded or turn.engine_ttfb_ms is not None or turn.playout.queued_ms
-                or turn.held is not None):
-            return
-        on_next_chunk = getattr(stream, "on_next_chunk", None)  # an engine's `ChunkIterator`
+    def arm_first_chunk(self, turn: Turn, started: _Started, head: bool = False) -> None:
+        """Have the engine's delivery of the segment's first chunk stamped (`_Started.chunk_at`: the engine's TTFB
+        ends there, and the time until this turn's task takes the chunk is the gateway's) and, with `head`, its first
+        frame's encode call made there too (`_head_now`)."""
+        on_next_chunk = getattr(started.stream, "on_next_chunk", None)  # an engine's `ChunkIterator`
         if on_next_chunk is not None:
-            on_next_chunk(functools.partial(self._head_now, turn))
+            on_next_chunk(functools.partial(self._first_chunk, turn, started, head))
+
+    def _head_due(self, turn: Turn) -> bool:
+        """The turn's first chunk is still to come, and its first frame's encode call can go out as the engine
+        delivers it, not when this task gets round to it. A burst's engine step brings a front tens of first chunks
+        at once, and their tasks then run one after another, each with its bookkeeping before its call: the calls
+        made at delivery are all in the encoder processes before the first task runs."""
+        encoder = turn.encoder
+        return not (encoder is None or not encoder.offloaded or turn.engine_ttfb_ms is not None
+                    or turn.playout.queued_ms or turn.held is not None)
+
+    def _first_chunk(self, turn: Turn, started: _Started, head: bool, chunk: AudioChunk) -> None:
+        started.chunk_at = self.clock()
+        if head:
+            self._head_now(turn, chunk)
 
     def _head_now(self, turn: Turn, chunk: AudioChunk) -> None:
         """The engine delivers the turn's first chunk (its task waits for it, so the encoder has no call out and the

@@ -211,3 +211,24 @@ async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_
             check_frames(sink.frames, 3)
     finally:
         close_shared()
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["opus-head-early", "pcm"])
+async def test_the_engine_ttfb_ends_where_the_engine_delivered_the_first_chunk(head):
+    """The time between the engine's delivery and the turn's task taking the chunk (a burst's other tasks ahead of
+    it) is the gateway's share, not the engine's: `engine_ttfb_ms` is stamped at delivery."""
+    now = [100.0]
+    engine = TickEngine(chunks=1)
+    sink = Sink("a", [])
+    session = await open_turn(engine, sink, output=None if head else {"format": "pcm_s16le"}, clock=lambda: now[0])
+    try:
+        now[0] += 0.040
+        engine.tick()  # delivered at +40 ms
+        now[0] += 0.300  # the loop is busy elsewhere for 300 ms before the task runs
+        await until(lambda: sink.got("context.done"))
+        metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
+        assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+        assert metrics["ttfb_ms"] == pytest.approx(340.0, abs=0.1)
+        await session.close()
+    finally:
+        close_shared()
