@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
 from engine.api import AudioChunk, EngineStats, ModelInfo
 from engine.errors import EngineOverloaded, InvalidRequest, UnknownLoRA, UnknownVoice
+from engine.generation import ChunkIterator, ChunkQueue
 
 SAMPLE_RATE = 48000  # VoxCPM2's output rate
 PATCH_MS = 160.0  # one VoxCPM2 patch (4 latent frames of 40 ms)
@@ -80,45 +80,27 @@ class _Request:
 
     def __init__(self, request_id: str, patches: int, continuation: bool = False):
         self.request_id, self.remaining, self.index = request_id, patches, 0
-        self.queue: asyncio.Queue[AudioChunk | None] = asyncio.Queue()
+        self.queue = ChunkQueue()
         self.done = False
         self.continuation = continuation  # carries a prompt: the previous segment's tail
 
 
-class PacedStream(AsyncIterator[AudioChunk]):
+class PacedStream(ChunkIterator):
     """What `generate` returns, its request already running: `aclose()` cancels (as `engine.generation.Generation`
     of a request with no audio to encode: `Engine.generate` sends those at once)."""
 
     def __init__(self, engine: PacedEngine, request: _Request):
         self._engine, self._request = engine, request
-        self._finished = False
 
     @property
     def request_id(self) -> str:
         return self._request.request_id
 
-    def __aiter__(self) -> PacedStream:
-        return self
+    def _queue(self) -> ChunkQueue:
+        return self._request.queue
 
-    async def __anext__(self) -> AudioChunk:
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            chunk = await self._request.queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if chunk is None:
-            self._finished = True
-            raise StopAsyncIteration
-        if chunk.is_last:
-            self._finished = True
-        return chunk
-
-    async def aclose(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine._drop(self._request.request_id)
+    def _cancel(self) -> None:
+        self._engine._drop(self._request.request_id)
 
 
 class PacedEngine:

@@ -40,7 +40,7 @@ from engine.errors import (
     InvalidParameter,
     WorkerCrashed,
 )
-from engine.generation import ChunkSink, Generation, Stream
+from engine.generation import ChunkQueue, ChunkSink, Generation, Stream
 from engine.model.parallel import check_tensor_parallel
 from engine.process_env import disable_nvls
 from engine.prompt import prompt_samples
@@ -251,7 +251,7 @@ class Engine:
         args["tenant"] = self.queued_prompts.check(tenant)
         worker = self._pick_worker()
         spec = None if checked.needs_encoding else self._spec(**args)  # all checks done before the caller iterates
-        stream = self._admit(args["request_id"], worker, adapter, args["tenant"], asyncio.Queue())
+        stream = self._admit(args["request_id"], worker, adapter, args["tenant"], ChunkQueue())
         if spec is not None and worker.ready.is_set():  # what `_wait_ready` waits for (a fatal error raised above)
             # out now, with this pass's other posts, not at the first read: a reader in another task (a gateway
             # turn's) runs only after every callback ready before it

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -17,11 +18,62 @@ if TYPE_CHECKING:
 
 
 class ChunkSink(Protocol):
-    """Where a request's chunks go: an `asyncio.Queue`, or a gateway front's relay (`gateway.link`)."""
+    """Where a request's chunks go: a `ChunkQueue`, or a gateway front's relay (`gateway.link`)."""
 
     def put_nowait(self, item: AudioChunk | BaseException | None) -> None:
         """A chunk, the request's error, or None (cancelled)."""
         ...
+
+
+_Item = AudioChunk | BaseException | None
+FirstChunkHook = Callable[[AudioChunk], None]
+
+
+class ChunkQueue:
+    """A request's chunks (or its error, or None when cancelled) on their way to the one task that reads them: what
+    `ChunkIterator` uses of `asyncio.Queue` (`put_nowait`, `get`), unbounded and with one reader. A chunk that comes
+    while the reader waits is handed to it directly: one future and one wakeup a chunk, and no coroutine nor
+    asyncio.Queue's bookkeeping for bounds, joins and many getters.
+
+    `first_hook` (`ChunkIterator.on_next_chunk`) sees the next item put, if a chunk, synchronously in the engine's
+    callback that delivers it (and so with the rest of its step's chunks), before its reader wakes; then it is
+    dropped."""
+
+    __slots__ = ("_items", "_waiter", "first_hook")
+
+    def __init__(self) -> None:
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[_Item] | None = None
+        self.first_hook: FirstChunkHook | None = None
+
+    def put_nowait(self, item: _Item) -> None:
+        hook = self.first_hook
+        if hook is not None:
+            self.first_hook = None
+            if type(item) is AudioChunk:
+                hook(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: its reader was cancelled
+                waiter.set_result(item)
+                return
+        self._items.append(item)
+
+    def get(self) -> asyncio.Future[_Item]:
+        """The next item, to await: at once if one is here, else when it comes."""
+        fut: asyncio.Future[_Item] = asyncio.get_running_loop().create_future()
+        if self._items:
+            fut.set_result(self._items.popleft())
+        else:
+            self._waiter = fut
+        return fut
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
 
 
 @dataclass
@@ -31,7 +83,7 @@ class Stream:
 
     request_id: str
     worker: WorkerHandle
-    queue: ChunkSink = field(default_factory=asyncio.Queue)
+    queue: ChunkSink = field(default_factory=ChunkQueue)
     done: bool = False
     lora: LoRAEntry | None = None
     tenant: str | None = None  # the tenant whose queued prompt it counts as until its first audio (then None)
@@ -48,8 +100,18 @@ class ChunkIterator(AsyncIterator[AudioChunk]):
     def __aiter__(self) -> ChunkIterator:
         return self
 
-    def _queue(self) -> asyncio.Queue:
+    def _queue(self) -> ChunkQueue:
         raise NotImplementedError
+
+    def on_next_chunk(self, hook: FirstChunkHook | None) -> bool:
+        """Have `hook(chunk)` called with the request's next chunk as the engine delivers it, before this iterator's
+        reader wakes (None: drop a hook set before). False (and no hook set): a chunk or the end is already here,
+        so the next read does not wait."""
+        queue = self._queue()
+        if hook is not None and not queue.empty():
+            return False
+        queue.first_hook = hook
+        return True
 
     async def _send_first(self) -> None:
         raise NotImplementedError
@@ -101,8 +163,8 @@ class Generation(ChunkIterator):
     def request_id(self) -> str:
         return self._stream.request_id
 
-    def _queue(self) -> asyncio.Queue:
-        return cast(asyncio.Queue, self._stream.queue)
+    def _queue(self) -> ChunkQueue:
+        return cast(ChunkQueue, self._stream.queue)
 
     async def _send_first(self) -> None:
         await self._engine._submit(self._stream, self._spec, self._args, self._audio)

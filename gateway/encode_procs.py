@@ -303,6 +303,9 @@ class ProcEncoder:
         self._out: asyncio.Future | None = None  # the call out now, if any
 
     async def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> Any:
+        return await self._submit(op, pcm, urgency, a1, a2)
+
+    def _submit(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int, a2: int) -> asyncio.Future:
         if not self._process.alive:
             raise EncoderProcessLost(f"pid {self._process.pid} is gone")
         if pcm is not None and np.ndim(pcm) != 1:
@@ -311,7 +314,21 @@ class ProcEncoder:
             raise RuntimeError("an encoder takes one call at a time: await the last one first")
         payload = None if pcm is None else memoryview(np.ascontiguousarray(pcm, dtype=np.float32)).cast("B")
         self._out = self._process.submit(op, self._id, a1, a2, payload, urgency)
-        return await self._out
+        return self._out
+
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+        """`encode_head`'s call made now, without a task: its future, to await (or cancel) later; None when it
+        cannot be made now (the process is gone, a call is out, not mono samples): `encode_head` then says why."""
+        if self._closed or not self._process.alive or np.ndim(pcm) != 1 or (
+                self._out is not None and not self._out.done()):
+            return None
+        return self._submit(w.HEAD, pcm, urgency, frames, step)
+
+    def collect(self) -> None:
+        """Take what the process has answered so far, now, without waiting for the loop's next look at its socket:
+        a burst's tasks all run in one loop iteration, and answers that came meanwhile are read only after it."""
+        if self._process.alive:
+            self._process._readable()
 
     async def encode(self, pcm: np.ndarray, urgency: float) -> list[bytes]:
         packets, _ = await self._call(w.ENCODE, pcm, urgency)

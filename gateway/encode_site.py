@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +29,13 @@ class TurnEncoder(Protocol):
 
     async def encode_head(self, pcm: np.ndarray, frames: int, step: int,
                           urgency: float) -> tuple[list[bytes], int]: ...
+
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+        """`encode_head`'s call made synchronously (no task step in between): its future, which gives what
+        `encode_head` returns; None where the encoder cannot (on the loop, the thread pool) or cannot now."""
+
+    def collect(self) -> None:
+        """Answers to calls made by `head_now` taken now if they are here (no wait)."""
 
     async def drain(self, urgency: float) -> tuple[list[bytes], int]: ...
 
@@ -56,6 +64,12 @@ class LoopEncoder:
     async def encode_head(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> tuple[list[bytes], int]:
         return self.encoder.encode_head(pcm, frames, step)
 
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+        return None
+
+    def collect(self) -> None:
+        pass
+
     async def drain(self, urgency: float) -> tuple[list[bytes], int]:
         return self.encoder.drain()
 
@@ -82,6 +96,12 @@ class PooledEncoder:
         head: tuple[list[bytes], int] = await self.pool.run(self.encoder.encode_head, pcm, frames, step,
                                                               urgency=urgency)
         return head
+
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+        return None  # a pool call starts in a task step
+
+    def collect(self) -> None:
+        pass
 
     async def drain(self, urgency: float) -> tuple[list[bytes], int]:
         drained: tuple[list[bytes], int] = await self.pool.run(self.encoder.drain, urgency=urgency)

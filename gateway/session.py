@@ -330,7 +330,9 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
             stream = self.engine.generate(seg.speak(), **kwargs)
         except Exception as e:  # reported by the synthesis task, after the segments before it (`_generate`)
             return _Started(seg, None, now, lead_ms, error=e)
-        return _Started(seg, stream, now, lead_ms)
+        started = _Started(seg, stream, now, lead_ms)
+        self.arm_first_chunk(turn, started)
+        return started
 
     def _retire(self, turn: Turn) -> None:
         self.turns.pop(turn.id, None)

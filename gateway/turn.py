@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import InitVar, dataclass, field
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine import errors as engine_errors
+from engine.api import AudioChunk
 from gateway import protocol as p
 from gateway.audio import OutputFormat
 from gateway.encode_site import ON_LOOP, EncodeSite, TurnEncoder
@@ -67,6 +69,16 @@ class _Started:
     t0: float
     lead_ms: float
     error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
+    chunk_at: float | None = None  # when the engine delivered its first chunk to this process (`_first_chunk`)
+
+
+@dataclass(slots=True)
+class _HeadCall:
+    """A turn's first frame's encode call, made as the engine delivered its first chunk (`TurnPipeline._head_now`)."""
+
+    pcm: np.ndarray  # the chunk's audio
+    future: asyncio.Future  # gives what `TurnEncoder.encode_head` returns
+    urgency: float  # what the listener had (ms) when it was made
 
 
 # segments: items from the message handlers to a turn's synthesis task, in text order
@@ -127,6 +139,7 @@ class Turn:
     seq: int = 0
     request_id: str | None = None
     held: bytes | None = None  # the newest encoded frame, held back until the next (or the end) is known
+    head: _HeadCall | None = None  # its first frame's encode call, out since its chunk came, until the task takes it
     sending: bool = False  # an item of `frames` (or a batch the synthesis task sends itself) is being sent
     fed_ms: float = 0.0  # audio produced by the engine so far
     audio: list[SegmentAudio] = field(default_factory=list)
@@ -137,7 +150,10 @@ class Turn:
     engine_ttfb_ms: float | None = None
     link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
     link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
-    first_encode_ms: float | None = None  # its first frame's encode call, asked -> answered (off the loop: the hop too)
+    # its first frame's encode call, asked -> answered (off the loop: the hop too); asked: by the synthesis task, with
+    # the chunk in hand (a call that went out as the chunk was delivered, `_head_now`, counts from there, not from
+    # when it went out: it stays a part of the time from the engine's first audio to the first frame out)
+    first_encode_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)
     engine_s: float = 0.0
@@ -223,6 +239,8 @@ class TurnPipeline:
         try:
             if started.error is not None:
                 raise started.error
+            if self._head_due(turn):
+                self.arm_first_chunk(turn, started, head=True)
             clock, ms_per_sample = self.clock, 1000.0 / self.model_rate
             # only the time spent waiting for the engine counts towards RTF, not waits for the listener; the first
             # chunk is waited for since the request went out
@@ -240,6 +258,8 @@ class TurnPipeline:
                 if chunk.is_last:
                     timing.done_ms = self._turn_ms(turn, t1)
                 if timing.patches == 1:
+                    if started.chunk_at is not None:  # the engine's share ends where it delivered the chunk
+                        wait_ms = (started.chunk_at - started.t0) * 1000.0
                     timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
                         turn.engine_ttfb_ms = wait_ms
@@ -267,7 +287,58 @@ class TurnPipeline:
         except engine_errors.EngineError as e:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
+            self._drop_head(turn, stream)
             await _aclose(stream)  # cancels the engine request when we stop early
+
+    def arm_first_chunk(self, turn: Turn, started: _Started, head: bool = False) -> None:
+        """Have the engine's delivery of the segment's first chunk stamped (`_Started.chunk_at`: the engine's TTFB
+        ends there, and the time until this turn's task takes the chunk is the gateway's) and, with `head`, its first
+        frame's encode call made there too (`_head_now`)."""
+        on_next_chunk = getattr(started.stream, "on_next_chunk", None)  # an engine's `ChunkIterator`
+        if on_next_chunk is not None:
+            on_next_chunk(functools.partial(self._first_chunk, turn, started, head))
+
+    def _head_due(self, turn: Turn) -> bool:
+        """The turn's first chunk is still to come, and its first frame's encode call can go out as the engine
+        delivers it, not when this task gets round to it. A burst's engine step brings a front tens of first chunks
+        at once, and their tasks then run one after another, each with its bookkeeping before its call: the calls
+        made at delivery are all in the encoder processes before the first task runs."""
+        encoder = turn.encoder
+        return not (encoder is None or not encoder.offloaded or turn.engine_ttfb_ms is not None
+                    or turn.playout.queued_ms or turn.held is not None)
+
+    def _first_chunk(self, turn: Turn, started: _Started, head: bool, chunk: AudioChunk) -> None:
+        started.chunk_at = self.clock()
+        if head:
+            self._head_now(turn, chunk)
+
+    def _head_now(self, turn: Turn, chunk: AudioChunk) -> None:
+        """The engine delivers the turn's first chunk (its task waits for it, so the encoder has no call out and the
+        chunk's is the next it gets): its head's call is made now (`_encode_chunk` awaits it), if the chunk is split
+        at all. It runs in the engine's delivery callback: it never raises (the task then makes the call itself)."""
+        encoder = turn.encoder
+        step = self._frame_step(turn)
+        if self.closed or encoder is None or len(chunk.audio) <= HEAD_FRAMES * step:
+            return
+        urgency = self._urgency(turn)
+        try:
+            future = encoder.head_now(chunk.audio, HEAD_FRAMES, step, urgency)
+        except Exception:
+            log.exception("session %s: the first frame's encode call could not be made early", self.id)
+            return
+        if future is not None:
+            turn.head = _HeadCall(chunk.audio, future, urgency)
+
+    @staticmethod
+    def _drop_head(turn: Turn, stream: Any) -> None:
+        """The segment's stream is done with: no hook left on it, and a head call its task did not take (stopped or
+        failed before it did) is given up (the encoder's close still follows: `_synthesise`)."""
+        on_next_chunk = getattr(stream, "on_next_chunk", None)
+        if on_next_chunk is not None:
+            on_next_chunk(None)
+        head, turn.head = turn.head, None
+        if head is not None and not head.future.cancel() and not head.future.cancelled():
+            head.future.exception()  # answered already: an error in it is seen, and dropped
 
     def _start_next(self, turn: Turn, seg: Segment, latents: list[np.ndarray]) -> None:
         """The segment after `seg` is done at the engine: its continuation prompt is known, so the next released
@@ -303,13 +374,22 @@ class TurnPipeline:
         chunks of listeners with audio queued."""
         encoder = turn.encoder
         assert encoder is not None  # made when the synthesis task starts, before anything is encoded
-        step = max(1, self.model_rate * turn.fmt.frame_ms // 1000)  # one frame's time in model-rate samples
-        if not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step or not self._starts_audio(turn, segment_start):
+        early, turn.head = turn.head, None
+        assert early is None or early.pcm is pcm  # made for the turn's first chunk, which this task took first
+        step = self._frame_step(turn)
+        if early is None and (not encoder.offloaded or len(pcm) <= HEAD_FRAMES * step
+                              or not self._starts_audio(turn, segment_start)):
             await self._queue_packets(turn, await encoder.encode(pcm, self._urgency(turn)))
             return
         t0 = self.clock()
-        buffered = turn.playout.buffered_ms(t0)
-        head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
+        if early is None:
+            buffered = self._urgency(turn)
+            head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
+        else:
+            buffered = early.urgency
+            if not early.future.done():  # answered since, but not read yet: the tasks of a step's chunks run back
+                encoder.collect()  # to back, and the loop reads the encoder's socket only after the last of them
+            head, used = await early.future
         if turn.first_encode_ms is None:
             turn.first_encode_ms = (self.clock() - t0) * 1000.0
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over
@@ -318,6 +398,10 @@ class TurnPipeline:
         await self._queue_packets(turn, head, more=used < len(pcm))
         if used < len(pcm):
             await self._queue_packets(turn, await encoder.encode(pcm[used:], urgency))
+
+    def _frame_step(self, turn: Turn) -> int:
+        """One frame's time in model-rate samples."""
+        return max(1, self.model_rate * turn.fmt.frame_ms // 1000)
 
     def _starts_audio(self, turn: Turn, segment_start: bool) -> bool:
         """The chunk starts the listener's audio: nothing encoded or held yet (a turn's first chunk, or the first

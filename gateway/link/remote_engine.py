@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import numpy as np
 from engine.api import AudioChunk, EngineStats, LoRAInfo, ModelInfo, VoiceInfo
 from engine.config import ModelConfig
 from engine.errors import InvalidParameter, UnknownLoRA, UnknownVoice
-from engine.generation import ChunkIterator
+from engine.generation import ChunkIterator, ChunkQueue
 from engine.request_check import CheckedRequest, check_request
 from engine.sampling import SamplingParams
 from engine.specs import RequestSpec, request_spec
@@ -35,46 +34,6 @@ _TENANTS = QueuedPrompts(None)  # checks a tenant's type only: the host counts q
 
 Post = Callable[[Any], None]
 CallHost = Callable[..., Awaitable[Any]]
-
-
-_Item = AudioChunk | BaseException | None
-
-
-class ChunkQueue:
-    """A request's chunks (or its error, or None when cancelled) on their way to the one task that reads them: what
-    `ChunkIterator` uses of `asyncio.Queue` (`put_nowait`, `get`), unbounded and with one reader. A chunk that comes
-    while the reader waits is handed to it directly: one future and one wakeup a chunk, and no coroutine nor
-    asyncio.Queue's bookkeeping for bounds, joins and many getters."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[_Item] = deque()
-        self._waiter: asyncio.Future[_Item] | None = None
-
-    def put_nowait(self, item: _Item) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # done: its reader was cancelled
-                waiter.set_result(item)
-                return
-        self._items.append(item)
-
-    def get(self) -> asyncio.Future[_Item]:
-        """The next item, to await: at once if one is here, else when it comes."""
-        fut: asyncio.Future[_Item] = asyncio.get_running_loop().create_future()
-        if self._items:
-            fut.set_result(self._items.popleft())
-        else:
-            self._waiter = fut
-        return fut
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
 
 
 class RemoteStream:
@@ -118,7 +77,7 @@ class RemoteGeneration(ChunkIterator):
         """(request front -> host, first chunk host -> front)."""
         return self._stream.request_ms, self._stream.chunk_ms
 
-    def _queue(self) -> ChunkQueue:  # type: ignore[override]  # ChunkIterator uses what it has of asyncio.Queue
+    def _queue(self) -> ChunkQueue:
         return self._stream.queue
 
     async def _send_first(self) -> None:

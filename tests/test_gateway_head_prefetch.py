@@ -1,0 +1,234 @@
+"""A new turn's first frame's encode call goes out as the engine delivers its first chunk (the first-chunk hook of
+`engine.generation.ChunkQueue`, `gateway.turn.TurnPipeline._head_now`), in the callback that delivers the step's
+chunks, before any turn's task runs; the frames are those of one call per chunk. A turn stopped between the delivery
+and its task's step leaves no call and no encoder behind. A task takes an answer already in its encoder's socket
+without waiting for the loop's next look at it. Real encoder processes, real sessions; the engine is a
+stand-in whose streams are the engine's own `ChunkIterator` over a `ChunkQueue`, a step's chunks all handed over in one
+callback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from engine.api import AudioChunk, ModelInfo
+from engine.generation import ChunkIterator, ChunkQueue
+from gateway.encode_procs import EncoderProcessLost, ProcEncoder, close_shared, shared_procs
+from gateway.session import Session
+from tests.test_gateway_encode_split import CHUNK, RATE, SOURCE, Sink, check_frames, open_turn, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def two_encoder_processes(monkeypatch):
+    """Opus in two encoder processes; the head coded as the rest, so the bytes are one call per chunk's."""
+    monkeypatch.setenv("VOXGATE_ENCODE_PROCS", "2")
+    monkeypatch.setenv("VOXGATE_OPUS_HEAD_COMPLEXITY", "10")
+
+
+class TickStream(ChunkIterator):
+    def __init__(self, engine: TickEngine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.queue = ChunkQueue()
+        self.index = 0
+
+    def _queue(self) -> ChunkQueue:
+        return self.queue
+
+    def _cancel(self) -> None:
+        self.engine.cancelled.append(self.request_id)
+
+
+class TickEngine:
+    """Each `tick()` hands every running request its next 160 ms chunk in one go, as one engine step does."""
+
+    def __init__(self, chunks: int):
+        self.chunks = chunks
+        self.streams: list[TickStream] = []
+        self.ticks = 0
+        self.cancelled: list[str] = []
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("tick", "stand-in", RATE, CHUNK, 160.0, 4096, True, "float32", "cpu")
+
+    def list_voices(self) -> list[str]:
+        return []
+
+    def update_buffered(self, request_id: str, buffered_ms: float) -> None:
+        pass
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def generate(self, text: str, **kwargs: object) -> TickStream:
+        stream = TickStream(self, str(kwargs["request_id"]))
+        self.streams.append(stream)
+        return stream
+
+    def tick(self) -> None:
+        pcm = SOURCE[self.ticks * CHUNK:(self.ticks + 1) * CHUNK]
+        self.ticks += 1
+        for s in self.streams:
+            if s.index < self.chunks and not s._finished:
+                last = s.index == self.chunks - 1
+                s.queue.put_nowait(AudioChunk(pcm, RATE, s.index, np.zeros((4, 64), np.float32), last, None,
+                                              s.request_id))
+                s.index += 1
+
+
+def encoders(sessions: list[Session]) -> list[ProcEncoder]:
+    out = [s.turns["t"].encoder for s in sessions]
+    assert all(isinstance(e, ProcEncoder) for e in out)
+    return out  # type: ignore[return-value]
+
+
+async def test_a_bursts_first_frames_are_in_the_encoder_processes_before_any_task_runs():
+    engine = TickEngine(chunks=3)
+    log: list[tuple] = []
+    sinks = [Sink(str(i), log) for i in range(6)]
+    sessions = [await open_turn(engine, sink) for sink in sinks]
+    host = shared_procs(2)
+    try:
+        turns = [s.turns["t"] for s in sessions]
+        encs = encoders(sessions)
+        engine.tick()  # every turn's first chunk in one callback; nothing has run since
+        assert all(t.engine_ttfb_ms is None for t in turns)  # no task has taken its chunk yet
+        assert all(t.head is not None and t.head.future is e._out for t, e in zip(turns, encs, strict=True))
+        # written to the processes already (urgent calls), all six, across both processes
+        in_processes = sum(len(e._process.sent) for e in {id(e._process): e for e in encs}.values())
+        assert in_processes == len(turns)
+        assert len({id(e._process) for e in encs}) == 2
+        await until(lambda: all(sink.frames for sink in sinks))
+        assert all(t.head is None for t in turns)  # each task took its call
+        assert all(t.first_encode_ms is not None and t.first_encode_ms >= 0 for t in turns)
+        for _ in range(2):
+            engine.tick()
+        await until(lambda: all(sink.got("context.done") for sink in sinks))
+        for session in sessions:
+            await session.close()
+        for sink in sinks:
+            check_frames(sink.frames, 3)  # the bytes of one call per chunk, in order
+        assert await host.open_counts() == [0, 0]
+    finally:
+        close_shared()
+
+
+async def test_a_later_chunk_is_not_encoded_early():
+    engine = TickEngine(chunks=3)
+    sink = Sink("a", [])
+    session = await open_turn(engine, sink)
+    try:
+        turn = session.turns["t"]
+        engine.tick()
+        assert turn.head is not None
+        await until(lambda: len(sink.frames) == 7)  # the first chunk's frames, but the held-back one
+        engine.tick()
+        assert turn.head is None  # the hook is for the first chunk only
+        engine.tick()
+        await until(lambda: sink.got("context.done"))
+        await session.close()
+        check_frames(sink.frames, 3)
+    finally:
+        close_shared()
+
+
+@pytest.mark.parametrize("how", ["context.cancel", "disconnect"])
+async def test_a_turn_stopped_between_delivery_and_its_task_leaves_no_call_nor_encoder(how):
+    engine = TickEngine(chunks=3)
+    sink = Sink("a", [])
+    session = await open_turn(engine, sink)
+    host = shared_procs(2)
+    try:
+        turn = session.turns["t"]
+        (encoder,) = encoders([session])
+        engine.tick()
+        head = turn.head
+        assert head is not None and not head.future.done()
+        if how == "context.cancel":
+            await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
+            assert sink.got("context.cancelled")
+        else:
+            await session.close()
+        assert turn.engine_ttfb_ms is None  # its task never took the chunk
+        await until(lambda: encoder._closed)
+        assert head.future.cancelled() and turn.head is None
+        process = encoder._process
+        await until(lambda: not process.sent)  # the head's answer came back and freed its slot
+        assert process.encoders == 0  # closed once
+        assert await host.open_counts() == [0, 0]
+        assert sink.frames == []
+        if how == "context.cancel":
+            await session.close()
+    finally:
+        close_shared()
+
+
+async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_before():
+    engine = TickEngine(chunks=3)
+    sink = Sink("a", [])
+    session = await open_turn(engine, sink)
+    try:
+        turn = session.turns["t"]
+        (encoder,) = encoders([session])
+        os.kill(encoder._process.pid, signal.SIGSTOP)  # the call waits in its socket
+        engine.tick()
+        assert turn.head is not None
+        encoder._process.lost("killed by the test")  # its calls fail: the early head with them
+        await until(lambda: sink.got("error"))
+        error = next(m for m in sink.messages if m.TYPE == "error")
+        assert error.code == EncoderProcessLost("x").code and "killed by the test" in error.message
+        assert sink.frames == [] and turn.head is None
+        await session.close()
+    finally:
+        close_shared()
+        await asyncio.sleep(0)
+
+
+async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_loop_iteration():
+    engine = TickEngine(chunks=3)
+    log: list[tuple] = []
+    sinks = [Sink(str(i), log) for i in range(4)]
+    sessions = [await open_turn(engine, sink) for sink in sinks]
+    try:
+        engine.tick()
+        time.sleep(1.0)  # the loop is busy: the processes answer every head meanwhile, and nothing reads them
+        await asyncio.sleep(0)  # one loop iteration: every turn's task takes its chunk
+        # each task found its head answered (`ProcEncoder.collect`) and sent it, without waiting for another iteration
+        assert all(len(sink.frames) == 1 for sink in sinks)
+        for _ in range(2):
+            engine.tick()
+        await until(lambda: all(sink.got("context.done") for sink in sinks))
+        for session in sessions:
+            await session.close()
+        for sink in sinks:
+            check_frames(sink.frames, 3)
+    finally:
+        close_shared()
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["opus-head-early", "pcm"])
+async def test_the_engine_ttfb_ends_where_the_engine_delivered_the_first_chunk(head):
+    """The time between the engine's delivery and the turn's task taking the chunk (a burst's other tasks ahead of
+    it) is the gateway's share, not the engine's: `engine_ttfb_ms` is stamped at delivery."""
+    now = [100.0]
+    engine = TickEngine(chunks=1)
+    sink = Sink("a", [])
+    session = await open_turn(engine, sink, output=None if head else {"format": "pcm_s16le"}, clock=lambda: now[0])
+    try:
+        now[0] += 0.040
+        engine.tick()  # delivered at +40 ms
+        now[0] += 0.300  # the loop is busy elsewhere for 300 ms before the task runs
+        await until(lambda: sink.got("context.done"))
+        metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
+        assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+        assert metrics["ttfb_ms"] == pytest.approx(340.0, abs=0.1)
+        await session.close()
+    finally:
+        close_shared()
