@@ -71,39 +71,41 @@ class _Started:
     lead_ms: float
     error: Exception | None = None  # what engine.generate() raised: reported by the synthesis task, in order
     chunk_at: float | None = None  # when the engine delivered its first chunk to this process (`_first_chunk`)
-    done: bool = False  # its synthesis task is done with its stream (read to the end, stopped or failed)
 
 
-class _EarlyHeads:
-    """The first-frame calls one engine delivery asks for (`TurnPipeline._first_chunk`), made together once the
-    delivering callback returns, ahead of the tasks it woke (scheduled before the first of them): every turn's
-    delivery is stamped first, so no call's cost counts as the engine's for the turns delivered after it."""
+class _Delivery:
+    """When the engine's current delivery to this process began: every first chunk it hands over is stamped with
+    that time (`TurnPipeline._first_chunk`), so the work done for the chunks handed over before a turn's (their
+    first-frame calls) counts as the gateway's share, not the engine's. The stamp holds until the loop's next turn."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("at", "clock")
 
     def __init__(self) -> None:
-        self.calls: list[Callable[[], None]] = []
+        self.at: float | None = None
+        self.clock: Callable[[], float] | None = None
 
-    def add(self, call: Callable[[], None]) -> None:
-        if not self.calls:
-            asyncio.get_running_loop().call_soon(self._run)
-        self.calls.append(call)
+    def began(self, clock: Callable[[], float]) -> float:
+        at = self.at
+        if at is None or clock is not self.clock:  # the session's clock (time.monotonic, unless a test's)
+            if at is None:
+                asyncio.get_running_loop().call_soon(self._end)
+            at = self.at = clock()
+            self.clock = clock
+        return at
 
-    def _run(self) -> None:
-        calls, self.calls = self.calls, []
-        for call in calls:
-            call()
+    def _end(self) -> None:
+        self.at = None
 
 
-_early_heads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _EarlyHeads] = weakref.WeakKeyDictionary()
+_deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Delivery] = weakref.WeakKeyDictionary()
 
 
-def _loop_early_heads() -> _EarlyHeads:
+def _delivery() -> _Delivery:
     loop = asyncio.get_running_loop()
-    heads = _early_heads.get(loop)
-    if heads is None:
-        heads = _early_heads[loop] = _EarlyHeads()
-    return heads
+    delivery = _deliveries.get(loop)
+    if delivery is None:
+        delivery = _deliveries[loop] = _Delivery()
+    return delivery
 
 
 @dataclass(slots=True)
@@ -321,14 +323,13 @@ class TurnPipeline:
         except engine_errors.EngineError as e:
             raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{type(e).__name__}: {e}") from None
         finally:
-            started.done = True
             self._drop_head(turn, stream)
             await _aclose(stream)  # cancels the engine request when we stop early
 
     def arm_first_chunk(self, turn: Turn, started: _Started, head: bool = False) -> None:
         """Have the engine's delivery of the segment's first chunk stamped (`_Started.chunk_at`: the engine's TTFB
         ends there, and the time until this turn's task takes the chunk is the gateway's) and, with `head`, its first
-        frame's encode call made right after the delivery (`_head_now`, `_EarlyHeads`)."""
+        frame's encode call made there too (`_head_now`)."""
         on_next_chunk = getattr(started.stream, "on_next_chunk", None)  # an engine's `ChunkIterator`
         if on_next_chunk is not None:
             on_next_chunk(functools.partial(self._first_chunk, turn, started, head))
@@ -343,19 +344,17 @@ class TurnPipeline:
                     or turn.playout.queued_ms or turn.held is not None)
 
     def _first_chunk(self, turn: Turn, started: _Started, head: bool, chunk: AudioChunk) -> None:
-        started.chunk_at = self.clock()
+        started.chunk_at = _delivery().began(self.clock)
         if head:
-            _loop_early_heads().add(functools.partial(self._head_now, turn, started, chunk))
+            self._head_now(turn, chunk)
 
-    def _head_now(self, turn: Turn, started: _Started, chunk: AudioChunk) -> None:
-        """The engine has just delivered the turn's first chunk, and its task has not taken it (so the encoder has no
-        call out and the chunk's is the next it gets): its head's call is made now (`_encode_chunk` awaits it), if
-        the chunk is split at all. It runs as a loop callback: it never raises (the task then makes the call
-        itself)."""
+    def _head_now(self, turn: Turn, chunk: AudioChunk) -> None:
+        """The engine delivers the turn's first chunk (its task waits for it, so the encoder has no call out and the
+        chunk's is the next it gets): its head's call is made now (`_encode_chunk` awaits it), if the chunk is split
+        at all. It runs in the engine's delivery callback: it never raises (the task then makes the call itself)."""
         encoder = turn.encoder
         step = self._frame_step(turn)
-        if (self.closed or started.done or turn.engine_ttfb_ms is not None or encoder is None
-                or len(chunk.audio) <= HEAD_FRAMES * step):
+        if self.closed or encoder is None or len(chunk.audio) <= HEAD_FRAMES * step:
             return
         urgency = self._urgency(turn)
         try:

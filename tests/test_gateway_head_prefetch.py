@@ -1,7 +1,6 @@
 """A new turn's first frame's encode call goes out as the engine delivers its first chunk (the first-chunk hook of
-`engine.generation.ChunkQueue`, `gateway.turn.TurnPipeline._head_now`), right after the callback that delivers the
-step's chunks, before any turn's task runs, and after every turn's delivery is stamped; the frames are those of one
-call per chunk. A turn stopped between the delivery
+`engine.generation.ChunkQueue`, `gateway.turn.TurnPipeline._head_now`), in the callback that delivers the step's
+chunks, before any turn's task runs; the frames are those of one call per chunk. A turn stopped between the delivery
 and its task's step leaves no call and no encoder behind. A task takes an answer already in its encoder's socket
 without waiting for the loop's next look at it. Real encoder processes, real sessions; the engine is a
 stand-in whose streams are the engine's own `ChunkIterator` over a `ChunkQueue`, a step's chunks all handed over in one
@@ -10,6 +9,7 @@ callback."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -84,55 +84,28 @@ class TickEngine:
                 s.index += 1
 
 
-def log_order(monkeypatch, order: list[str], busy_after_heads: int = 0) -> None:
-    """Log each delivery's stamp, early head call and task's take of a chunk; with `busy_after_heads`, the loop is
-    busy for a second once that many calls are out (the processes answer meanwhile, and nothing reads them)."""
-    first_chunk, head_now, encode_chunk = Session._first_chunk, ProcEncoder.head_now, Session._encode_chunk
-
-    def logged_first_chunk(self, *args):
-        order.append("delivered")
-        return first_chunk(self, *args)
-
-    def logged_head_now(self, *args):
-        order.append("head")
-        future = head_now(self, *args)
-        if order.count("head") == busy_after_heads:
-            time.sleep(1.0)
-        return future
-
-    async def logged_encode_chunk(self, *args, **kwargs):
-        order.append("task")
-        return await encode_chunk(self, *args, **kwargs)
-
-    monkeypatch.setattr(Session, "_first_chunk", logged_first_chunk)
-    monkeypatch.setattr(ProcEncoder, "head_now", logged_head_now)
-    monkeypatch.setattr(Session, "_encode_chunk", logged_encode_chunk)
-
-
 def encoders(sessions: list[Session]) -> list[ProcEncoder]:
     out = [s.turns["t"].encoder for s in sessions]
     assert all(isinstance(e, ProcEncoder) for e in out)
     return out  # type: ignore[return-value]
 
 
-async def test_a_bursts_first_frames_are_in_the_encoder_processes_before_any_task_runs(monkeypatch):
+async def test_a_bursts_first_frames_are_in_the_encoder_processes_before_any_task_runs():
     engine = TickEngine(chunks=3)
     log: list[tuple] = []
     sinks = [Sink(str(i), log) for i in range(6)]
-    order: list[str] = []
-    log_order(monkeypatch, order)
     sessions = [await open_turn(engine, sink) for sink in sinks]
     host = shared_procs(2)
     try:
         turns = [s.turns["t"] for s in sessions]
         encs = encoders(sessions)
-        sent = [e._process.sent for e in {id(e._process): e for e in encs}.values()]
-        assert len(sent) == 2
-        engine.tick()  # every turn's first chunk in one callback: each delivery stamped, no call made yet
-        assert order == ["delivered"] * 6 and all(t.head is None for t in turns)
-        await asyncio.sleep(0)  # one loop iteration: the six calls, then the six tasks
-        assert order == ["delivered"] * 6 + ["head"] * 6 + ["task"] * 6
-        assert all(t.engine_ttfb_ms is not None for t in turns)
+        engine.tick()  # every turn's first chunk in one callback; nothing has run since
+        assert all(t.engine_ttfb_ms is None for t in turns)  # no task has taken its chunk yet
+        assert all(t.head is not None and t.head.future is e._out for t, e in zip(turns, encs, strict=True))
+        # written to the processes already (urgent calls), all six, across both processes
+        in_processes = sum(len(e._process.sent) for e in {id(e._process): e for e in encs}.values())
+        assert in_processes == len(turns)
+        assert len({id(e._process) for e in encs}) == 2
         await until(lambda: all(sink.frames for sink in sinks))
         assert all(t.head is None for t in turns)  # each task took its call
         assert all(t.first_encode_ms is not None and t.first_encode_ms >= 0 for t in turns)
@@ -155,6 +128,7 @@ async def test_a_later_chunk_is_not_encoded_early():
     try:
         turn = session.turns["t"]
         engine.tick()
+        assert turn.head is not None
         await until(lambda: len(sink.frames) == 7)  # the first chunk's frames, but the held-back one
         engine.tick()
         assert turn.head is None  # the hook is for the first chunk only
@@ -175,7 +149,9 @@ async def test_a_turn_stopped_between_delivery_and_its_task_leaves_no_call_nor_e
     try:
         turn = session.turns["t"]
         (encoder,) = encoders([session])
-        engine.tick()  # the call goes out on the loop's next turn, with the task's cancellation queued behind it
+        engine.tick()
+        head = turn.head
+        assert head is not None and not head.future.done()
         if how == "context.cancel":
             await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
             assert sink.got("context.cancelled")
@@ -183,7 +159,7 @@ async def test_a_turn_stopped_between_delivery_and_its_task_leaves_no_call_nor_e
             await session.close()
         assert turn.engine_ttfb_ms is None  # its task never took the chunk
         await until(lambda: encoder._closed)
-        assert turn.head is None
+        assert head.future.cancelled() and turn.head is None
         process = encoder._process
         await until(lambda: not process.sent)  # the head's answer came back and freed its slot
         assert process.encoders == 0  # closed once
@@ -204,8 +180,7 @@ async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_bef
         (encoder,) = encoders([session])
         os.kill(encoder._process.pid, signal.SIGSTOP)  # the call waits in its socket
         engine.tick()
-        await asyncio.sleep(0)  # the call is out, and the task waits for it
-        assert turn.engine_ttfb_ms is not None and encoder._out is not None and not encoder._out.done()
+        assert turn.head is not None
         encoder._process.lost("killed by the test")  # its calls fail: the early head with them
         await until(lambda: sink.got("error"))
         error = next(m for m in sink.messages if m.TYPE == "error")
@@ -217,16 +192,15 @@ async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_bef
         await asyncio.sleep(0)
 
 
-async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_loop_iteration(monkeypatch):
+async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_loop_iteration():
     engine = TickEngine(chunks=3)
     log: list[tuple] = []
     sinks = [Sink(str(i), log) for i in range(4)]
-    order: list[str] = []
-    log_order(monkeypatch, order, busy_after_heads=4)
     sessions = [await open_turn(engine, sink) for sink in sinks]
     try:
         engine.tick()
-        await asyncio.sleep(0)  # one loop iteration: the calls, a busy second, then every turn's task takes its chunk
+        time.sleep(1.0)  # the loop is busy: the processes answer every head meanwhile, and nothing reads them
+        await asyncio.sleep(0)  # one loop iteration: every turn's task takes its chunk
         # each task found its head answered (`ProcEncoder.collect`) and sent it, without waiting for another iteration
         assert all(len(sink.frames) == 1 for sink in sinks)
         for _ in range(2):
@@ -257,5 +231,35 @@ async def test_the_engine_ttfb_ends_where_the_engine_delivered_the_first_chunk(h
         assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
         assert metrics["ttfb_ms"] == pytest.approx(340.0, abs=0.1)
         await session.close()
+    finally:
+        close_shared()
+
+
+async def test_the_turns_of_one_delivery_share_its_stamp(monkeypatch):
+    """The first-frame calls made for the turns handed over earlier in a delivery count as the gateway's share of a
+    later turn, not as the engine's: every turn of one delivery has the delivery's start as its engine TTFB's end."""
+    now = [100.0]
+    head_now = ProcEncoder.head_now
+
+    def slow_head_now(self, *args):
+        now[0] += 0.005  # each call takes 5 ms
+        return head_now(self, *args)
+
+    monkeypatch.setattr(ProcEncoder, "head_now", slow_head_now)
+    engine = TickEngine(chunks=1)
+    sinks = [Sink(str(i), []) for i in range(3)]
+    clock = functools.partial(now.__getitem__, 0)  # one clock for all, as time.monotonic is
+    sessions = [await open_turn(engine, sink, clock=clock) for sink in sinks]
+    try:
+        now[0] += 0.040
+        engine.tick()  # delivered at +40 ms: the three calls take 15 ms in all
+        assert now[0] == pytest.approx(100.055)
+        await until(lambda: all(sink.got("context.done") for sink in sinks))
+        for sink in sinks:
+            metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
+            assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+            assert metrics["ttfb_ms"] == pytest.approx(55.0, abs=0.1)
+        for session in sessions:
+            await session.close()
     finally:
         close_shared()
