@@ -349,6 +349,8 @@ def _latency(turns: list[TurnResult]) -> dict:
                   if m.get("segment_log")]
     # of after_text, the first frame's encode call (Opus: its hop to the encoder process and its wait there)
     first_encode = [m["first_encode_ms"] for m in timed if m.get("first_encode_ms") is not None]
+    # of after_text, the wait of the delivered first chunk for its turn's task (a burst's other turns ahead of it)
+    chunk_queued = [m["chunk_queued_ms"] for m in timed if m.get("chunk_queued_ms") is not None]
     server_gaps = [t.server_metrics["max_gap_ms"] for t in turns if t.server_metrics.get("max_gap_ms") is not None]
     return {
         "turns_counted": len(turns),
@@ -362,6 +364,7 @@ def _latency(turns: list[TurnResult]) -> dict:
         "server_overhead_after_text_ms_p50": _pct(after_text, 0.5),
         "server_overhead_after_text_ms_p90": _pct(after_text, 0.9),
         "first_encode_ms_p50": _pct(first_encode, 0.5), "first_encode_ms_p90": _pct(first_encode, 0.9),
+        "chunk_queued_ms_p50": _pct(chunk_queued, 0.5), "chunk_queued_ms_p90": _pct(chunk_queued, 0.9),
         "server_gap_ms_p99": _pct(server_gaps, 0.99), "server_gap_ms_max": _pct(server_gaps, 1.0),
         "server_gap_turns_over_100ms": sum(g > 100.0 for g in server_gaps),
         "late_frames": sum(t.underruns for t in turns), "late_ms_total": round(sum(t.underrun_ms for t in turns)),
@@ -392,7 +395,9 @@ def _waves(turns: list[TurnResult], gap_ms: float = 10.0) -> list[dict]:
                     "text_wait_ms_p50": _pct([x["segment_log"][0]["submit_ms"] for x in m], 0.5),
                     "after_text_ms_p50": _pct([x["ttfb_ms"] - x["engine_ttfb_ms"] - x["segment_log"][0]["submit_ms"]
                                                for x in m], 0.5),
-                    "first_encode_ms_p50": _pct([x["first_encode_ms"] for x in m if "first_encode_ms" in x], 0.5)})
+                    "first_encode_ms_p50": _pct([x["first_encode_ms"] for x in m if "first_encode_ms" in x], 0.5),
+                    "chunk_queued_ms_p50": _pct([x["chunk_queued_ms"] for x in m
+                                                 if x.get("chunk_queued_ms") is not None], 0.5)})
     return out
 
 

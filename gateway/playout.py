@@ -148,7 +148,8 @@ class TurnSender:
         later = turn.later_ttfb_ms
         metrics = {"ttfb_ms": _round(figures.ttfb_ms), "engine_ttfb_ms": _round(turn.engine_ttfb_ms),
                    "rtf": _round(figures.rtf, 4), "max_gap_ms": round(figures.max_gap_ms, 1),
-                   "text_queued_ms": _round(turn.text_queued_ms), "segments": len(turn.audio),
+                   "text_queued_ms": _round(turn.text_queued_ms), "chunk_queued_ms": _round(turn.chunk_queued_ms, 2),
+                   "segments": len(turn.audio),
                    "later_segment_engine_ttfb_ms": _round(sum(later) / len(later)) if later else None,
                    "segment_log": [t.to_dict() for t in turn.segment_log]}
         if turn.first_encode_ms is not None:  # its first frame went through an offloaded encoder (Opus)

@@ -183,6 +183,7 @@ class Turn:
     # metrics
     t_first_text: float | None = None  # when the turn's first text reached the gateway (`Session.receive`)
     text_queued_ms: float | None = None  # how long that text waited between the socket's read and its handler
+    chunk_queued_ms: float | None = None  # how long the engine's first chunk waited, delivered, for the turn's task
     engine_ttfb_ms: float | None = None
     link_ms: float | None = None  # of engine_ttfb_ms, the link to an engine in another process (`gateway.link`)
     link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
@@ -294,11 +295,13 @@ class TurnPipeline:
                 if chunk.is_last:
                     timing.done_ms = self._turn_ms(turn, t1)
                 if timing.patches == 1:
+                    queued_ms = None
                     if started.chunk_at is not None:  # the engine's share ends where it delivered the chunk
                         wait_ms = (started.chunk_at - started.t0) * 1000.0
+                        queued_ms = (t1 - started.chunk_at) * 1000.0
                     timing.engine_ttfb_ms = wait_ms
                     if turn.engine_ttfb_ms is None:
-                        turn.engine_ttfb_ms = wait_ms
+                        turn.engine_ttfb_ms, turn.chunk_queued_ms = wait_ms, queued_ms
                         turn.link_ms = getattr(stream, "link_ms", None)
                         turn.link_request_ms = getattr(stream, "link_parts_ms", (None, None))[0]
                         self.metrics.engine_ttfb.observe(wait_ms / 1000.0)

@@ -229,6 +229,7 @@ async def test_the_engine_ttfb_ends_where_the_engine_delivered_the_first_chunk(h
         await until(lambda: sink.got("context.done"))
         metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
         assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+        assert metrics["chunk_queued_ms"] == pytest.approx(300.0, abs=0.1)
         assert metrics["ttfb_ms"] == pytest.approx(340.0, abs=0.1)
         await session.close()
     finally:
@@ -258,6 +259,7 @@ async def test_the_turns_of_one_delivery_share_its_stamp(monkeypatch):
         for sink in sinks:
             metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
             assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+            assert metrics["chunk_queued_ms"] == pytest.approx(15.0, abs=0.1)  # each task takes its chunk after all
             assert metrics["ttfb_ms"] == pytest.approx(55.0, abs=0.1)
         for session in sessions:
             await session.close()
