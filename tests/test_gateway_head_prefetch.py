@@ -18,10 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from engine.api import AudioChunk, ModelInfo
+from engine.api import AudioChunk
 from engine.generation import ChunkIterator, ChunkQueue
 from gateway.encode_procs import EncoderProcessLost, ProcEncoder, close_shared, shared_procs
 from gateway.session import Session
+from tests import test_gateway_encode_split as split
 from tests.test_gateway_encode_split import CHUNK, RATE, SOURCE, Sink, check_frames, open_turn, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,26 +48,13 @@ class TickStream(ChunkIterator):
         self.engine.cancelled.append(self.request_id)
 
 
-class TickEngine:
-    """Each `tick()` hands every running request its next 160 ms chunk in one go, as one engine step does."""
+class TickEngine(split.TickEngine):
+    """Each `tick()` hands every running request its next 160 ms chunk in one go, as one engine step does, through
+    the engine's own `ChunkIterator` over a `ChunkQueue`."""
 
     def __init__(self, chunks: int):
-        self.chunks = chunks
+        super().__init__(chunks)
         self.streams: list[TickStream] = []
-        self.ticks = 0
-        self.cancelled: list[str] = []
-
-    def model_info(self) -> ModelInfo:
-        return ModelInfo("tick", "stand-in", RATE, CHUNK, 160.0, 4096, True, "float32", "cpu")
-
-    def list_voices(self) -> list[str]:
-        return []
-
-    def update_buffered(self, request_id: str, buffered_ms: float) -> None:
-        pass
-
-    async def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
 
     def generate(self, text: str, **kwargs: object) -> TickStream:
         stream = TickStream(self, str(kwargs["request_id"]))
