@@ -79,8 +79,12 @@ class _Process:
     def __init__(self, host: EncodeProcs, loop: asyncio.AbstractEventLoop):
         self.host, self.loop = host, loop
         mine, theirs = socket.socketpair()
-        # mapped now: a slot's first use (a burst's first chunks) takes no page fault per 4 KiB
-        shared_fd, self.shared = shared_file(w.SLOTS * w.SLOT_BYTES, "voxgate-encode-slots", populate=True)
+        try:  # mapped now: a slot's first use (a burst's first chunks) takes no page fault per 4 KiB
+            shared_fd, self.shared = shared_file(w.SLOTS * w.SLOT_BYTES, "voxgate-encode-slots", populate=True)
+        except BaseException:  # no shared memory (e.g. /dev/shm full): nothing of this process is left open
+            mine.close()
+            theirs.close()
+            raise
         try:
             self.proc = subprocess.Popen(  # this checkout's gateway first on the path (`child_env`), as the engine's
                 [sys.executable, "-m", "gateway.encode_child", str(theirs.fileno()), str(shared_fd), str(host.nice)],

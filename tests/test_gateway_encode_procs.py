@@ -224,3 +224,22 @@ async def test_a_serving_process_starts_its_encoders_before_its_first_turn(monke
     finally:
         close_shared()
     assert shared_pids() == []
+
+
+async def test_a_process_that_cannot_get_its_shared_memory_leaves_nothing_open(monkeypatch):
+    """No shared memory for the slots (a full /dev/shm): the start fails with the OS's error, and neither the socket
+    pair nor anything else of the process it was starting stays open."""
+    import gateway.encode_procs as encode_procs
+
+    def no_shared_memory(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(encode_procs, "shared_file", no_shared_memory)
+    before = sorted(os.listdir("/proc/self/fd"))
+    host = EncodeProcs(1)
+    with pytest.raises(OSError, match="No space left") as caught:
+        host.start()
+    assert host.pids == []
+    # closed, not waiting for the garbage collector: the traceback (held here, as a logger's would be) keeps the frame
+    assert caught.traceback and sorted(os.listdir("/proc/self/fd")) == before
+    host.close()
