@@ -306,10 +306,8 @@ class ProcEncoder:
         self._closed = False
         self._out: asyncio.Future | None = None  # the call out now, if any
 
-    async def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> Any:
-        return await self._submit(op, pcm, urgency, a1, a2)
-
-    def _submit(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int, a2: int) -> asyncio.Future:
+    def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> asyncio.Future:
+        """The call made now; its future, to await."""
         if not self._process.alive:
             raise EncoderProcessLost(f"pid {self._process.pid} is gone")
         if pcm is not None and np.ndim(pcm) != 1:
@@ -326,7 +324,7 @@ class ProcEncoder:
         if self._closed or not self._process.alive or np.ndim(pcm) != 1 or (
                 self._out is not None and not self._out.done()):
             return None
-        return self._submit(w.HEAD, pcm, urgency, frames, step)
+        return self._call(w.HEAD, pcm, urgency, frames, step)
 
     def collect(self) -> None:
         """Take what the process has answered so far, now, without waiting for the loop's next look at its socket:

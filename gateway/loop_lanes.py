@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from gateway.loop_local import LoopLocal
 from gateway.settings import loop_settings
 
 log = logging.getLogger("voxgate.loop")
@@ -145,13 +145,9 @@ class Lane:
             log.exception("deferred work failed")
 
 
-_lanes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Lane] = weakref.WeakKeyDictionary()
+_lanes: LoopLocal[Lane] = LoopLocal(lambda loop: Lane(loop, loop_settings().burst_lane))
 
 
 def lane() -> Lane:
     """The running loop's lane (made on first use; `gateway.settings` says whether it defers)."""
-    loop = asyncio.get_running_loop()
-    found = _lanes.get(loop)
-    if found is None:
-        found = _lanes[loop] = Lane(loop, loop_settings().burst_lane)
-    return found
+    return _lanes.get()

@@ -6,12 +6,11 @@ hot path reads comes from `loop_settings()`, read once per event loop.
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.settings import on_unless_zero, read_env, switch
+from gateway.loop_local import LoopLocal
 
 
 def optional_threads(raw: str) -> int | None:
@@ -102,14 +101,10 @@ class GatewaySettings:
         return settings
 
 
-_of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, GatewaySettings] = weakref.WeakKeyDictionary()
+_of_loop: LoopLocal[GatewaySettings] = LoopLocal(lambda loop: GatewaySettings.from_env())
 
 
 def loop_settings() -> GatewaySettings:
     """The switches as the environment set them when the running event loop first asked: what runs per turn (its
     encoder's place, the loop's lane) must not parse every switch each time (~10 us of the loop per turn)."""
-    loop = asyncio.get_running_loop()
-    found = _of_loop.get(loop)
-    if found is None:
-        found = _of_loop[loop] = GatewaySettings.from_env()
-    return found
+    return _of_loop.get()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from gateway import protocol as p
 from gateway.audio import OutputFormat
 from gateway.encode_site import ON_LOOP, EncodeSite, TurnEncoder
 from gateway.loop_lanes import Deferred
+from gateway.loop_local import LoopLocal
 from gateway.metrics import GatewayMetrics
 from gateway.playout_model import Playout
 from gateway.protocol import ErrorCode, ProtocolError
@@ -97,15 +97,7 @@ class _Delivery:
         self.at = None
 
 
-_deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Delivery] = weakref.WeakKeyDictionary()
-
-
-def _delivery() -> _Delivery:
-    loop = asyncio.get_running_loop()
-    delivery = _deliveries.get(loop)
-    if delivery is None:
-        delivery = _deliveries[loop] = _Delivery()
-    return delivery
+_delivery: LoopLocal[_Delivery] = LoopLocal(lambda loop: _Delivery())
 
 
 @dataclass(slots=True)
@@ -347,7 +339,7 @@ class TurnPipeline:
                     or turn.playout.queued_ms or turn.held is not None)
 
     def _first_chunk(self, turn: Turn, started: _Started, head: bool, chunk: AudioChunk) -> None:
-        started.chunk_at = _delivery().began(self.clock)
+        started.chunk_at = _delivery.get().began(self.clock)
         if head:
             self._head_now(turn, chunk)
 

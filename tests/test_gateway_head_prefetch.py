@@ -72,6 +72,18 @@ class TickEngine(split.TickEngine):
                 s.index += 1
 
 
+async def finish(engine: TickEngine, sessions: list[Session], sinks: list[Sink]) -> None:
+    """The turns' last two chunks, their ends, and each turn's frames checked: the bytes of one call per chunk, in
+    order."""
+    for _ in range(2):
+        engine.tick()
+    await until(lambda: all(sink.got("context.done") for sink in sinks))
+    for session in sessions:
+        await session.close()
+    for sink in sinks:
+        check_frames(sink.frames, 3)
+
+
 def encoders(sessions: list[Session]) -> list[ProcEncoder]:
     out = [s.turns["t"].encoder for s in sessions]
     assert all(isinstance(e, ProcEncoder) for e in out)
@@ -97,87 +109,79 @@ async def test_a_bursts_first_frames_are_in_the_encoder_processes_before_any_tas
         await until(lambda: all(sink.frames for sink in sinks))
         assert all(t.head is None for t in turns)  # each task took its call
         assert all(t.first_encode_ms is not None and t.first_encode_ms >= 0 for t in turns)
-        for _ in range(2):
-            engine.tick()
-        await until(lambda: all(sink.got("context.done") for sink in sinks))
-        for session in sessions:
-            await session.close()
-        for sink in sinks:
-            check_frames(sink.frames, 3)  # the bytes of one call per chunk, in order
+        await finish(engine, sessions, sinks)
         assert await host.open_counts() == [0, 0]
     finally:
         close_shared()
 
 
-async def test_a_later_chunk_is_not_encoded_early():
+@pytest.fixture
+async def one_turn():
+    """A session whose turn waits for its first chunk (of 3), its encoder in an encoder process; the processes are
+    stopped at the end."""
     engine = TickEngine(chunks=3)
     sink = Sink("a", [])
     session = await open_turn(engine, sink)
     try:
-        turn = session.turns["t"]
-        engine.tick()
-        assert turn.head is not None
-        await until(lambda: len(sink.frames) == 7)  # the first chunk's frames, but the held-back one
-        engine.tick()
-        assert turn.head is None  # the hook is for the first chunk only
-        engine.tick()
-        await until(lambda: sink.got("context.done"))
-        await session.close()
-        check_frames(sink.frames, 3)
-    finally:
-        close_shared()
-
-
-@pytest.mark.parametrize("how", ["context.cancel", "disconnect"])
-async def test_a_turn_stopped_between_delivery_and_its_task_leaves_no_call_nor_encoder(how):
-    engine = TickEngine(chunks=3)
-    sink = Sink("a", [])
-    session = await open_turn(engine, sink)
-    host = shared_procs(2)
-    try:
-        turn = session.turns["t"]
-        (encoder,) = encoders([session])
-        engine.tick()
-        head = turn.head
-        assert head is not None and not head.future.done()
-        if how == "context.cancel":
-            await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
-            assert sink.got("context.cancelled")
-        else:
-            await session.close()
-        assert turn.engine_ttfb_ms is None  # its task never took the chunk
-        await until(lambda: encoder._closed)
-        assert head.future.cancelled() and turn.head is None
-        process = encoder._process
-        await until(lambda: not process.sent)  # the head's answer came back and freed its slot
-        assert process.encoders == 0  # closed once
-        assert await host.open_counts() == [0, 0]
-        assert sink.frames == []
-        if how == "context.cancel":
-            await session.close()
-    finally:
-        close_shared()
-
-
-async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_before():
-    engine = TickEngine(chunks=3)
-    sink = Sink("a", [])
-    session = await open_turn(engine, sink)
-    try:
-        turn = session.turns["t"]
-        (encoder,) = encoders([session])
-        os.kill(encoder._process.pid, signal.SIGSTOP)  # the call waits in its socket
-        engine.tick()
-        assert turn.head is not None
-        encoder._process.lost("killed by the test")  # its calls fail: the early head with them
-        await until(lambda: sink.got("error"))
-        error = next(m for m in sink.messages if m.TYPE == "error")
-        assert error.code == EncoderProcessLost("x").code and "killed by the test" in error.message
-        assert sink.frames == [] and turn.head is None
-        await session.close()
+        yield engine, sink, session
     finally:
         close_shared()
         await asyncio.sleep(0)
+
+
+async def test_a_later_chunk_is_not_encoded_early(one_turn):
+    engine, sink, session = one_turn
+    turn = session.turns["t"]
+    engine.tick()
+    assert turn.head is not None
+    await until(lambda: len(sink.frames) == 7)  # the first chunk's frames, but the held-back one
+    engine.tick()
+    assert turn.head is None  # the hook is for the first chunk only
+    engine.tick()
+    await until(lambda: sink.got("context.done"))
+    await session.close()
+    check_frames(sink.frames, 3)
+
+
+@pytest.mark.parametrize("how", ["context.cancel", "disconnect"])
+async def test_a_turn_stopped_between_delivery_and_its_task_leaves_no_call_nor_encoder(one_turn, how):
+    engine, sink, session = one_turn
+    host = shared_procs(2)
+    turn = session.turns["t"]
+    (encoder,) = encoders([session])
+    engine.tick()
+    head = turn.head
+    assert head is not None and not head.future.done()
+    if how == "context.cancel":
+        await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
+        assert sink.got("context.cancelled")
+    else:
+        await session.close()
+    assert turn.engine_ttfb_ms is None  # its task never took the chunk
+    await until(lambda: encoder._closed)
+    assert head.future.cancelled() and turn.head is None
+    process = encoder._process
+    await until(lambda: not process.sent)  # the head's answer came back and freed its slot
+    assert process.encoders == 0  # closed once
+    assert await host.open_counts() == [0, 0]
+    assert sink.frames == []
+    if how == "context.cancel":
+        await session.close()
+
+
+async def test_an_encoder_process_lost_after_the_early_call_ends_the_turn_as_before(one_turn):
+    engine, sink, session = one_turn
+    turn = session.turns["t"]
+    (encoder,) = encoders([session])
+    os.kill(encoder._process.pid, signal.SIGSTOP)  # the call waits in its socket
+    engine.tick()
+    assert turn.head is not None
+    encoder._process.lost("killed by the test")  # its calls fail: the early head with them
+    await until(lambda: sink.got("error"))
+    error = next(m for m in sink.messages if m.TYPE == "error")
+    assert error.code == EncoderProcessLost("x").code and "killed by the test" in error.message
+    assert sink.frames == [] and turn.head is None
+    await session.close()
 
 
 async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_loop_iteration():
@@ -191,13 +195,7 @@ async def test_answers_already_in_the_socket_are_taken_by_the_tasks_in_the_same_
         await asyncio.sleep(0)  # one loop iteration: every turn's task takes its chunk
         # each task found its head answered (`ProcEncoder.collect`) and sent it, without waiting for another iteration
         assert all(len(sink.frames) == 1 for sink in sinks)
-        for _ in range(2):
-            engine.tick()
-        await until(lambda: all(sink.got("context.done") for sink in sinks))
-        for session in sessions:
-            await session.close()
-        for sink in sinks:
-            check_frames(sink.frames, 3)
+        await finish(engine, sessions, sinks)
     finally:
         close_shared()
 
