@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,8 @@ class _Process:
         # the process now
         self.sent: dict[int, tuple[asyncio.Future, int, float, bool]] = {}
         self.windowed = 0  # calls in the process that hold a place in the window
+        # call id -> what its answer is handed to as soon as it is read, before any task runs (`ProcEncoder.head_now`)
+        self.on_answer: dict[int, Callable[[Any], None]] = {}
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
         loop.add_reader(self.fd, self._readable)
@@ -115,14 +118,18 @@ class _Process:
     def pid(self) -> int:
         return self.proc.pid
 
-    def submit(self, op: int, encoder_id: int, a1: int, a2: int, payload: Any, urgency: float) -> asyncio.Future:
-        """Queue a call (`urgency`: ms until its listener runs out of audio); an urgent one goes to the process now."""
+    def submit(self, op: int, encoder_id: int, a1: int, a2: int, payload: Any, urgency: float,
+               on_answer: Callable[[Any], None] | None = None) -> asyncio.Future:
+        """Queue a call (`urgency`: ms until its listener runs out of audio); an urgent one goes to the process now.
+        `on_answer` is called with the answer right where it is read, after the future's result is set."""
         fut = self.loop.create_future()
         if not self.alive:
             fut.set_exception(EncoderProcessLost(f"pid {self.pid} is gone"))
             return fut
         now = time.monotonic() * 1000.0
         call = (now + urgency, next(self.host.seq), op, encoder_id, a1, a2, payload, fut)
+        if on_answer is not None:
+            self.on_answer[call[1] & 0xFFFFFFFF] = on_answer
         if urgency < URGENT:  # written now, not after this iteration's other tasks: the process may be idle already
             self._write(self._request(call, now, windowed=False))
         else:
@@ -147,6 +154,7 @@ class _Process:
                 break
             call = heapq.heappop(self.queue)
             if call[-1].done():  # its turn was cancelled while the call waited
+                self.on_answer.pop(call[1] & 0xFFFFFFFF, None)
                 continue
             parts += self._request(call, now, windowed=not urgent)
         if parts:
@@ -241,13 +249,23 @@ class _Process:
             if slot != w.INLINE:  # the process answered: it is done with the slot
                 self.free_slots.append(slot)
             self.windowed -= windowed
+            on_answer = self.on_answer.pop(call_id, None) if self.on_answer else None
             if fut is not None and not fut.done():
                 if count == w.ERROR:
                     fut.set_exception(EncodeFailed(data[pos + header:end].decode("utf-8", "replace")))
                 else:
-                    fut.set_result((w.packets_of(data, pos + header, count), value))
+                    result = (w.packets_of(data, pos + header, count), value)
+                    fut.set_result(result)
+                    if on_answer is not None:
+                        self._hand_answer(on_answer, result)
             pos = end
         self.partial = data[pos:]
+
+    def _hand_answer(self, on_answer: Callable[[Any], None], result: Any) -> None:
+        try:
+            on_answer(result)
+        except Exception:  # the caller's bug: its future has the answer still, and the other answers must go on
+            log.exception("encoder process %s: an answer's hook failed", self.pid)
 
     def lost(self, why: str) -> None:
         """The process is gone (or its socket broke, so it can serve nothing): kill and reap it, fail its calls,
@@ -269,6 +287,7 @@ class _Process:
             if not fut.done():
                 fut.set_exception(EncoderProcessLost(why))
         self.sent.clear()
+        self.on_answer.clear()
         self.windowed = 0
         self.queue.clear()
 
@@ -306,7 +325,8 @@ class ProcEncoder:
         self._closed = False
         self._out: asyncio.Future | None = None  # the call out now, if any
 
-    def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0) -> asyncio.Future:
+    def _call(self, op: int, pcm: np.ndarray | None, urgency: float, a1: int = 0, a2: int = 0,
+              on_answer: Callable[[Any], None] | None = None) -> asyncio.Future:
         """The call made now; its future, to await."""
         if not self._process.alive:
             raise EncoderProcessLost(f"pid {self._process.pid} is gone")
@@ -315,16 +335,18 @@ class ProcEncoder:
         if self._out is not None and not self._out.done():
             raise RuntimeError("an encoder takes one call at a time: await the last one first")
         payload = None if pcm is None else memoryview(np.ascontiguousarray(pcm, dtype=np.float32)).cast("B")
-        self._out = self._process.submit(op, self._id, a1, a2, payload, urgency)
+        self._out = self._process.submit(op, self._id, a1, a2, payload, urgency, on_answer)
         return self._out
 
-    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float,
+                 on_answer: Callable[[tuple[list[bytes], int]], None] | None = None) -> asyncio.Future | None:
         """`encode_head`'s call made now, without a task: its future, to await (or cancel) later; None when it
-        cannot be made now (the process is gone, a call is out, not mono samples): `encode_head` then says why."""
+        cannot be made now (the process is gone, a call is out, not mono samples): `encode_head` then says why.
+        `on_answer` gets the answer as soon as it is read (not if it is an error, or the future was cancelled)."""
         if self._closed or not self._process.alive or np.ndim(pcm) != 1 or (
                 self._out is not None and not self._out.done()):
             return None
-        return self._call(w.HEAD, pcm, urgency, frames, step)
+        return self._call(w.HEAD, pcm, urgency, frames, step, on_answer)
 
     def collect(self) -> None:
         """Take what the process has answered so far, now, without waiting for the loop's next look at its socket:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -30,9 +31,11 @@ class TurnEncoder(Protocol):
     async def encode_head(self, pcm: np.ndarray, frames: int, step: int,
                           urgency: float) -> tuple[list[bytes], int]: ...
 
-    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float,
+                 on_answer: Callable[[tuple[list[bytes], int]], None] | None = None) -> asyncio.Future | None:
         """`encode_head`'s call made synchronously (no task step in between): its future, which gives what
-        `encode_head` returns; None where the encoder cannot (on the loop, the thread pool) or cannot now."""
+        `encode_head` returns; None where the encoder cannot (on the loop, the thread pool) or cannot now.
+        `on_answer` gets that answer where it is read, before any task step (not an error, nor a cancelled call's)."""
 
     def collect(self) -> None:
         """Answers to calls made by `head_now` taken now if they are here (no wait)."""
@@ -64,7 +67,8 @@ class LoopEncoder:
     async def encode_head(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> tuple[list[bytes], int]:
         return self.encoder.encode_head(pcm, frames, step)
 
-    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float,
+                 on_answer: Callable[[tuple[list[bytes], int]], None] | None = None) -> asyncio.Future | None:
         return None
 
     def collect(self) -> None:
@@ -97,7 +101,8 @@ class PooledEncoder:
                                                               urgency=urgency)
         return head
 
-    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float) -> asyncio.Future | None:
+    def head_now(self, pcm: np.ndarray, frames: int, step: int, urgency: float,
+                 on_answer: Callable[[tuple[list[bytes], int]], None] | None = None) -> asyncio.Future | None:
         return None  # a pool call starts in a task step
 
     def collect(self) -> None:

@@ -66,6 +66,15 @@ class NativeSink:
             raise ConnectionResetError("the connection is closing")
         transport.write(ws_audio(packets))
 
+    def audio_now(self, packets: AudioPackets) -> bool:
+        """`audio` done synchronously if the socket takes it without waiting (True); else nothing is written."""
+        transport = self.request.transport
+        if (transport is None or self.ws.closed or transport.is_closing()
+                or transport.get_write_buffer_size() >= SEND_READY_LIMIT):
+            return False
+        transport.write(ws_audio(packets))
+        return True
+
     async def frame(self, frame: AudioFrame) -> None:
         """One binary frame outside a turn's batches (a Twilio call's caller audio on its control socket); index, seq
         and pts wrap as the header's fields do."""

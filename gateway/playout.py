@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,10 @@ class TurnSender:
     clock: Callable[[], float]
     metrics: GatewayMetrics
     id: str
+    closed: bool
+    turns: dict[str, Turn]
+    _unannounced: deque[Turn]
+    _audio_now: Callable[[p.AudioPackets], bool] | None
     _turn_failed: Callable[[Turn, str], None]
 
     async def _hand_over(self, turn: Turn, item: _Packets | _SegmentMark | _FlushMark | _EndMark) -> None:
@@ -98,13 +103,36 @@ class TurnSender:
 
     async def _write(self, turn: Turn, payloads: list[bytes], last: bool, now: float | None = None) -> None:
         """One write of frames that may go now (`now`: the clock read that decided so)."""
-        playout, fmt = turn.playout, turn.fmt
+        packets = self._packets(turn, payloads, last)
         self._track_playout(turn, self.clock() if now is None else now)
-        await self._send_audio_packets(p.AudioPackets(turn.id, turn.index, fmt.kind, turn.seq, playout.sent_ms,
-                                                      fmt.frame_ms, payloads, last))
-        n = len(payloads)
+        await self._send_audio_packets(packets)
+        self._sent(turn, len(payloads))
+
+    def write_now(self, turn: Turn, payloads: list[bytes], now: float) -> bool:
+        """The turn's next frames (not its last) written at once, outside any task, if nothing of the turn waits to
+        be sent before them and the client takes them without waiting (True); else nothing is done (False). A turn's
+        first frame goes out this way where its encoder's answer is read (`TurnPipeline._head_answered`)."""
+        frames = turn.frames
+        if (self._audio_now is None or self.closed or self._unannounced or turn.sending
+                or (frames is not None and not frames.empty()) or self.turns.get(turn.id) is not turn
+                or not turn.playout.fits(len(payloads), now)):
+            return False
+        if not self._audio_now(self._packets(turn, payloads, False)):
+            return False
+        turn.playout.queued(len(payloads))
+        self._track_playout(turn, now)
+        self._sent(turn, len(payloads))
+        return True
+
+    @staticmethod
+    def _packets(turn: Turn, payloads: list[bytes], last: bool) -> p.AudioPackets:
+        fmt = turn.fmt
+        return p.AudioPackets(turn.id, turn.index, fmt.kind, turn.seq, turn.playout.sent_ms, fmt.frame_ms, payloads,
+                              last)
+
+    def _sent(self, turn: Turn, n: int) -> None:
         turn.seq += n
-        playout.sent(n)
+        turn.playout.sent(n)
         self._report_buffered(turn)
 
     async def _pace(self, turn: Turn, available: int) -> int:

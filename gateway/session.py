@@ -94,6 +94,7 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
         self.last_activity = clock()
         self._watchdog: asyncio.Task | None = None
         self._send_ready: Callable[[], bool] | None = getattr(sink, "send_ready", None)
+        self._audio_now: Callable[[AudioPackets], bool] | None = getattr(sink, "audio_now", None)
         self._tasks: set[asyncio.Task] = set()
         self._dropped = False  # drop_slow_consumer ran
         # when the message being handled reached the gateway (`receive`): a turn's TTFB counts from there, so the
@@ -346,6 +347,8 @@ class Session(SessionSettings, TurnPipeline, TurnSender, TurnText):
         """Cancel the turn's tasks; the synthesis task closes its engine stream, which cancels the request."""
         self._settle(turn)
         self._stop_timer(turn)
+        if turn.head is not None and turn.head.future is not None:  # no frame of it is written from here on
+            turn.head.future.cancel()  # (`_head_answered`); its task's `_drop_head` sees to the rest
         if turn.begin is not None:  # its synthesis task was never started: nothing of it is left to run
             turn.begin.cancel()
             turn.begin = None

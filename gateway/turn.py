@@ -105,8 +105,10 @@ class _HeadCall:
     """A turn's first frame's encode call, made as the engine delivered its first chunk (`TurnPipeline._head_now`)."""
 
     pcm: np.ndarray  # the chunk's audio
-    future: asyncio.Future  # gives what `TurnEncoder.encode_head` returns
     urgency: float  # what the listener had (ms) when it was made
+    asked_at: float  # when it was made (session clock)
+    future: asyncio.Future | None = None  # gives what `TurnEncoder.encode_head` returns
+    written: bool = False  # its frames went out where its answer was read (`TurnPipeline._head_answered`)
 
 
 # segments: items from the message handlers to a turn's synthesis task, in text order
@@ -208,6 +210,7 @@ class TurnPipeline:
     closed: bool
     _announce: Callable[[], Coroutine[Any, Any, None]]
     _turn_failed: Callable[[Turn, str], None]
+    write_now: Callable[[Turn, list[bytes], float], bool]
 
     async def _synthesise(self, turn: Turn) -> None:
         """The turn's context.started (if not sent yet), then segments in order through the engine; encoded audio
@@ -351,14 +354,28 @@ class TurnPipeline:
         step = self._frame_step(turn)
         if self.closed or encoder is None or len(chunk.audio) <= HEAD_FRAMES * step:
             return
-        urgency = self._urgency(turn)
+        call = _HeadCall(chunk.audio, self._urgency(turn), self.clock())
         try:
-            future = encoder.head_now(chunk.audio, HEAD_FRAMES, step, urgency)
+            call.future = encoder.head_now(chunk.audio, HEAD_FRAMES, step, call.urgency,
+                                           functools.partial(self._head_answered, turn, call))
         except Exception:
             log.exception("session %s: the first frame's encode call could not be made early", self.id)
             return
-        if future is not None:
-            turn.head = _HeadCall(chunk.audio, future, urgency)
+        if call.future is not None:
+            turn.head = call
+
+    def _head_answered(self, turn: Turn, call: _HeadCall, answer: tuple[list[bytes], int]) -> None:
+        """The head's answer, where the encoder's socket is read: its frames go out now if nothing of the turn waits
+        before them (`write_now`), not when the turn's task gets round to them. A burst's answers come back together,
+        and its tasks then run one after another, each with its bookkeeping before its send: this way every answered
+        turn's first frame is out before the first of those tasks runs. (Not for a cancelled call: no answer comes.)"""
+        head, used = answer
+        if not head or used >= len(call.pcm):  # the rest of the chunk follows: none of the head is held back
+            return
+        now = self.clock()
+        if self.write_now(turn, head, now):
+            call.written = True
+            turn.first_encode_ms = (now - call.asked_at) * 1000.0
 
     @staticmethod
     def _drop_head(turn: Turn, stream: Any) -> None:
@@ -368,7 +385,7 @@ class TurnPipeline:
         if on_next_chunk is not None:
             on_next_chunk(None)
         head, turn.head = turn.head, None
-        if head is not None and not head.future.cancel() and not head.future.cancelled():
+        if head is not None and head.future is not None and not head.future.cancel() and not head.future.cancelled():
             head.future.exception()  # answered already: an error in it is seen, and dropped
 
     def _start_next(self, turn: Turn, seg: Segment, latents: list[np.ndarray]) -> None:
@@ -418,9 +435,13 @@ class TurnPipeline:
             head, used = await encoder.encode_head(pcm, HEAD_FRAMES, step, buffered)
         else:
             buffered = early.urgency
+            assert early.future is not None  # `_head_now` keeps only a call it made
             if not early.future.done():  # answered since, but not read yet: the tasks of a step's chunks run back
                 encoder.collect()  # to back, and the loop reads the encoder's socket only after the last of them
             head, used = await early.future
+            if early.written:  # the head is out already (`_head_answered`): the rest of the chunk follows
+                await self._queue_packets(turn, await encoder.encode(pcm[used:], self._urgency(turn)))
+                return
         if turn.first_encode_ms is None:
             turn.first_encode_ms = (self.clock() - t0) * 1000.0
         # what the listener has once the head is out; counted before `_queue_packets` takes the list over

@@ -1,10 +1,11 @@
 """A new turn's first frame's encode call goes out as the engine delivers its first chunk (the first-chunk hook of
 `engine.generation.ChunkQueue`, `gateway.turn.TurnPipeline._head_now`), in the callback that delivers the step's
-chunks, before any turn's task runs; the frames are those of one call per chunk. A turn stopped between the delivery
-and its task's step leaves no call and no encoder behind. A task takes an answer already in its encoder's socket
-without waiting for the loop's next look at it. Real encoder processes, real sessions; the engine is a
-stand-in whose streams are the engine's own `ChunkIterator` over a `ChunkQueue`, a step's chunks all handed over in one
-callback."""
+chunks, before any turn's task runs; the frames are those of one call per chunk. Where the sink can write at once
+(`audio_now`), the first frame goes out where its answer is read, before any task step (`_head_answered`). A turn
+stopped between the delivery and its task's step leaves no call and no encoder behind, and no frame is written for it.
+A task takes an answer already in its encoder's socket without waiting for the loop's next look at it. Real encoder
+processes, real sessions; the engine is a stand-in whose streams are the engine's own `ChunkIterator` over a
+`ChunkQueue`, a step's chunks all handed over in one callback."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 from engine.api import AudioChunk
 from engine.generation import ChunkIterator, ChunkQueue
 from gateway.encode_procs import EncoderProcessLost, ProcEncoder, close_shared, shared_procs
+from gateway.protocol import AudioPackets
 from gateway.session import Session
 from tests import test_gateway_encode_split as split
 from tests.test_gateway_encode_split import CHUNK, RATE, SOURCE, Sink, check_frames, open_turn, until
@@ -33,6 +35,21 @@ def two_encoder_processes(monkeypatch):
     """Opus in two encoder processes; the head coded as the rest, so the bytes are one call per chunk's."""
     monkeypatch.setenv("VOXGATE_ENCODE_PROCS", "2")
     monkeypatch.setenv("VOXGATE_OPUS_HEAD_COMPLEXITY", "10")
+
+
+class NowSink(Sink):
+    """A sink that writes at once while `ready` (as the native one does while the socket takes it)."""
+
+    def __init__(self, name: str, log: list[tuple]):
+        super().__init__(name, log)
+        self.ready = True
+
+    def audio_now(self, packets: AudioPackets) -> bool:
+        if not self.ready:
+            return False
+        self.log.append(("now", self.name, len(packets.payloads)))
+        self.frames += packets.frames()
+        return True
 
 
 class TickStream(ChunkIterator):
@@ -249,5 +266,100 @@ async def test_the_turns_of_one_delivery_share_its_stamp(monkeypatch):
             assert metrics["ttfb_ms"] == pytest.approx(55.0, abs=0.1)
         for session in sessions:
             await session.close()
+    finally:
+        close_shared()
+
+
+async def test_first_frames_go_out_where_their_answers_are_read_before_any_task_runs():
+    engine = TickEngine(chunks=3)
+    log: list[tuple] = []
+    sinks = [NowSink(str(i), log) for i in range(6)]
+    sessions = [await open_turn(engine, sink) for sink in sinks]
+    try:
+        turns = [s.turns["t"] for s in sessions]
+        encs = encoders(sessions)
+        engine.tick()
+        time.sleep(1.0)  # the loop is busy: the processes answer every head meanwhile
+        by_process = {id(e._process): e for e in encs}
+        assert len(by_process) == 2
+        for encoder in by_process.values():
+            encoder.collect()  # what a task's step or the loop's reader does: read the answers
+        # no task has run since the delivery, and every turn's first frame is out
+        assert all(t.engine_ttfb_ms is None for t in turns)
+        assert sorted(log) == sorted(("now", sink.name, 1) for sink in sinks)
+        assert all(t.head is not None and t.head.written for t in turns)
+        assert all(t.first_encode_ms is not None and t.first_encode_ms >= 1000.0 for t in turns)
+        await finish(engine, sessions, sinks)  # then the rest of each chunk, in order: the bytes of one call each
+        assert all(t.head is None for t in turns)
+    finally:
+        close_shared()
+
+
+async def test_a_first_frame_the_sink_cannot_take_at_once_goes_out_from_the_task():
+    engine = TickEngine(chunks=3)
+    log: list[tuple] = []
+    sinks = [NowSink(str(i), log) for i in range(2)]
+    sinks[0].ready = False
+    sessions = [await open_turn(engine, sink) for sink in sinks]
+    try:
+        turns = [s.turns["t"] for s in sessions]
+        engine.tick()
+        await until(lambda: all(sink.frames for sink in sinks))
+        # the first frame of the turn whose sink was not ready went out from its task, the other's at its answer
+        assert ("send", "0", 1) in log and ("now", "0", 1) not in log
+        assert ("now", "1", 1) in log
+        assert all(t.first_encode_ms is not None for t in turns)
+        await finish(engine, sessions, sinks)
+    finally:
+        close_shared()
+
+
+@pytest.mark.parametrize("how", ["context.cancel", "disconnect"])
+async def test_no_first_frame_is_written_for_a_turn_stopped_before_its_answer_is_read(how):
+    engine = TickEngine(chunks=3)
+    sink = NowSink("a", [])
+    session = await open_turn(engine, sink)
+    try:
+        turn = session.turns["t"]
+        (encoder,) = encoders([session])
+        engine.tick()
+        head = turn.head
+        assert head is not None
+        time.sleep(0.5)  # answered, not read
+        if how == "context.cancel":
+            await session.receive(json.dumps({"type": "context.cancel", "context_id": "t"}))
+            assert sink.got("context.cancelled")
+        else:
+            await session.close()
+        encoder.collect()
+        assert head.future.cancelled() and not head.written
+        assert sink.frames == [] and sink.log == []
+        await until(lambda: not encoder._process.sent and not encoder._process.on_answer)
+        await session.close()
+    finally:
+        close_shared()
+
+
+async def test_a_first_frame_written_at_its_answer_counts_its_time_from_the_delivery():
+    now = [100.0]
+    engine = TickEngine(chunks=1)
+    sink = NowSink("a", [])
+    session = await open_turn(engine, sink, clock=lambda: now[0])
+    try:
+        (encoder,) = encoders([session])
+        now[0] += 0.040
+        engine.tick()  # delivered at +40 ms
+        time.sleep(0.5)
+        now[0] += 0.003
+        encoder.collect()  # read at +43 ms: written there
+        now[0] += 0.300  # the loop is busy elsewhere for 300 ms before the task runs
+        await until(lambda: sink.got("context.done"))
+        metrics = next(m for m in sink.messages if m.TYPE == "context.done").metrics
+        assert metrics["engine_ttfb_ms"] == pytest.approx(40.0, abs=0.1)
+        assert metrics["first_encode_ms"] == pytest.approx(3.0, abs=0.1)
+        assert metrics["ttfb_ms"] == pytest.approx(43.0, abs=0.1)
+        assert metrics["chunk_queued_ms"] == pytest.approx(303.0, abs=0.1)  # off the first frame's path now
+        await session.close()
+        check_frames(sink.frames, 1)
     finally:
         close_shared()

@@ -15,7 +15,9 @@ class EventSink(Protocol):
     bounds that wait by its stall timeout).
 
     Optional: `def send_ready(self) -> bool`, True when a send now completes without waiting for the client (the
-    session then arms no stall timer for it)."""
+    session then arms no stall timer for it); `def audio_now(self, packets: AudioPackets) -> bool`, `audio` done
+    synchronously (outside any task: a turn's first frame as its encoder answers) when the client takes it without
+    waiting, else nothing done and False."""
 
     async def message(self, msg: ServerMessage) -> None:
         """One protocol message (session.started, context.done, error, ...)."""
