@@ -111,7 +111,7 @@ class _Process:
         self.on_answer: dict[int, Callable[[Any], None]] = {}
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
-        loop.add_reader(self.fd, self._readable)
+        loop.add_reader(self.fd, self.read)
         self._watch = loop.call_later(host.stall_s / 2, self._check_stall)
 
     @property
@@ -218,7 +218,8 @@ class _Process:
         if not self.unsent:
             self.loop.remove_writer(self.fd)
 
-    def _readable(self) -> None:
+    def read(self) -> None:
+        """Take the answers the socket holds now (the loop's reader; `ProcEncoder.collect` between tasks)."""
         try:
             data = self.sock.recv(READ_BYTES)
         except BlockingIOError:
@@ -352,7 +353,7 @@ class ProcEncoder:
         """Take what the process has answered so far, now, without waiting for the loop's next look at its socket:
         a burst's tasks all run in one loop iteration, and answers that came meanwhile are read only after it."""
         if self._process.alive:
-            self._process._readable()
+            self._process.read()
 
     async def encode(self, pcm: np.ndarray, urgency: float) -> list[bytes]:
         packets, _ = await self._call(w.ENCODE, pcm, urgency)

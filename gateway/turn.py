@@ -271,6 +271,8 @@ class TurnPipeline:
         try:
             if started.error is not None:
                 raise started.error
+            # armed again (it was at `_start`, to stamp the delivery) now that the segment's mark is out and the
+            # encoder open: a first frame written at its answer (`_head_answered`) must not precede the mark
             if self._head_due(turn):
                 self.arm_first_chunk(turn, started, head=True)
             clock, ms_per_sample = self.clock, 1000.0 / self.model_rate
