@@ -71,7 +71,8 @@ class EncodeFailed(RuntimeError):
     """The encoder raised in its process (the text is its exception's type and message)."""
 
 
-_Call = tuple[float, int, int, int, int, int, Any, asyncio.Future]  # deadline, seq, op, encoder, a1, a2, payload, fut
+# deadline, seq, op, encoder, a1, a2, payload, on_answer, fut
+_Call = tuple[float, int, int, int, int, int, Any, Callable[[Any], None] | None, asyncio.Future]
 
 
 class _Process:
@@ -103,12 +104,10 @@ class _Process:
         self.alive = True
         self.encoders = 0  # open encoders placed here
         self.queue: list[_Call] = []  # a heap: earliest (deadline, arrival) first
-        # call id -> its future, slot, when it went out and whether it holds a place in the window, for the calls in
-        # the process now
-        self.sent: dict[int, tuple[asyncio.Future, int, float, bool]] = {}
+        # call id -> its future, slot, when it went out, whether it holds a place in the window and what its answer
+        # is handed to as soon as it is read (`ProcEncoder.head_now`), for the calls in the process now
+        self.sent: dict[int, tuple[asyncio.Future, int, float, bool, Callable[[Any], None] | None]] = {}
         self.windowed = 0  # calls in the process that hold a place in the window
-        # call id -> what its answer is handed to as soon as it is read, before any task runs (`ProcEncoder.head_now`)
-        self.on_answer: dict[int, Callable[[Any], None]] = {}
         self.unsent = bytearray()  # what the socket did not take yet
         self.partial = b""  # the start of a response not yet whole
         loop.add_reader(self.fd, self.read)
@@ -127,9 +126,7 @@ class _Process:
             fut.set_exception(EncoderProcessLost(f"pid {self.pid} is gone"))
             return fut
         now = time.monotonic() * 1000.0
-        call = (now + urgency, next(self.host.seq), op, encoder_id, a1, a2, payload, fut)
-        if on_answer is not None:
-            self.on_answer[call[1] & 0xFFFFFFFF] = on_answer
+        call = (now + urgency, next(self.host.seq), op, encoder_id, a1, a2, payload, on_answer, fut)
         if urgency < URGENT:  # written now, not after this iteration's other tasks: the process may be idle already
             self._write(self._request(call, now, windowed=False))
         else:
@@ -154,7 +151,6 @@ class _Process:
                 break
             call = heapq.heappop(self.queue)
             if call[-1].done():  # its turn was cancelled while the call waited
-                self.on_answer.pop(call[1] & 0xFFFFFFFF, None)
                 continue
             parts += self._request(call, now, windowed=not urgent)
         if parts:
@@ -162,7 +158,7 @@ class _Process:
 
     def _request(self, call: _Call, now: float, windowed: bool) -> list[Any]:
         """A call's request (header, and payload when inline), its samples put in a free slot; the call is out."""
-        deadline, seq, op, encoder_id, a1, a2, payload, fut = call
+        deadline, seq, op, encoder_id, a1, a2, payload, on_answer, fut = call
         call_id = seq & 0xFFFFFFFF
         size = 0 if payload is None else payload.nbytes
         slot = w.INLINE
@@ -172,7 +168,7 @@ class _Process:
         parts: list[Any] = [w.request(op, deadline - now < URGENT, call_id, encoder_id, a1, a2, size, slot, deadline)]
         if slot == w.INLINE and size:
             parts.append(payload)
-        self.sent[call_id] = (fut, slot, now, windowed)
+        self.sent[call_id] = (fut, slot, now, windowed, on_answer)
         self.windowed += windowed
         return parts
 
@@ -246,11 +242,10 @@ class _Process:
             end = pos + header + size
             if len(data) < end:
                 break
-            fut, slot, _, windowed = self.sent.pop(call_id, (None, w.INLINE, 0.0, False))
+            fut, slot, _, windowed, on_answer = self.sent.pop(call_id, (None, w.INLINE, 0.0, False, None))
             if slot != w.INLINE:  # the process answered: it is done with the slot
                 self.free_slots.append(slot)
             self.windowed -= windowed
-            on_answer = self.on_answer.pop(call_id, None) if self.on_answer else None
             if fut is not None and not fut.done():
                 if count == w.ERROR:
                     fut.set_exception(EncodeFailed(data[pos + header:end].decode("utf-8", "replace")))
@@ -288,7 +283,6 @@ class _Process:
             if not fut.done():
                 fut.set_exception(EncoderProcessLost(why))
         self.sent.clear()
-        self.on_answer.clear()
         self.windowed = 0
         self.queue.clear()
 

@@ -69,8 +69,7 @@ class NativeSink:
     def audio_now(self, packets: AudioPackets) -> bool:
         """`audio` done synchronously if the socket takes it without waiting (True); else nothing is written."""
         transport = self.request.transport
-        if (transport is None or self.ws.closed or transport.is_closing()
-                or transport.get_write_buffer_size() >= SEND_READY_LIMIT):
+        if not self.send_ready() or self.ws.closed or transport.is_closing():
             return False
         transport.write(ws_audio(packets))
         return True

@@ -29,7 +29,6 @@ class TurnSender:
     metrics: GatewayMetrics
     id: str
     closed: bool
-    turns: dict[str, Turn]
     _unannounced: deque[Turn]
     _audio_now: Callable[[p.AudioPackets], bool] | None
     _turn_failed: Callable[[Turn, str], None]
@@ -114,8 +113,7 @@ class TurnSender:
         first frame goes out this way where its encoder's answer is read (`TurnPipeline._head_answered`)."""
         frames = turn.frames
         if (self._audio_now is None or self.closed or self._unannounced or turn.sending
-                or (frames is not None and not frames.empty()) or self.turns.get(turn.id) is not turn
-                or not turn.playout.fits(len(payloads), now)):
+                or (frames is not None and not frames.empty()) or not turn.playout.fits(len(payloads), now)):
             return False
         if not self._audio_now(self._packets(turn, payloads, False)):
             return False

@@ -183,7 +183,8 @@ class Turn:
     link_request_ms: float | None = None  # of link_ms, the request's way there (the rest: its first chunk's way back)
     # its first frame's encode call, asked -> answered (off the loop: the hop too); asked: by the synthesis task, with
     # the chunk in hand (a call that went out as the chunk was delivered, `_head_now`, counts from there, not from
-    # when it went out: it stays a part of the time from the engine's first audio to the first frame out)
+    # when it went out: it stays a part of the time from the engine's first audio to the first frame out); a frame
+    # written where its answer was read (`_head_answered`): from the call, made at the delivery, to that write
     first_encode_ms: float | None = None
     later_ttfb_ms: list[float] = field(default_factory=list)  # engine TTFB of segments after the first
     segment_log: list[SegmentTiming] = field(default_factory=list)

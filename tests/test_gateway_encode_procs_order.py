@@ -186,7 +186,7 @@ async def test_more_urgent_calls_than_slots_go_inline():
         with stopped(host.pids[0]):
             heads = [asyncio.ensure_future(e.encode_head(piece(1), 1, FRAME, 0.0)) for e in encoders]
             await asyncio.sleep(0.05)
-            assert sum(slot == w.INLINE for _, slot, _, _ in process.sent.values()) == count - w.SLOTS
+            assert sum(slot == w.INLINE for _, slot, *_ in process.sent.values()) == count - w.SLOTS
         got = await asyncio.gather(*heads)
         for head in got:
             local = Encoder(OutputFormat(), RATE)
